@@ -1,0 +1,64 @@
+"""The public entry point: ``grouped_matmul(problem, config=None, backend="auto")``.
+
+Backends, best first where the hardware allows:
+
+* ``"simt"``: the plain Numba CUDA kernel (any CUDA GPU, or Numba's simulator with
+  ``NUMBA_ENABLE_CUDASIM=1``);
+* ``"reference"``: the exact CPU reference (``gbs.reference``), always available.
+
+``config`` is a ``gbs.dispatch.KernelConfig``; by default the dispatch picks it from the problem
+(``grouped_matmul_block_scaled_sm100_dispatch``), so that every backend is steered by the same
+decision (the reference ignores it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .dispatch import KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
+from .problem import GroupedProblem
+from .reference import reference_grouped_matmul
+
+BACKENDS = ("auto", "simt", "reference")
+
+
+def gpu_available() -> bool:
+    """A real CUDA GPU (not Numba's simulator) is usable from Numba."""
+    from numba import config, cuda
+
+    return not config.ENABLE_CUDASIM and cuda.is_available()
+
+
+def dispatch_for(problem: GroupedProblem) -> KernelConfig:
+    """The SM100 dispatch decision for a problem (its formats, N, K and token estimate)."""
+    return grouped_matmul_block_scaled_sm100_dispatch(
+        a_format=problem.a_format.name, b_format=problem.b_format.name, n=problem.n, k=problem.k,
+        num_active_experts=problem.num_active_experts, estimated_total_m=problem.estimated_total_m)
+
+
+def select_backend(backend: str = "auto") -> str:
+    """The backend ``backend`` resolves to on this machine."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "simt" if gpu_available() else "reference"
+    return backend
+
+
+def grouped_matmul(problem: GroupedProblem, config: KernelConfig | None = None, backend: str = "auto",
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """Run the grouped 1D-1D block-scaled matmul; returns ``C`` (bf16, (total_tokens, N)).
+
+    Rows of skipped slots keep the contents of ``out`` (default: the poison sentinel of
+    ``gbs.reference.poison_output``).
+    """
+    if not isinstance(problem, GroupedProblem):
+        raise TypeError(f"problem must be a GroupedProblem, got {type(problem).__name__}")
+    config = dispatch_for(problem) if config is None else config
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig from gbs.dispatch, got {type(config).__name__}")
+    chosen = select_backend(backend)
+    if chosen == "reference":
+        return reference_grouped_matmul(problem, out)
+    from .numba_kernels import simt
+
+    return simt.grouped_matmul_simt(problem, config, out=out)
