@@ -76,8 +76,9 @@ class Acceptance:
 
 def relative_errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     """(max |out - ref| / max |ref|, RMS(out - ref) / RMS(ref)) in float64; NaN in either -> inf."""
-    o = np.asarray(out).astype(np.float64)
-    r = np.asarray(ref).astype(np.float64)
+    with np.errstate(invalid="ignore"):   # bf16 NaN -> float64 warns; NaN is handled below
+        o = np.asarray(out).astype(np.float64)
+        r = np.asarray(ref).astype(np.float64)
     if o.size == 0:
         return 0.0, 0.0
     if not (np.all(np.isfinite(o)) and np.all(np.isfinite(r))):

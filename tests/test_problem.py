@@ -1,0 +1,250 @@
+"""The 1D-1D problem (builder, generator, validation) and the exact reference."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from gbs.problem import (
+    PROBLEM_FORMATS,
+    GroupedProblem,
+    build_problem,
+    make_routing,
+    random_problem,
+)
+from gbs.quant import BF16, dequantize, quantize
+from gbs.reference import (
+    MAX_REL_TOL,
+    check_acceptance,
+    is_poison,
+    poison_output,
+    reference_grouped_matmul,
+    relative_errors,
+)
+
+
+def small_problem(fmt="nvfp4", seed=0, **kw):
+    args = dict(n=72, k=128, num_experts=6, total_tokens=150, num_active_experts=4, routing="ragged",
+                num_empty=1, num_skipped=1, seed=seed)
+    args.update(kw)
+    return random_problem(fmt, **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and generator
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("routing", ["uniform", "ragged", "topk"])
+def test_routing_is_reproducible_and_has_the_requested_slots(routing):
+    tokens = 12 if routing == "topk" else 96    # top-k: 12 tokens x 2 experts leave experts to spare
+    kw = dict(num_experts=32, total_tokens=tokens, num_active_experts=8, routing=routing, top_k=2,
+              num_empty=2, num_skipped=3, seed=7)
+    r1, r2 = make_routing(**kw), make_routing(**kw)
+    np.testing.assert_array_equal(r1.group_sizes, r2.group_sizes)
+    np.testing.assert_array_equal(r1.expert_ids, r2.expert_ids)
+    assert np.sum(r1.expert_ids == -1) == 3
+    live = r1.expert_ids[r1.expert_ids >= 0]
+    assert len(set(live.tolist())) == live.size                     # distinct experts
+    assert np.all(np.diff(live[r1.group_sizes[r1.expert_ids >= 0] > 0]) > 0)   # sorted, as a router emits
+    assert np.all(r1.group_sizes[r1.expert_ids == -1] > 0)          # skipped slots still hold tokens
+    live_tokens = r1.group_sizes[r1.expert_ids >= 0].sum()
+    assert live_tokens == (tokens * 2 if routing == "topk" else tokens)
+    if routing == "uniform":
+        sizes = r1.group_sizes[r1.expert_ids >= 0]
+        assert sorted(sizes[sizes > 0].tolist())[-1] - sorted(sizes[sizes > 0].tolist())[0] <= 1
+    assert make_routing(**{**kw, "seed": 8}).group_sizes.tolist() != r1.group_sizes.tolist()
+
+
+def test_routing_errors():
+    with pytest.raises(ValueError, match="routing must be"):
+        make_routing(num_experts=4, total_tokens=4, num_active_experts=2, routing="zipf")
+    with pytest.raises(ValueError, match="num_active_experts"):
+        make_routing(num_experts=4, total_tokens=4, num_active_experts=5)
+    with pytest.raises(ValueError, match="unused experts"):
+        make_routing(num_experts=4, total_tokens=4, num_active_experts=4, num_empty=1)
+    with pytest.raises(ValueError, match="top_k"):
+        make_routing(num_experts=4, total_tokens=4, routing="topk", top_k=5)
+
+
+@pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))
+def test_random_problem_fields(fmt):
+    p = small_problem(fmt)
+    assert p.format_name == fmt
+    assert p.a_offsets[0] == 0 and p.a_offsets[-1] == p.total_tokens
+    assert p.num_active_experts == len(p.expert_ids) == len(p.a_offsets) - 1
+    assert p.estimated_total_m == p.total_tokens
+    assert -1 in p.expert_ids and 0 in p.group_sizes
+    if fmt == "nvfp4":
+        assert np.all(p.expert_scales[p.expert_ids[p.expert_ids >= 0]] < 1e-3)   # two global decode scales
+    else:
+        np.testing.assert_array_equal(p.expert_scales, 1.0)
+    p2 = small_problem(fmt)
+    np.testing.assert_array_equal(p.a.view(np.uint8), p2.a.view(np.uint8))   # seeded
+
+
+def test_build_problem_round_trips_scales_and_data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 64)).astype(np.float32)
+    w = rng.standard_normal((3, 40, 64)).astype(np.float32)
+    p = build_problem(x, w, [4, 0, 6], [2, 0, -1], fmt="mxfp8")
+    qa = quantize(x, "mxfp8")
+    np.testing.assert_array_equal(dequantize(p.a_operand()), dequantize(qa))
+    np.testing.assert_array_equal(dequantize(p.b_operand(2)), dequantize(quantize(w[2], "mxfp8")))
+    assert p.active_slots() == [0]
+    np.testing.assert_array_equal(p.written_rows(), [True] * 4 + [False] * 6)
+    qw = quantize(w, "mxfp8")   # pre-quantized weights are accepted
+    p2 = build_problem(x, qw, [4, 0, 6], [2, 0, -1], fmt="mxfp8")
+    np.testing.assert_array_equal(p2.b.view(np.uint8), p.b.view(np.uint8))
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(group_sizes=[4, 5]), ValueError, r"activations must be \(sum\(group_sizes\) = 9"),
+    (dict(group_sizes=[-1, 11]), ValueError, "group_sizes must be >= 0"),
+    (dict(expert_ids=[0]), ValueError, "expert_ids must be an integer array shaped like"),
+    (dict(fmt="fp4"), ValueError, "unknown problem format"),
+    (dict(weights=np.zeros((2, 8, 32), np.float32)), ValueError, "K = 64 but weights have K = 32"),
+])
+def test_build_problem_bad_input(kwargs, err, match):
+    args = dict(activations=np.ones((10, 64), np.float32), weights=np.ones((2, 8, 64), np.float32),
+                group_sizes=[4, 6], expert_ids=[0, 1], fmt="mxfp4")
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        build_problem(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every field
+# ---------------------------------------------------------------------------------------------
+def _mutations(p):
+    u32 = np.uint32
+    yield "a dtype", dict(a=p.a.astype(np.int8)), TypeError, "a must have dtype uint8"
+    yield "a shape", dict(a=p.a[:, :-1]), ValueError, "a must have shape"
+    yield "b 2-D", dict(b=p.b[0]), ValueError, "b must be a 3-D"
+    yield "b dtype", dict(b=p.b.view(np.int8)), TypeError, "b must have dtype uint8"
+    bad = p.a_offsets.copy()
+    bad[2] = bad[3] + 1
+    yield "offsets not monotone", dict(a_offsets=bad), ValueError, "non-decreasing"
+    bad = p.a_offsets.copy()
+    bad[-1] += 1
+    yield "offsets past the end", dict(a_offsets=bad), ValueError, r"a_offsets\[-1\]"
+    bad = p.a_offsets.copy()
+    bad[0] = 1
+    yield "offsets[0] != 0", dict(a_offsets=bad), ValueError, r"a_offsets\[0\] must be 0"
+    yield "offsets dtype", dict(a_offsets=p.a_offsets.astype(np.int64)), TypeError, "a_offsets must have dtype uint32"
+    yield "offsets length", dict(a_offsets=p.a_offsets[:-1]), ValueError, "a_offsets must have shape"
+    bad = p.a_scale_offsets.copy()
+    bad[-1] += u32(1)
+    yield "scale offsets", dict(a_scale_offsets=bad), ValueError, "a_scale_offsets"
+    bad = p.expert_ids.copy()
+    bad[0] = p.num_experts
+    yield "expert id too large", dict(expert_ids=bad), ValueError, "out of range"
+    bad = p.expert_ids.copy()
+    bad[0] = -2
+    yield "expert id -2", dict(expert_ids=bad), ValueError, "out of range"
+    yield "expert ids dtype", dict(expert_ids=p.expert_ids.astype(np.int64)), TypeError, "expert_ids must have dtype int32"
+    bad = p.expert_scales.copy()
+    bad[0] = np.nan
+    yield "expert scale NaN", dict(expert_scales=bad), ValueError, "expert_scales must be finite"
+    yield "expert scales length", dict(expert_scales=p.expert_scales[:-1]), ValueError, "expert_scales must have shape"
+    yield "a_scales shape", dict(a_scales=p.a_scales[:-1]), ValueError, "a_scales must have shape"
+    yield "b_scales shape", dict(b_scales=p.b_scales[:-1]), ValueError, "b_scales must have shape"
+    yield "K not multiple", dict(k=p.k + 8), ValueError, "not a multiple"
+    yield "N mismatch", dict(n=p.n + 1), ValueError, "b must have shape"
+    yield "num_active_experts", dict(num_active_experts=0), ValueError, "num_active_experts must be >= 1"
+    yield "estimated_total_m < 0", dict(estimated_total_m=-1), ValueError, "estimated_total_m must be >= 0"
+    yield "estimated_total_m float", dict(estimated_total_m=3.0), TypeError, "must be an integer"
+    yield "formats", dict(a_format="nvfp4"), TypeError, "BlockFormat"
+
+
+@pytest.mark.parametrize("case", list(range(23)))
+def test_validation_rejects_every_bad_field(case):
+    p = small_problem("nvfp4")
+    name, change, err, match = list(_mutations(p))[case]
+    with pytest.raises(err, match=match):
+        dataclasses.replace(p, **change)
+
+
+def test_validation_rejects_unsupported_format_pair():
+    p = small_problem("mxfp4")
+    from gbs.quant import get_format
+    with pytest.raises(ValueError, match="unsupported operand pair"):
+        dataclasses.replace(p, a_format=get_format("nvfp4"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and acceptance
+# ---------------------------------------------------------------------------------------------
+def _naive_reference(p):
+    """An independent, slow computation from formats.md's formula, element by element in float64."""
+    from gbs.quant import decode_elements, decode_scales, unswizzle_scales
+    from gbs.quant import padded_scale_rows
+    out = np.full((p.total_tokens, p.n), np.nan)
+    a_codes = p.a_operand().element_codes()
+    a_val = decode_elements(a_codes, p.a_format.element).astype(np.float64)
+    a_sc = decode_scales(unswizzle_scales(p.a_scales), p.a_format).astype(np.float64)
+    rows = padded_scale_rows(p.a_offsets, p.a_scale_offsets)
+    for g in range(p.num_active_experts):
+        e = int(p.expert_ids[g])
+        if e < 0:
+            continue
+        b_codes = p.b_operand(e).element_codes()
+        b_val = decode_elements(b_codes, p.b_format.element).astype(np.float64)
+        b_sc = decode_scales(unswizzle_scales(p.b_scales[e]), p.b_format).astype(np.float64)
+        for m in range(int(p.a_offsets[g]), int(p.a_offsets[g + 1])):
+            a_deq = a_val[m] * np.repeat(a_sc[rows[m], :p.k // p.a_format.block_size], p.a_format.block_size)
+            b_deq = b_val * np.repeat(b_sc[:p.n, :p.k // p.b_format.block_size], p.b_format.block_size, axis=1)
+            out[m] = p.expert_scales[e] * (b_deq @ a_deq)
+    return out
+
+
+@pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))
+def test_reference_matches_the_formula(fmt):
+    p = small_problem(fmt, seed=3, total_tokens=40, n=24)
+    ref = reference_grouped_matmul(p)
+    naive = _naive_reference(p)
+    written = p.written_rows()
+    np.testing.assert_array_equal(ref[written], naive[written].astype(np.float32).astype(BF16))
+    assert np.all(is_poison(ref[~written]))
+    assert not np.all(is_poison(ref[written]))
+
+
+def test_reference_leaves_skipped_rows_of_out_untouched_and_close_to_float():
+    p = small_problem("mxfp8", seed=4)
+    out = np.full((p.total_tokens, p.n), 3.0, np.float32).astype(BF16)
+    ref = reference_grouped_matmul(p, out)
+    assert ref is out
+    assert np.all(out[~p.written_rows()].astype(np.float32) == 3.0)
+
+
+def test_acceptance_metric_passes_the_reference_and_catches_errors():
+    p = small_problem("nvfp4", seed=5)
+    ref = reference_grouped_matmul(p)
+    assert check_acceptance(p, ref.copy(), ref).passed
+    assert check_acceptance(p, reference_grouped_matmul(p, accumulate=np.float32), ref).passed
+    written = np.flatnonzero(p.written_rows())
+
+    wrong = ref.copy()
+    wrong[written[0]] = (ref[written[0]].astype(np.float32) * 1.05).astype(BF16)
+    assert not check_acceptance(p, wrong, ref).passed                       # 5 % off in one row
+
+    missing = ref.copy()
+    missing[written[-1], 0] = poison_output(1, 1)[0, 0]
+    res = check_acceptance(p, missing, ref)
+    assert not res.passed and res.poisoned_written == 1
+
+    clobbered = ref.copy()
+    skipped = np.flatnonzero(~p.written_rows())
+    clobbered[skipped[0]] = 0
+    res = check_acceptance(p, clobbered, ref)
+    assert not res.passed and res.clobbered_skipped == 1
+
+    nan = ref.copy()
+    nan[written[1], 1] = np.nan
+    assert not check_acceptance(p, nan, ref).passed
+
+
+def test_relative_errors():
+    r = np.array([1.0, -2.0, 4.0])
+    assert relative_errors(r, r) == (0.0, 0.0)
+    max_rel, _ = relative_errors(r + np.array([0, 0, 0.02]), r)
+    assert max_rel == pytest.approx(0.005)
+    assert max_rel <= MAX_REL_TOL
+    assert relative_errors(np.array([np.nan, 0, 0]), r)[0] == float("inf")
