@@ -28,10 +28,18 @@ def gpu_available() -> bool:
     return not config.ENABLE_CUDASIM and cuda.is_available()
 
 
+# Upstream's SM100 routing has no E5M2 entry (an error there). Tiles, stages and scales do not
+# depend on the FP8 flavour, so gbs's own kernels take the E4M3 route's decision for E5M2.
+_ROUTE_AS = {"mxfp8_e5m2": "mxfp8"}
+
+
 def dispatch_for(problem: GroupedProblem) -> KernelConfig:
-    """The SM100 dispatch decision for a problem (its formats, N, K and token estimate)."""
+    """The SM100 dispatch decision for a problem (its formats, N, K and token estimate).
+
+    MXFP8 E5M2 problems take the MXFP8 (E4M3) decision (upstream routes no E5M2)."""
+    a_name, b_name = problem.a_format.name, problem.b_format.name
     return grouped_matmul_block_scaled_sm100_dispatch(
-        a_format=problem.a_format.name, b_format=problem.b_format.name, n=problem.n, k=problem.k,
+        a_format=_ROUTE_AS.get(a_name, a_name), b_format=_ROUTE_AS.get(b_name, b_name), n=problem.n, k=problem.k,
         num_active_experts=problem.num_active_experts, estimated_total_m=problem.estimated_total_m)
 
 

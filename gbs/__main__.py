@@ -1,0 +1,175 @@
+"""Command line: ``python -m gbs {dispatch,demo} --help``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from . import dispatch as dsp
+from .problem import PROBLEM_FORMATS, make_routing, random_problem, resolve_formats
+
+# The demo's shapes (workloads.md): DeepSeek-V3 up / down projections and Kimi K2.5's TP-8 up-projection.
+DEMO_DISPATCH_SHAPES = {"deepseek_up": (4096, 7168), "deepseek_down": (7168, 2048), "kimi_up": (512, 7168)}
+DEMO_SLOTS = 64                        # active experts of one decode step (256 experts, top-8, 8+ tokens)
+DEMO_AVG_M = {"decode": 4, "small_prefill": 32, "large_prefill": 256}
+# The problem the demo runs: Kimi's (512, 7168) up-projection is small enough for a CPU reference.
+DEMO_RUN_SHAPE = (512, 7168)
+DEMO_RUN_EXPERTS = 32
+DEMO_RUN_TOKENS = 24
+DEMO_RUN_TOP_K = 2
+
+
+def _config_row(name, avg_m, cfg):
+    return (f"  {name:<14} {avg_m:>6} {cfg.regime:<14} {str(cfg.ab_swapped):<8} {cfg.mma_bn:>6} {cfg.cta_group:>4} "
+            f"{cfg.num_pipeline_stages:>3} ({cfg.stages_source}, auto max {cfg.max_pipeline_stages})")
+
+
+def dispatch_for_format(fmt: str, *, n: int, k: int, num_active_experts: int, estimated_total_m: int):
+    a_format, b_format = resolve_formats(fmt)
+    return dsp.grouped_matmul_block_scaled_sm100_dispatch(
+        a_format=a_format.name, b_format=b_format.name, n=n, k=k,
+        num_active_experts=num_active_experts, estimated_total_m=estimated_total_m)
+
+
+def cmd_dispatch(args) -> int:
+    if args.tokens_per_expert is not None:
+        counts = [int(t) for t in args.tokens_per_expert.split(",")]
+        num_active, total = len(counts), sum(counts)
+    else:
+        if args.num_active_experts is None or args.estimated_total_m is None:
+            raise SystemExit("give --tokens-per-expert, or both --num-active-experts and --estimated-total-m")
+        num_active, total = args.num_active_experts, args.estimated_total_m
+    if args.override:
+        if args.format != "nvfp4":
+            raise SystemExit("--override applies to the NVFP4 dispatch only (as upstream)")
+        cfg = dsp.grouped_matmul_nvfp4_dispatch(
+            n=args.n, k=args.k, num_active_experts=num_active, estimated_total_m=total, override=True,
+            ab_swapped=not args.no_swap, mma_bn=args.mma_bn, cta_group=args.cta_group,
+            num_pipeline_stages=args.stages)
+    else:
+        cfg = dispatch_for_format(args.format, n=args.n, k=args.k, num_active_experts=num_active,
+                                  estimated_total_m=total)
+    print(cfg.explain())
+    print(f"mma_shape={cfg.mma_shape} cluster_shape={cfg.cluster_shape} "
+          f"accum_stages={cfg.num_accum_pipeline_stages} num_sf_k_tiles={cfg.num_sf_k_tiles}")
+    return 0
+
+
+def _print_regime_table(fmt: str) -> None:
+    print(f"\n== Dispatch decisions (SM100 table, B200 shared memory), {fmt}, {DEMO_SLOTS} active experts ==")
+    print(f"  {'shape':<14} {'avg_m':>6} {'regime':<14} {'swapped':<8} {'mma_bn':>6} {'cg':>4} stages")
+    for name, (n, k) in DEMO_DISPATCH_SHAPES.items():
+        slots = 8 if name == "kimi_up" else DEMO_SLOTS
+        for avg_m in DEMO_AVG_M.values():
+            cfg = dispatch_for_format(fmt, n=n, k=k, num_active_experts=slots, estimated_total_m=avg_m * slots)
+            print(_config_row(name, avg_m, cfg))
+
+
+def cmd_demo(args) -> int:
+    from .api import dispatch_for, grouped_matmul, select_backend
+    from .reference import check_acceptance, reference_grouped_matmul, relative_errors
+
+    backend = select_backend(args.backend)
+    print(f"gbs demo: backend {backend!r} (auto picks the SIMT GPU kernel when a CUDA GPU is present, "
+          f"else the exact CPU reference)")
+    formats = sorted(PROBLEM_FORMATS) if args.format == "all" else [args.format]
+    for fmt in formats:
+        if fmt == "mxfp8_e5m2":
+            print("\n(mxfp8_e5m2: upstream's SM100 routing has no E5M2 entry; gbs kernels use the mxfp8 decision)")
+            continue
+        _print_regime_table(fmt)
+    ok = True
+    n, k = DEMO_RUN_SHAPE
+    print(f"\n== A routed MoE batch on the Kimi up-projection (N={n}, K={k}): {DEMO_RUN_TOKENS} tokens, "
+          f"top-{DEMO_RUN_TOP_K} of {DEMO_RUN_EXPERTS} experts, plus one empty slot and one -1 slot ==")
+    plan = make_routing(num_experts=DEMO_RUN_EXPERTS, total_tokens=DEMO_RUN_TOKENS, routing="topk",
+                        top_k=DEMO_RUN_TOP_K, num_empty=1, num_skipped=1, seed=args.seed)
+    print(f"  tokens per slot: {plan.group_sizes.tolist()}")
+    print(f"  expert ids:      {plan.expert_ids.tolist()}")
+    for fmt in formats:
+        t0 = time.perf_counter()
+        p = random_problem(fmt, n=n, k=k, num_experts=DEMO_RUN_EXPERTS, total_tokens=DEMO_RUN_TOKENS,
+                           routing="topk", top_k=DEMO_RUN_TOP_K, num_empty=1, num_skipped=1, seed=args.seed)
+        cfg = dispatch_for(p)
+        t1 = time.perf_counter()
+        out = grouped_matmul(p, cfg, backend=backend)
+        t2 = time.perf_counter()
+        ref = reference_grouped_matmul(p) if backend != "reference" else reference_grouped_matmul(
+            p, accumulate=np.float32)
+        verdict = check_acceptance(p, out, ref)
+        ok &= verdict.passed
+        print(f"\n  [{fmt}] {p.num_active_experts} slots, {p.total_tokens} rows: {cfg.regime} -> "
+              f"swapped={cfg.ab_swapped} mma_bn={cfg.mma_bn} cta_group={cfg.cta_group} "
+              f"stages={cfg.num_pipeline_stages}")
+        print(f"    built+quantized in {t1 - t0:.1f} s, {backend} ran in {t2 - t1:.2f} s")
+        what = "vs the float64 reference" if backend != "reference" else \
+            "float64 reference vs a float32-accumulated one"
+        print(f"    check ({what}): {verdict}")
+        if backend == "reference":
+            exact = _unquantized_product(p, args.seed)
+            written = p.written_rows()
+            max_rel, rms_rel = relative_errors(out[written], exact[written])
+            print(f"    quantization error of {fmt} vs the unquantized float32 matmul: "
+                  f"rms {rms_rel:.2%}, max {max_rel:.2%} (a property of the format, not a kernel check)")
+    print("\nverified" if ok else "\nFAILED")
+    return 0 if ok else 1
+
+
+def _unquantized_product(p, seed):
+    """The float32 matmul of the activations and weights ``random_problem`` quantized."""
+    from .problem import random_activations, random_weights
+
+    rng = np.random.default_rng(seed + 1)
+    used = np.unique(p.expert_ids[p.expert_ids >= 0])
+    weights = random_weights(rng, used.size, p.n, p.k)
+    acts = random_activations(rng, p.total_tokens, p.k)
+    out = np.zeros((p.total_tokens, p.n), np.float32)
+    for g in p.active_slots():
+        e = int(p.expert_ids[g])
+        lo, hi = int(p.a_offsets[g]), int(p.a_offsets[g + 1])
+        out[lo:hi] = acts[lo:hi] @ weights[int(np.searchsorted(used, e))].T
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gbs", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("dispatch", help="print the dispatch decision and why",
+                       description="Print the SM100 dispatch decision for a format, shape and token counts.")
+    d.add_argument("--format", default="nvfp4", choices=sorted(PROBLEM_FORMATS))
+    d.add_argument("--n", type=int, required=True, help="output columns (rows of each expert's weight)")
+    d.add_argument("--k", type=int, required=True, help="reduction length in elements")
+    d.add_argument("--tokens-per-expert", help="comma-separated token count of every group slot (0 for empty)")
+    d.add_argument("--num-active-experts", type=int, help="group slots (with --estimated-total-m)")
+    d.add_argument("--estimated-total-m", type=int, help="estimated total tokens (with --num-active-experts)")
+    d.add_argument("--override", action="store_true", help="NVFP4 only: use the knobs below as upstream's override")
+    d.add_argument("--no-swap", action="store_true", help="with --override: AB_swapped=False")
+    d.add_argument("--mma-bn", type=int, default=8)
+    d.add_argument("--cta-group", type=int, default=1)
+    d.add_argument("--stages", type=int, default=-1, help="with --override: pipeline stages (-1 = auto)")
+    d.set_defaults(func=cmd_dispatch)
+
+    m = sub.add_parser("demo", help="the main job: dispatch per regime, run and check a routed MoE batch",
+                       description="Show the dispatch of each regime, run the grouped matmul on the best "
+                                   "backend of this machine on a routed MoE batch and check it.")
+    m.add_argument("--format", default="nvfp4", choices=sorted(PROBLEM_FORMATS) + ["all"])
+    m.add_argument("--backend", default="auto", choices=["auto", "simt", "reference"])
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:   # bad shapes, formats and configs: a message, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
