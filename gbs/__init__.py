@@ -1,1 +1,17 @@
-"""gbs"""
+"""gbs: grouped (1D-1D) block-scaled matmul for MoE inference (NVFP4, MXFP4, MXFP8, W4A8).
+
+Start with ``python -m gbs demo``; the public pieces:
+
+* ``gbs.quant``: formats, ``quantize`` / ``dequantize``, FP4 packing, the 128x4 scale layout;
+* ``gbs.problem``: ``GroupedProblem``, ``build_problem``, ``random_problem``;
+* ``gbs.reference``: the exact reference and the acceptance metric;
+* ``gbs.dispatch``: the SM100 three-regime dispatch;
+* ``gbs.grouped_matmul``: run the grouped matmul on the best backend available.
+"""
+from .api import grouped_matmul
+from .problem import GroupedProblem, build_problem, random_problem
+from .quant import BlockScaled, dequantize, quantize
+
+__all__ = ["grouped_matmul", "GroupedProblem", "build_problem", "random_problem", "BlockScaled", "quantize",
+           "dequantize"]
+__version__ = "0.1.0"

@@ -1,0 +1,45 @@
+"""The command line: help on every command, dispatch output, clear errors, and the demo (the main job)."""
+import subprocess
+import sys
+
+import pytest
+
+from gbs.__main__ import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gbs", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("command", [[], ["dispatch"], ["demo"]])
+def test_help_on_every_command(command):
+    res = run_cli(*command, "--help")
+    assert res.returncode == 0 and "usage:" in res.stdout
+
+
+def test_dispatch_prints_the_rule_and_the_comparison(capsys):
+    assert main(["dispatch", "--n", "4096", "--k", "7168", "--num-active-experts", "64",
+                 "--estimated-total-m", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "512 <= 64 slots x 8 = 512 -> decode" in out
+    assert "mma_bn=8" in out and "cta_group=1" in out
+    # the empty slot counts: 36 tokens <= 5 slots x 8 is decode (4 slots would make it small prefill)
+    assert main(["dispatch", "--n", "4096", "--k", "7168", "--tokens-per-expert", "9,9,0,9,9"]) == 0
+    assert "estimated_total_m=36 <= 5 slots x 8 = 40 -> decode" in capsys.readouterr().out
+
+
+def test_dispatch_errors_are_messages_not_tracebacks():
+    res = run_cli("dispatch", "--n", "512", "--k", "7168", "--tokens-per-expert", "1,1", "--override",
+                  "--mma-bn", "8", "--cta-group", "2")
+    assert res.returncode == 2
+    assert "error: mma_bn=8 is illegal with cta_group=2" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("dispatch", "--n", "512", "--k", "7000", "--tokens-per-expert", "1")
+    assert res.returncode == 2 and "multiple" in res.stderr
+
+
+def test_demo_runs_and_verifies_on_the_cpu():
+    res = run_cli("demo", "--format", "nvfp4", "--backend", "reference")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for regime in ("decode", "small_prefill", "large_prefill"):
+        assert regime in res.stdout
+    assert "PASS" in res.stdout and res.stdout.strip().endswith("verified")
