@@ -1,0 +1,90 @@
+"""mbarrier intrinsics: the shared-memory transaction barriers that TMA copies and pipelines use.
+
+An mbarrier is a 64-bit word in shared memory (``cuda.shared.array(1, np.uint64)``, 8-byte
+aligned); every intrinsic takes its 32-bit shared-window address (``common.shared_address``).
+A phase completes when the pending arrival count reaches zero AND the transaction count (bytes
+announced by ``expect_tx`` minus bytes delivered by ``complete_tx``, e.g. by TMA) is zero;
+waiters name the phase by its parity (0 for the first phase after init, then 1, 0, ...).
+
+Protocol reminders (PTX ISA, "mbarrier"): init by one thread, then
+``fence_mbarrier_init_release_cluster`` (cluster use) or ``fence_proxy_async_shared_cta`` (TMA
+use) and a CTA/cluster barrier before anyone else touches it. sm_90 and newer (``.expect_tx``,
+``try_wait`` and the ``.shared::cluster`` forms are sm_90 instructions).
+"""
+from __future__ import annotations
+
+from .common import ptx_intrinsic
+
+_MBAR = ("mbar", "u32")
+
+mbarrier_init = ptx_intrinsic(
+    "mbarrier_init", "mbarrier.init.shared::cta.b64 [$0], $1;", [_MBAR, ("count", "u32")],
+    doc="""Initialise the mbarrier at ``mbar`` for ``count`` arrivals per phase (count in 1..2**20-1).
+
+Phase 0 starts, transaction count 0. One thread initialises; see the module docstring for the
+fence and barrier that must follow.""")
+
+mbarrier_arrive = ptx_intrinsic(
+    "mbarrier_arrive", "mbarrier.arrive.shared::cta.b64 $0, [$1];", [_MBAR], result="u64",
+    doc="""Arrive once on the mbarrier at ``mbar`` (release, CTA scope); returns the opaque u64 state.
+
+The state identifies the phase arrived on (for ``mbarrier.test_wait``); most code ignores it and
+waits by parity.""")
+
+mbarrier_arrive_expect_tx = ptx_intrinsic(
+    "mbarrier_arrive_expect_tx", "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+    [_MBAR, ("tx_bytes", "u32")],
+    doc="""Announce ``tx_bytes`` more bytes for the current phase, then arrive once.
+
+The producer's single call before issuing TMA loads whose ``complete_tx`` total is
+``tx_bytes`` (a TMA box always counts its full size, also where it hangs over the tensor edge).
+The state result is discarded (sink ``_``).""")
+
+mbarrier_expect_tx = ptx_intrinsic(
+    "mbarrier_expect_tx", "mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$0], $1;",
+    [_MBAR, ("tx_bytes", "u32")],
+    doc="""Announce ``tx_bytes`` more bytes for the current phase without arriving (relaxed, CTA scope).""")
+
+mbarrier_try_wait_parity = ptx_intrinsic(
+    "mbarrier_try_wait_parity",
+    "{\n .reg .pred done;\n mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2;\n"
+    " selp.u32 $0, 1, 0, done;\n}",
+    [_MBAR, ("parity", "u32")], result="u32",
+    doc="""1 if the phase with ``parity`` (0/1) of the mbarrier at ``mbar`` has completed, else 0.
+
+``try_wait`` may suspend the thread for a system-dependent time before answering 0; acquire
+semantics at CTA scope when it answers 1. For a bounded or instrumented wait loop.""")
+
+mbarrier_wait_parity = ptx_intrinsic(
+    "mbarrier_wait_parity",
+    "{\n .reg .pred done;\n wait_parity_retry:\n"
+    " mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
+    " @!done bra wait_parity_retry;\n}",
+    [_MBAR, ("parity", "u32")],
+    doc="""Block until the phase with ``parity`` (0/1) of the mbarrier at ``mbar`` has completed.
+
+A ``try_wait.parity`` loop in PTX (acquire, CTA scope), so the branch stays out of Numba's
+control flow; the label is local to the ``{ }`` block, so the intrinsic can appear many times in
+one kernel. Never returns if the phase never completes (a missing arrival or a short
+``expect_tx``): use ``mbarrier_try_wait_parity`` for a bounded wait.""")
+
+mbarrier_arrive_remote_cluster = ptx_intrinsic(
+    "mbarrier_arrive_remote_cluster",
+    "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
+    [("remote_mbar", "u32")],
+    doc="""Arrive once (release, cluster scope) on an mbarrier of another CTA of the cluster.
+
+``remote_mbar`` is a shared::cluster address from ``cluster.mapa_shared_cluster(mbar, rank)``
+(a local shared::cta address is also valid in the cluster window and names this CTA's barrier).
+The consumer waits with ``mbarrier_wait_parity_acquire_cluster``.""")
+
+mbarrier_wait_parity_acquire_cluster = ptx_intrinsic(
+    "mbarrier_wait_parity_acquire_cluster",
+    "{\n .reg .pred done;\n wait_parity_cluster_retry:\n"
+    " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
+    " @!done bra wait_parity_cluster_retry;\n}",
+    [_MBAR, ("parity", "u32")],
+    doc="""Block until phase ``parity`` of this CTA's mbarrier at ``mbar`` completes, acquiring at
+cluster scope: writes that other CTAs released with their arrivals
+(``mbarrier_arrive_remote_cluster``) are visible afterwards. Same loop as
+``mbarrier_wait_parity``.""")
