@@ -28,7 +28,6 @@ NaN / Inf policy (``nonfinite=``):
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import ml_dtypes

@@ -37,7 +37,6 @@ import pytest
 from llvmlite import ir
 from numba import cuda
 from numba.cuda import cgutils, types
-from numba.cuda.cudadrv import driver
 from numba.cuda.extending import intrinsic
 
 from gbs.ptx_inline import cluster as cl
@@ -459,16 +458,6 @@ def instructions_starting(sass_text, prefix):
     return [ins for ins in offline.sass_instructions(sass_text) if ins.startswith(prefix)]
 
 
-def _compile_with_launch_bounds(pyfunc, sig, cc, launch_bounds):
-    """cubin like ``offline.compile_cubin`` but with launch bounds (``.maxntid`` / ``.minnctapersm``),
-    which offline.compile_cubin cannot pass; only for kernels without device functions."""
-    ltoir, _ = cuda.compile(pyfunc, sig, device=False, abi="numba", cc=cc, output="ltoir",
-                            launch_bounds=launch_bounds)
-    linker = driver._Linker(cc=cc, lto=True)
-    linker.add_ltoir(ltoir)
-    return linker.complete().code
-
-
 BOTH_TARGETS = pytest.mark.parametrize("cc", [SM90A, SM100A], ids=["sm_90a", "sm_100a"])
 
 
@@ -615,15 +604,15 @@ def test_setmaxnreg_needs_launch_bounds():
     with ``launch_bounds=(threads, 1)``."""
     bare = offline.disassemble(offline.compile_cubin(k_setmaxnreg, (_u32_1d,), SM90A))
     assert not offline.has_opcode(bare, "USETMAXREG")
-    bounded = offline.disassemble(_compile_with_launch_bounds(
-        k_setmaxnreg, (_u32_1d,), SM90A, (SETMAXNREG_THREADS, 1)))
+    bounded = offline.disassemble(offline.compile_cubin(
+        k_setmaxnreg, (_u32_1d,), SM90A, launch_bounds=(SETMAXNREG_THREADS, 1)))
     assert {"USETMAXREG.TRY_ALLOC.CTAPOOL", "USETMAXREG.DEALLOC.CTAPOOL"} <= offline.sass_opcodes(bounded)
 
 
 def test_setmaxnreg_assembles_for_sm100a_too():
     """Unlike wgmma, setmaxnreg is not sm_90a-only (PTX ISA: sm_90a, sm_100a, ...)."""
-    bounded = offline.disassemble(_compile_with_launch_bounds(
-        k_setmaxnreg, (_u32_1d,), SM100A, (SETMAXNREG_THREADS, 1)))
+    bounded = offline.disassemble(offline.compile_cubin(
+        k_setmaxnreg, (_u32_1d,), SM100A, launch_bounds=(SETMAXNREG_THREADS, 1)))
     assert offline.has_opcode(bounded, "USETMAXREG")
 
 

@@ -87,14 +87,18 @@ def compile_ptx(pyfunc, sig, cc) -> str:
     return ptx
 
 
-def compile_cubin(pyfunc, sig, cc) -> bytes:
-    """cubin of kernel ``pyfunc`` for ``cc`` through NVVM LTO-IR and nvJitLink."""
+def compile_cubin(pyfunc, sig, cc, *, launch_bounds=None) -> bytes:
+    """cubin of kernel ``pyfunc`` for ``cc`` through NVVM LTO-IR and nvJitLink.
+
+    ``launch_bounds`` = (max threads per block, min blocks per SM): the register cap that
+    ``setmaxnreg`` needs to take effect."""
     from numba import cuda
     from numba.cuda.cudadrv import driver
 
     cc = _check_cc(cc)
+    extra = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
     with _target_device(cc):
-        ltoir, _ = cuda.compile(pyfunc, sig, device=False, abi="numba", cc=cc, output="ltoir")
+        ltoir, _ = cuda.compile(pyfunc, sig, device=False, abi="numba", cc=cc, output="ltoir", **extra)
     linker = driver._Linker(cc=cc, lto=True)
     linker.add_ltoir(ltoir)
     return linker.complete().code
