@@ -6,7 +6,6 @@ import pytest
 
 from gbs.problem import (
     PROBLEM_FORMATS,
-    GroupedProblem,
     build_problem,
     make_routing,
     random_problem,
