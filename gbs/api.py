@@ -64,9 +64,16 @@ def grouped_matmul(problem: GroupedProblem, config: KernelConfig | None = None, 
     config = dispatch_for(problem) if config is None else config
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig from gbs.dispatch, got {type(config).__name__}")
+    problem_route = tuple(_ROUTE_AS.get(f.name, f.name) for f in (problem.a_format, problem.b_format))
+    if (config.a_format, config.b_format) != problem_route:
+        raise ValueError(f"config was decided for {config.a_format} x {config.b_format}, "
+                         f"the problem is {problem.a_format.name} x {problem.b_format.name}")
     chosen = select_backend(backend)
     if chosen == "reference":
         return reference_grouped_matmul(problem, out)
     from .numba_kernels import simt
+    from .schedule import TileConfig
 
+    if problem.a_format.name in _ROUTE_AS:   # decided on the E4M3 route: hand the kernel only the knobs
+        config = TileConfig.of(config)
     return simt.grouped_matmul_simt(problem, config, out=out)

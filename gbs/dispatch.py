@@ -258,7 +258,7 @@ def regime_comparison(estimated_total_m: int, num_active_experts: int) -> str:
     return f"estimated_total_m={m} > {small} -> {regime}"
 
 
-def _check_mma_tile(ab_swapped, mma_bn, cta_group) -> tuple[bool, int, int]:
+def check_mma_tile(ab_swapped, mma_bn, cta_group) -> tuple[bool, int, int]:
     """Validated (ab_swapped, mma_bn, cta_group); ValueError names the legal values."""
     ab_swapped = _require_bool("ab_swapped", ab_swapped)
     mma_bn = _require_int("mma_bn", mma_bn, 1)
@@ -302,7 +302,7 @@ class PipelineSmemTerms:
 def pipeline_smem_terms(*, mma_bn, cta_group, ab_swapped, num_sf_k_tiles,
                         smem_per_sm=B200_SMEM_PER_SM) -> PipelineSmemTerms:
     """Shared-memory terms of one config, exactly as the spec's stages=auto formula counts them."""
-    ab_swapped, mma_bn, cta_group = _check_mma_tile(ab_swapped, mma_bn, cta_group)
+    ab_swapped, mma_bn, cta_group = check_mma_tile(ab_swapped, mma_bn, cta_group)
     num_sf_k_tiles = _require_int("num_sf_k_tiles", num_sf_k_tiles, 1)
     smem_per_sm = _require_int("smem_per_sm", smem_per_sm, 1)
     c_cols = min(SWAPPED_C_TILE_MAX_COLS, mma_bn) if ab_swapped else UNSWAPPED_C_TILE_COLS
@@ -543,7 +543,7 @@ def grouped_matmul_nvfp4_dispatch(*, n, k, num_active_experts, estimated_total_m
     m, slots = problem["estimated_total_m"], problem["num_active_experts"]
 
     if override:
-        knobs = _check_mma_tile(ab_swapped, mma_bn, cta_group)
+        knobs = check_mma_tile(ab_swapped, mma_bn, cta_group)
         stages = check_config(ab_swapped=knobs[0], mma_bn=knobs[1], cta_group=knobs[2],
                               num_pipeline_stages=num_pipeline_stages,
                               num_sf_k_tiles=_num_sf_k_tiles("nvfp4", "nvfp4"),

@@ -352,6 +352,18 @@ def dequantize(q: BlockScaled, *, apply_global_scale: bool = True) -> np.ndarray
 SF_ATOM_ROWS = 128   # rows of one atom: the MMA's 128-row side
 SF_ATOM_COLS = 4     # scale columns of one atom: 4 bytes, one 32-bit TMEM word per row
 SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
+SF_LANES = 32        # rows of one 32-lane slice of an atom (one TMEM lane group)
+SF_LANE_BYTES = 16   # bytes per lane: 4 slices x 4 scale columns
+
+
+def scale_byte_offset(row, col, col_groups):
+    """Byte offset of scale (row, col) in the 128x4 layout with ``col_groups = ceil(C/4)``.
+
+    Plain integer arithmetic: runs on ints, integer numpy arrays, and inside Numba CUDA kernels
+    (``cuda.jit(device=True)(scale_byte_offset)``)."""
+    atom = (row // SF_ATOM_ROWS) * col_groups + col // SF_ATOM_COLS
+    return (atom * SF_ATOM_BYTES + (row % SF_LANES) * SF_LANE_BYTES
+            + ((row % SF_ATOM_ROWS) // SF_LANES) * SF_ATOM_COLS + col % SF_ATOM_COLS)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -396,8 +408,7 @@ class ScaleLayout128x4:
 
     def offset(self, r, c):
         """Byte offset of scale (r, c); works on ints and integer numpy arrays."""
-        return (((r // 128) * self.col_groups + c // 4) * SF_ATOM_BYTES
-                + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4))
+        return scale_byte_offset(r, c, self.col_groups)
 
 
 def scale_offset(r, c, cols: int):

@@ -29,7 +29,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from gbs.dispatch import _check_mma_tile
+from gbs.dispatch import check_mma_tile
 
 MMA_M_ROWS = 128   # rows of one CTA's side of the MMA M dimension (weight rows when swapped)
 
@@ -50,7 +50,7 @@ class TileConfig:
     cta_group: int
 
     def __post_init__(self):
-        ab_swapped, mma_bn, cta_group = _check_mma_tile(self.ab_swapped, self.mma_bn, self.cta_group)
+        ab_swapped, mma_bn, cta_group = check_mma_tile(self.ab_swapped, self.mma_bn, self.cta_group)
         object.__setattr__(self, "ab_swapped", ab_swapped)
         object.__setattr__(self, "mma_bn", mma_bn)
         object.__setattr__(self, "cta_group", cta_group)

@@ -371,12 +371,6 @@ def test_bf16_rounding_matches_ml_dtypes():
     assert simt.bf16_bits_rne(0x3F808000) == 0x3F80 and simt.bf16_bits_rne(0x3F818000) == 0x3F82   # ties to even
 
 
-def test_scale_byte_offset_is_the_128x4_formula():
-    rows, cols = np.meshgrid(np.arange(300), np.arange(13), indexing="ij")
-    col_groups = -(-13 // 4)
-    np.testing.assert_array_equal(simt.scale_byte_offset(rows, cols, col_groups), scale_offset(rows, cols, 13))
-
-
 @pytest.mark.parametrize("threads", [32, 256, 1024])
 def test_sub_tiles_fit_the_threads_and_shared_memory(threads):
     for cta_group, mma_bns in LEGAL_MMA_BN.items():

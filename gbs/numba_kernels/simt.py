@@ -33,7 +33,8 @@ from numba import cuda, float32
 
 from gbs import schedule
 from gbs.problem import GroupedProblem
-from gbs.quant import BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, get_format
+from gbs.quant import (BF16, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, get_format,
+                       scale_byte_offset)
 from gbs.reference import poison_output
 
 THREADS_PER_BLOCK = 256
@@ -53,8 +54,6 @@ RESIDENT_CTAS_PER_SM = 4   # default persistent grid: a few blocks per SM to hid
 SIMULATOR_CTA_PAIRS = 2    # default persistent grid in the simulator (blocks run one at a time)
 
 # 128x4 scale atom: row r sits at lane r % 32 (16 bytes per lane), slice (r % 128) // 32 (4 bytes).
-SF_LANES = 32
-SF_LANE_BYTES = 16
 
 E2M1_UNIT = np.float32(0.25)        # E2M1 magnitudes are multiples of 2^-2 (after the shift below)
 E4M3_UNIT = np.float32(2.0 ** -10)  # E4M3: (8 + m) << e times 2^-(bias 7 + 3 mantissa bits)
@@ -122,14 +121,6 @@ def decode_ue8m0(code):
     if code == UE8M0_NAN_BYTE:
         return NAN32
     return np.float32(math.ldexp(np.float32(1.0), int(code - UE8M0_BIAS)))
-
-
-def scale_byte_offset(row, col, col_groups):
-    """Byte offset of scale (row, col) in the 128x4 layout with ``col_groups = ceil(C/4)``
-    (the formula of ``gbs.quant.ScaleLayout128x4.offset``)."""
-    atom = (row // SF_ATOM_ROWS) * col_groups + col // SF_ATOM_COLS
-    return (atom * SF_ATOM_BYTES + (row % SF_LANES) * SF_LANE_BYTES
-            + ((row % SF_ATOM_ROWS) // SF_LANES) * SF_ATOM_COLS + col % SF_ATOM_COLS)
 
 
 def bf16_bits_rne(bits):

@@ -1,0 +1,520 @@
+"""Shared plot helpers: one style, one colour vocabulary, and the pictures the project draws often.
+
+Used by the notebooks (``notebooks/*.ipynb``) and by the plots of the ablation command. Every
+helper draws on an ``Axes`` the caller made and returns what it drew, so figures compose;
+nothing here calls ``plt.show()`` or writes files. Needs only matplotlib and numpy, no display
+(run headless with ``MPLBACKEND=Agg``).
+
+Conventions the helpers encode:
+
+* A title states the finding, not the axes (``finding_title``): "decode wastes no MMA work at
+  mma_bn=8", not "padding waste vs tokens". The how (shape, format, units) goes in the smaller
+  detail line.
+* Anything not computed with ``gbs`` or measured says where it comes from (``source_note``
+  with e.g. ``"B200 datasheet"`` or ``"modelled"``).
+* Regimes always wear ``REGIME_COLORS``; a dispatch config wears the colour of the regime whose
+  knobs it uses (``config_color``), so the Kimi rule's decode config shows up in the small-prefill
+  colour it borrows. Group slots get ``slot_color``; padding and skipped (-1) slots are grey.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Sequence
+
+import matplotlib as mpl
+import numpy as np
+from matplotlib import colors as mcolors
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Polygon, Rectangle
+
+from .dispatch import (
+    DEFAULT_CONFIG,
+    REGIME_CONFIGS,
+    REGIME_DECODE,
+    REGIME_DEFAULT,
+    REGIME_LARGE_PREFILL,
+    REGIME_OVERRIDE,
+    REGIME_SMALL_PREFILL,
+)
+from .quant import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements
+
+# ----------------------------------------------------------------------------------------------
+# Style and colours
+# ----------------------------------------------------------------------------------------------
+STYLE = {
+    "figure.dpi": 110,
+    "savefig.dpi": 150,
+    "savefig.bbox": "tight",
+    "figure.figsize": (9.0, 4.5),
+    "figure.constrained_layout.use": True,
+    "font.size": 10,
+    "axes.titlesize": 12,
+    "axes.titleweight": "bold",
+    "axes.titlelocation": "left",
+    "axes.labelsize": 10.5,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "legend.frameon": False,
+    "legend.fontsize": 9,
+    "image.cmap": "viridis",
+}
+
+REGIME_COLORS = {
+    REGIME_DECODE: "#2f7fc1",          # blue: few tokens, weight streaming
+    REGIME_SMALL_PREFILL: "#f0a13a",   # orange: tens of tokens, the CTA pair
+    REGIME_LARGE_PREFILL: "#c0392b",   # red: compute starts to matter
+    REGIME_DEFAULT: "#9a9a9a",         # grey: the dtype routing's default config
+    REGIME_OVERRIDE: "#7b4fa0",        # purple: caller's knobs
+}
+REGIME_LABELS = {
+    REGIME_DECODE: "decode",
+    REGIME_SMALL_PREFILL: "small prefill",
+    REGIME_LARGE_PREFILL: "large prefill",
+    REGIME_DEFAULT: "default config",
+    REGIME_OVERRIDE: "override",
+}
+PADDING_COLOR = "#e3e3e3"
+SKIPPED_COLOR = "#8c8c8c"
+NOTE_COLOR = "0.35"
+SLOT_CMAP = "tab20"            # qualitative: neighbouring slots stay distinguishable
+ATOM_SLICE_CMAP = "tab10"      # the four 32-row slices of a 128x4 scale atom
+FAINT_TEXT_SIZE = 8.5
+
+
+def apply_style() -> None:
+    """Set the project's matplotlib style (``STYLE``) for the rest of the session."""
+    mpl.rcParams.update(STYLE)
+
+
+def slot_color(slot: int):
+    """Colour of group slot ``slot`` (cycles through ``SLOT_CMAP``)."""
+    cmap = mpl.colormaps[SLOT_CMAP]
+    return cmap(int(slot) % cmap.N)
+
+
+def config_color(config) -> str:
+    """Colour of a dispatch config (anything with ``ab_swapped``, ``mma_bn``, ``cta_group``): the
+    colour of the regime whose knobs it uses, grey for the default config, purple otherwise."""
+    knobs = _config_knobs(config)
+    for regime, regime_knobs in REGIME_CONFIGS.items():
+        if knobs == regime_knobs:
+            return REGIME_COLORS[regime]
+    return REGIME_COLORS[REGIME_DEFAULT if knobs == DEFAULT_CONFIG else REGIME_OVERRIDE]
+
+
+def config_label(config) -> str:
+    """Short legend text of a config's knobs, e.g. ``"mma_bn 64, CTA pair, swapped"``."""
+    ab_swapped, mma_bn, cta_group = _config_knobs(config)
+    ctas = "CTA pair" if cta_group == 2 else "1 CTA"
+    return f"mma_bn {mma_bn}, {ctas}" + (", swapped" if ab_swapped else ", not swapped")
+
+
+def _config_knobs(config) -> tuple[bool, int, int]:
+    missing = [a for a in ("ab_swapped", "mma_bn", "cta_group") if not hasattr(config, a)]
+    if missing:
+        raise TypeError(f"config must have ab_swapped, mma_bn and cta_group (a KernelConfig); "
+                        f"{type(config).__name__} lacks {missing}")
+    return (bool(config.ab_swapped), int(config.mma_bn), int(config.cta_group))
+
+
+# ----------------------------------------------------------------------------------------------
+# Titles and provenance
+# ----------------------------------------------------------------------------------------------
+def finding_title(target: Axes | Figure, finding: str, detail: str | None = None) -> None:
+    """Title that states the finding, in bold; ``detail`` (shape, format, units) in small grey.
+
+    On an ``Axes`` the detail is a line under the title; on a ``Figure`` the finding is the
+    suptitle and the detail a caption under the panels.
+    """
+    if not isinstance(finding, str) or not finding:
+        raise ValueError("finding must be a non-empty string stating what the plot shows")
+    if isinstance(target, Figure):
+        target.suptitle(finding, fontweight="bold", fontsize=13, x=0.01, ha="left")
+        if detail:
+            target.supxlabel(detail, fontsize=FAINT_TEXT_SIZE + 0.5, color=NOTE_COLOR, x=0.01, ha="left")
+    elif isinstance(target, Axes):
+        target.set_title(finding, loc="left", fontweight="bold", pad=18 if detail else 6)
+        if detail:
+            target.annotate(detail, xy=(0, 1), xycoords="axes fraction", xytext=(0, 5),
+                            textcoords="offset points", va="bottom", ha="left",
+                            fontsize=FAINT_TEXT_SIZE + 0.5, color=NOTE_COLOR)
+    else:
+        raise TypeError(f"target must be a matplotlib Axes or Figure, got {type(target).__name__}")
+
+
+def source_note(ax: Axes, text: str, *, loc: str = "lower right") -> None:
+    """A small boxed label inside ``ax`` saying where the plotted figures come from
+    (e.g. "computed with gbs.dispatch", "measured on the H200", "B200 datasheet", "modelled")."""
+    places = {"lower right": (0.99, 0.02, "right", "bottom"), "upper right": (0.99, 0.98, "right", "top"),
+              "lower left": (0.01, 0.02, "left", "bottom"), "upper left": (0.01, 0.98, "left", "top")}
+    if loc not in places:
+        raise ValueError(f"loc must be one of {sorted(places)}, got {loc!r}")
+    x, y, ha, va = places[loc]
+    ax.text(x, y, text, transform=ax.transAxes, ha=ha, va=va, fontsize=FAINT_TEXT_SIZE, style="italic",
+            color=NOTE_COLOR, bbox=dict(boxstyle="round,pad=0.25", fc="white", ec="0.8", alpha=0.9), zorder=10)
+
+
+def power_of_two_axis(ax: Axes, lo: int, hi: int, *, axis: str = "x") -> None:
+    """Log-2 scale with a tick at every power of two in ``[lo, hi]`` written as a plain integer."""
+    if axis not in ("x", "y"):
+        raise ValueError(f"axis must be 'x' or 'y', got {axis!r}")
+    if not 0 < lo <= hi:
+        raise ValueError(f"need 0 < lo <= hi, got lo={lo}, hi={hi}")
+    ticks = [2.0 ** e for e in range(int(np.ceil(np.log2(lo))), int(np.floor(np.log2(hi))) + 1)]
+    labels = [f"{t:g}" if t >= 1 else f"1/{1 / t:g}" for t in ticks]
+    if axis == "x":
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, labels)
+        ax.minorticks_off()
+    else:
+        ax.set_yscale("log", base=2)
+        ax.set_yticks(ticks, labels)
+        ax.minorticks_off()
+
+
+def _text_color_on(color) -> str:
+    """Black or white, whichever reads better on ``color``."""
+    r, g, b = mcolors.to_rgb(color)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and heatmaps
+# ----------------------------------------------------------------------------------------------
+def value_table(ax: Axes, cell_text: Sequence[Sequence[str]], *, col_labels: Sequence[str],
+                row_labels: Sequence[str] | None = None, cell_colors=None, fontsize: float = 9.0,
+                scale_y: float = 1.4):
+    """Draw a table of strings filling ``ax`` (axes hidden); returns the matplotlib ``Table``.
+
+    ``cell_colors``: same shape as ``cell_text`` (colours, or None for white).
+    """
+    rows = [list(r) for r in cell_text]
+    if not rows or any(len(r) != len(col_labels) for r in rows):
+        raise ValueError(f"cell_text must be a non-empty list of rows with {len(col_labels)} entries "
+                         "each (one per column label)")
+    if row_labels is not None and len(row_labels) != len(rows):
+        raise ValueError(f"row_labels has {len(row_labels)} entries for {len(rows)} rows")
+    if cell_colors is not None:
+        if np.shape(cell_colors)[:2] != (len(rows), len(col_labels)):
+            raise ValueError("cell_colors must have the shape of cell_text")
+        cell_colors = [["white" if c is None else c for c in row] for row in cell_colors]
+    ax.axis("off")
+    table = ax.table(cellText=rows, colLabels=list(col_labels), rowLabels=row_labels,
+                     cellColours=cell_colors, cellLoc="center", loc="center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(fontsize)
+    table.scale(1.0, scale_y)
+    for (r, c), cell in table.get_celld().items():
+        cell.set_edgecolor("0.75")
+        if r == 0 or c == -1:
+            cell.set_text_props(fontweight="bold")
+            cell.set_facecolor("#f0f0f0")
+    return table
+
+
+def annotated_heatmap(ax: Axes, data, *, x_labels: Sequence, y_labels: Sequence, cmap="viridis",
+                      vmin=None, vmax=None, fmt: str = "{:.0%}", colorbar_label: str | None = None,
+                      annotate: bool = True, fontsize: float = 7.5):
+    """``data[y, x]`` as coloured cells with their values written in; returns the image.
+
+    ``fmt`` formats each annotation (``str.format``); NaN cells are left blank.
+    """
+    data = np.asarray(data, dtype=float)
+    if data.ndim != 2 or data.shape != (len(y_labels), len(x_labels)):
+        raise ValueError(f"data must be 2-D (len(y_labels), len(x_labels)) = "
+                         f"({len(y_labels)}, {len(x_labels)}), got shape {data.shape}")
+    image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+    ax.set_xticks(range(len(x_labels)), [str(x) for x in x_labels])
+    ax.set_yticks(range(len(y_labels)), [str(y) for y in y_labels])
+    ax.grid(False)
+    if annotate:
+        for (y, x), value in np.ndenumerate(data):
+            if np.isfinite(value):
+                ax.text(x, y, fmt.format(value), ha="center", va="center", fontsize=fontsize,
+                        color=_text_color_on(image.cmap(image.norm(value))))
+    if colorbar_label is not None:
+        ax.figure.colorbar(image, ax=ax, label=colorbar_label, shrink=0.9)
+    return image
+
+
+# ----------------------------------------------------------------------------------------------
+# Segmented bars (batches, budgets)
+# ----------------------------------------------------------------------------------------------
+class Segment(NamedTuple):
+    """One piece of a horizontal bar: ``[start, start + length)`` in data units."""
+
+    start: float
+    length: float
+    color: object
+    label: str = ""
+    hatch: str | None = None
+
+
+def segmented_bar(ax: Axes, y: float, segments: Sequence[Segment], *, height: float = 0.6,
+                  label_fontsize: float = 8.0, min_label_fraction: float = 0.0) -> list:
+    """Draw ``segments`` as one horizontal bar at ``y``; a segment's label is written inside it
+    when the segment is at least ``min_label_fraction`` of the x-range drawn. Returns the bars."""
+    if not segments:
+        return []
+    x_lo = min(s.start for s in segments)
+    x_hi = max(s.start + s.length for s in segments)
+    span = max(x_hi - x_lo, 1e-12)
+    bars = []
+    for s in segments:
+        if s.length < 0:
+            raise ValueError(f"segment {s.label!r} has negative length {s.length}")
+        bar = ax.barh(y, s.length, left=s.start, height=height, color=s.color, edgecolor="white",
+                      linewidth=0.8, hatch=s.hatch)
+        bars.append(bar)
+        if s.label and s.length / span >= min_label_fraction:
+            ax.text(s.start + s.length / 2, y, s.label, ha="center", va="center", fontsize=label_fontsize,
+                    color=_text_color_on(s.color))
+    return bars
+
+
+def group_rows_picture(ax: Axes, a_offsets, expert_ids, a_scale_offsets=None, *,
+                       band_rows: int = SF_ATOM_ROWS, label_slots: bool = True) -> None:
+    """A grouped batch's token rows, slot by slot, and (with ``a_scale_offsets``) where each slot's
+    scale rows land in the per-group padded scale array (every slot starts a fresh 128-row band).
+
+    Top bar: rows of ``a`` (tokens concatenated, no padding). Bottom bar: rows of the padded scale
+    array, ``128 * (a_offsets[g] // 128 + a_scale_offsets[g])`` onwards for slot ``g``, padding
+    hatched. Skipped slots (expert id -1) are grey; empty slots are marked with a triangle.
+    """
+    a_offsets = np.asarray(a_offsets, dtype=np.int64)
+    expert_ids = np.asarray(expert_ids, dtype=np.int64)
+    if a_offsets.ndim != 1 or expert_ids.ndim != 1 or a_offsets.size != expert_ids.size + 1:
+        raise ValueError(f"need a_offsets of length len(expert_ids) + 1, got {a_offsets.shape} and "
+                         f"{expert_ids.shape}")
+    counts = np.diff(a_offsets)
+    if np.any(counts < 0):
+        raise ValueError("a_offsets must be non-decreasing")
+    token_y, scale_y = 1.0, 0.0
+
+    def slot_style(g):
+        skipped = expert_ids[g] < 0
+        name = f"g{g}: skip" if skipped else f"g{g}: e{expert_ids[g]}"
+        return (SKIPPED_COLOR if skipped else slot_color(g)), ("//" if skipped else None), name
+
+    token_segments = []
+    for g in range(expert_ids.size):
+        color, hatch, name = slot_style(g)
+        if counts[g] == 0:
+            ax.plot(a_offsets[g], token_y + 0.42, marker="v", color=color, markersize=7, zorder=5)
+            if label_slots:
+                ax.annotate(f"g{g} empty", (a_offsets[g], token_y + 0.42), xytext=(0, 6),
+                            textcoords="offset points", ha="center", fontsize=7, color=NOTE_COLOR)
+            continue
+        token_segments.append(Segment(a_offsets[g], counts[g], color,
+                                      f"{name}\n{counts[g]} tok" if label_slots else "", hatch))
+    total_rows = int(a_offsets[-1])
+    x_hi = total_rows
+    segmented_bar(ax, token_y, token_segments, height=0.55, min_label_fraction=0.04)
+
+    labels = {token_y: "a rows\n(tokens, unpadded)"}
+    if a_scale_offsets is not None:
+        a_scale_offsets = np.asarray(a_scale_offsets, dtype=np.int64)
+        if a_scale_offsets.shape != expert_ids.shape:
+            raise ValueError(f"a_scale_offsets must have one entry per slot ({expert_ids.size}), "
+                             f"got {a_scale_offsets.shape}")
+        scale_segments = []
+        for g in range(expert_ids.size):
+            if counts[g] == 0:
+                continue
+            color, hatch, _ = slot_style(g)
+            first = band_rows * (a_offsets[g] // band_rows + a_scale_offsets[g])
+            padded = -(-counts[g] // band_rows) * band_rows
+            scale_segments.append(Segment(first, counts[g], color, "", hatch))
+            scale_segments.append(Segment(first + counts[g], padded - counts[g], PADDING_COLOR, "", "..."))
+            # connect the slot's token rows to its scale rows
+            ax.add_patch(Polygon([(a_offsets[g], token_y - 0.28), (a_offsets[g + 1], token_y - 0.28),
+                                  (first + counts[g], scale_y + 0.28), (first, scale_y + 0.28)],
+                                 closed=True, color=color, alpha=0.25, lw=0))
+            x_hi = max(x_hi, first + padded)
+        segmented_bar(ax, scale_y, scale_segments, height=0.55)
+        for band_edge in range(0, x_hi + 1, band_rows):
+            ax.axvline(band_edge, ymin=0.0, ymax=0.45, color="0.3", lw=0.8, ls=":")
+        labels[scale_y] = f"a_scales rows\n(padded to {band_rows}-row bands)"
+    ax.set_yticks(list(labels), list(labels.values()))
+    ax.set_ylim(-0.6, 1.75)
+    ax.set_xlim(-0.01 * x_hi, 1.01 * x_hi)
+    ax.set_xlabel("row index")
+    ax.grid(False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Regime maps
+# ----------------------------------------------------------------------------------------------
+def _log_cell_edges(x: np.ndarray) -> np.ndarray:
+    """Edges around increasing positive ``x`` at geometric midpoints (for a log x-axis)."""
+    mids = np.sqrt(x[1:] * x[:-1])
+    first = x[0] ** 2 / mids[0] if x.size > 1 else x[0] / 1.5
+    last = x[-1] ** 2 / mids[-1] if x.size > 1 else x[-1] * 1.5
+    return np.concatenate([[first], mids, [last]])
+
+
+def regime_map(ax: Axes, x, categories, *, row_labels: Sequence[str], colors: Mapping,
+               category_labels: Mapping | None = None, run_labels=None,
+               thresholds: Mapping[float, str] | None = None, xlabel: str = "",
+               legend: bool = True, run_label_fontsize: float = 7.5) -> None:
+    """Rows of coloured runs along a log-scaled x: which category (regime, config) holds where.
+
+    ``x``: increasing positive values (e.g. avg tokens per expert). ``categories``: (rows, len(x))
+    of hashable keys of ``colors``. ``run_labels``: optional (rows, len(x)) strings; a run is a
+    stretch of equal (category, label) and shows its first label inside when it fits.
+    ``thresholds``: {value: text}: a dashed line between ``value`` and the next x, labelled on top.
+    """
+    x = np.asarray(x, dtype=float)
+    if x.ndim != 1 or x.size == 0 or np.any(x <= 0) or np.any(np.diff(x) <= 0):
+        raise ValueError("x must be a non-empty, strictly increasing 1-D array of positive values")
+    cats = np.asarray(categories, dtype=object)
+    if cats.shape != (len(row_labels), x.size):
+        raise ValueError(f"categories must have shape (len(row_labels), len(x)) = "
+                         f"({len(row_labels)}, {x.size}), got {cats.shape}")
+    missing = {c for c in cats.ravel() if c not in colors}
+    if missing:
+        raise ValueError(f"categories without a colour: {sorted(map(str, missing))}")
+    labels = np.full(cats.shape, "", dtype=object) if run_labels is None else np.asarray(run_labels, dtype=object)
+    if labels.shape != cats.shape:
+        raise ValueError(f"run_labels must have the shape of categories {cats.shape}, got {labels.shape}")
+    edges = _log_cell_edges(x)
+    log_span = np.log(edges[-1] / edges[0])
+    axes_width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
+
+    for row in range(cats.shape[0]):
+        y = cats.shape[0] - 1 - row
+        start = 0
+        for i in range(1, x.size + 1):
+            if i < x.size and cats[row, i] == cats[row, start] and labels[row, i] == labels[row, start]:
+                continue
+            lo, hi = edges[start], edges[i]
+            color = colors[cats[row, start]]
+            ax.add_patch(Rectangle((lo, y - 0.4), hi - lo, 0.8, color=color, lw=0))
+            text = str(labels[row, start])
+            width_pt = np.log(hi / lo) / log_span * axes_width_pt
+            longest_line = max((len(t) for t in text.split("\n")), default=0)
+            if text and width_pt > 0.6 * run_label_fontsize * longest_line:
+                ax.text(np.sqrt(lo * hi), y, text, ha="center", va="center", fontsize=run_label_fontsize,
+                        color=_text_color_on(color))
+            start = i
+    for value, text in (thresholds or {}).items():
+        i = int(np.searchsorted(x, value, side="right"))
+        edge = edges[i] if i < edges.size else edges[-1]
+        ax.axvline(edge, color="black", ls="--", lw=1.1)
+        ax.text(edge, cats.shape[0] - 0.45, text, ha="center", va="bottom", fontsize=8.5,
+                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.6"))
+    ax.set_xscale("log")
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(-0.6, cats.shape[0] - 0.4 + 0.5)
+    ax.set_yticks(range(cats.shape[0]), list(reversed(row_labels)))
+    ax.grid(False)
+    ax.set_xlabel(xlabel)
+    if legend:
+        seen = list(dict.fromkeys(cats.ravel()))
+        names = category_labels or {}
+        handles = [Patch(color=colors[c], label=str(names.get(c, c))) for c in seen]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bits and bytes
+# ----------------------------------------------------------------------------------------------
+FP4_FIELD_NAMES = ("S", "E", "E", "M")   # E2M1, from bit 3 down to bit 0
+
+
+def fp4_byte_picture(ax: Axes, byte: int, *, element_index: int = 0) -> None:
+    """One packed FP4 byte drawn bit by bit: the low nibble (bits 3..0) holds element
+    ``element_index`` (even), the high nibble (bits 7..4) element ``element_index + 1``."""
+    if not isinstance(byte, (int, np.integer)) or not 0 <= int(byte) <= 0xFF:
+        raise ValueError(f"byte must be an int in 0..255, got {byte!r}")
+    if element_index % 2:
+        raise ValueError(f"element_index must be even (the low nibble's element), got {element_index}")
+    byte = int(byte)
+    nibbles = {"high": byte >> 4, "low": byte & 0x0F}
+    colors = {"high": slot_color(2), "low": slot_color(0)}
+    for bit in range(8):
+        x = 7 - bit                                  # bit 7 on the left, as the byte is written
+        half = "high" if bit >= 4 else "low"
+        color = colors[half]
+        ax.add_patch(Rectangle((x, 0), 1, 1, facecolor=mcolors.to_rgba(color, 0.35), edgecolor="black", lw=1.2))
+        ax.text(x + 0.5, 0.5, str((byte >> bit) & 1), ha="center", va="center", fontsize=16, fontweight="bold")
+        ax.text(x + 0.5, 1.12, f"bit {bit}", ha="center", va="bottom", fontsize=8, color=NOTE_COLOR)
+        ax.text(x + 0.5, -0.12, FP4_FIELD_NAMES[3 - bit % 4], ha="center", va="top", fontsize=9)
+    for half, x0, index in (("high", 0, element_index + 1), ("low", 4, element_index)):
+        code = nibbles[half]
+        value = float(decode_elements(np.array([code], np.uint8), "e2m1")[0])
+        ax.add_patch(Rectangle((x0, 0), 4, 1, fill=False, edgecolor=colors[half], lw=3.5))
+        ax.text(x0 + 2, -0.55, f"{half} nibble = element {index}\ncode {code:#06b} = {value:+g}",
+                ha="center", va="top", fontsize=10, color="black")
+    ax.text(8.3, 0.5, f"= 0x{byte:02X}", ha="left", va="center", fontsize=14, fontweight="bold")
+    ax.set_xlim(-0.3, 10.3)
+    ax.set_ylim(-1.6, 1.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def scale_layout_picture(ax: Axes, rows: int = SF_ATOM_ROWS, cols: int = SF_ATOM_COLS, *,
+                         view: str = "bytes", annotate: bool = True):
+    """The 128x4 scale layout of an ``rows x cols`` scale matrix (``ScaleLayout128x4``).
+
+    ``view="bytes"``: the layout's bytes as 32 lines of 16 per 512-byte atom (atoms side by side);
+    each byte is coloured by the 32-row slice of its scale row and written with that row (and the
+    k-block when ``cols > 4``); padding bytes are blank. ``view="matrix"``: the scale matrix,
+    rows along x and k-blocks along y, coloured by each scale's byte offset. Returns the image.
+    """
+    if view not in ("bytes", "matrix"):
+        raise ValueError(f"view must be 'bytes' or 'matrix', got {view!r}")
+    if rows < 1 or cols < 1:
+        raise ValueError(f"rows and cols must be >= 1, got rows={rows}, cols={cols}")
+    layout = ScaleLayout128x4(rows, cols)
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    offsets = layout.offset(r, c)
+    ax.grid(False)
+    if view == "matrix":
+        image = ax.imshow(offsets.T, aspect="auto", interpolation="nearest", origin="lower",
+                          extent=(-0.5, rows - 0.5, -0.5, cols - 0.5))
+        ax.set_xlabel("scale row r (token or weight row)")
+        ax.set_ylabel("k-block c")
+        ax.set_yticks(range(cols))
+        ax.figure.colorbar(image, ax=ax, label="byte offset in the layout", shrink=0.9)
+        return image
+
+    bytes_per_line = 16
+    lines = SF_ATOM_BYTES // bytes_per_line          # 32 lanes per atom
+    atoms = layout.nbytes // SF_ATOM_BYTES
+    grid_rows = np.full((lines, atoms * bytes_per_line), -1)
+    grid_cols = np.full_like(grid_rows, -1)
+    atom, within = np.divmod(offsets, SF_ATOM_BYTES)
+    line, position = np.divmod(within, bytes_per_line)
+    grid_rows[line, atom * bytes_per_line + position] = r
+    grid_cols[line, atom * bytes_per_line + position] = c
+
+    slice_cmap = mpl.colormaps[ATOM_SLICE_CMAP]
+    rgba = np.ones(grid_rows.shape + (4,))
+    filled = grid_rows >= 0
+    slices = (grid_rows % SF_ATOM_ROWS) // 32
+    for s in range(4):
+        base = np.array(mcolors.to_rgba(slice_cmap(s)))
+        for kc in range(SF_ATOM_COLS):   # lighter for later k-blocks of the same 4-byte word
+            mask = filled & (slices == s) & (grid_cols % SF_ATOM_COLS == kc)
+            rgba[mask] = base * (1 - 0.16 * kc) + np.array([1, 1, 1, 1]) * 0.16 * kc
+    image = ax.imshow(rgba, aspect="auto", interpolation="nearest",
+                      extent=(-0.5, atoms * bytes_per_line - 0.5, lines - 0.5, -0.5))
+    for a in range(1, atoms):
+        ax.axvline(a * bytes_per_line - 0.5, color="black", lw=2)
+    for w in range(1, atoms * 4):
+        ax.axvline(w * 4 - 0.5, color="white", lw=1.2)
+    if annotate:
+        for (ln, x), row in np.ndenumerate(grid_rows):
+            if row >= 0:
+                text = str(row) if cols <= SF_ATOM_COLS else f"{row},{grid_cols[ln, x]}"
+                ax.text(x, ln, text, ha="center", va="center", fontsize=6.5,
+                        color=_text_color_on(rgba[ln, x, :3]))
+    header = [f"s{(p // 4)}\nk{p % 4}" for p in range(bytes_per_line)] * atoms
+    ax.set_xticks(range(atoms * bytes_per_line), header, fontsize=7)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(0, lines, 4))
+    ax.set_ylabel("16-byte line = TMEM lane (byte offset / 16)")
+    return image
