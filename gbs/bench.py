@@ -1,39 +1,68 @@
-"""Benchmark harness: CUDA-event timing, the streaming-read ceiling, fast synthetic problems, CSV rows.
+"""Benchmark harness and ``python -m gbs bench``: our kernels and the peers, timed side by side.
 
 Rules (DEVELOPERS.md, METHOD.md): every timing is CUDA events around one launch, after warm-up,
-repeated, reported as median / p10 / p90; inputs rotate over enough copies that the bytes of one
-rotation exceed ``L2_ROTATION_FACTOR`` times the L2, so no launch reads what the previous one left
-in L2; the ceilings (streaming read) are measured in the same process as the kernels.
+repeated, reported as median / p10 / p90; the timed launches queue behind a sleeping kernel, so the
+GPU runs them back to back and the events time the GPU's work, not Python's launch overhead; inputs
+rotate over enough copies that the bytes of one rotation exceed ``L2_ROTATION_FACTOR`` times the L2,
+so no launch reads what the previous one left in L2; the ceilings (streaming read, dense bf16 / fp8
+matmul) are measured in the same process as the kernels.
 
-``python -m gbs bench --quick`` runs the short benchmark of the GPU runner (``scripts/gpu_run.sh``).
+The benchmark: for each (format, case) it builds a synthetic problem, asks the dispatch for its
+config, times each of our backends (``BACKEND_LOADERS``: ``prepare(problem, config)`` -> a launcher
+that takes no arguments) and each peer of ``gbs.peers`` (torch bf16 / FP8 grouped matmuls, a
+Triton ``tl.dot_scaled`` grouped loop, a device copy of the same bytes) on the live groups, and
+makes one row per method: time, TFLOP/s and GB/s of the method's own useful bytes, percentages of
+the measured ceilings, speed-ups over each peer, the dispatch config, and the environment. It
+prints the table last and writes the rows as CSV (default ``bench/results/<date>-<gpu>.csv``).
+
+``python -m gbs bench --quick`` runs the short benchmark of the GPU runner (``scripts/gpu_run.sh``);
+``add_bench_parser`` registers the subcommand. Without a GPU it exits with status 2 and a message.
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
 import datetime
+import functools
+import importlib.metadata
 import os
+import re
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import GroupedProblem, operand_shape, resolve_formats
+from . import peers as peer_lib
+from .problem import PROBLEM_FORMATS, GroupedProblem, operand_shape, resolve_formats
 from .quant import E4M3, group_scale_offsets, swizzle_scales
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
 WARMUP_LAUNCHES = 5
 TIMED_LAUNCHES = 50
+MIN_TIMED_LAUNCHES = 5          # a slow method still gets a median of this many launches
+WARMUP_BUDGET_S = 0.2           # with a time budget, warm-up stops after about this long
+TIMING_BUDGET_S = 1.0           # timed launches of one method, full mode ...
+QUICK_TIMING_BUDGET_S = 0.3     # ... and --quick
 READ_CEILING_BYTES = 4 * 2 ** 30
+QUICK_READ_CEILING_BYTES = 2 ** 30   # still 16x the L2
 READ_THREADS_PER_BLOCK = 256
 READ_BLOCKS_PER_SM = 8          # 4-8 blocks of 256 per SM reached 4.30 TB/s (kernels.md)
 READ_LOADS_IN_FLIGHT = 4        # 16-byte loads issued per thread before the first use
+# The sleeping kernel ahead of the timed launches lasts this many times the host's time to issue
+# them (nanosleep sleeps only approximately as long as asked), at most SPACER_MAX_S.
+SPACER_MARGIN = 2.0
+SPACER_MAX_S = 0.5
+SPACER_SLEEP_NS = np.uint32(1000)
 
 # Realistic scale bytes for synthetic problems: UE8M0 exponents near 1.0, UE4M3 values near the
 # NVFP4 recipe's (amax_block / 6 * S_enc lands in [~16, 448]).
 SYNTHETIC_UE8M0_RANGE = (120, 131)
 SYNTHETIC_UE4M3_RANGE = (0x50, 0x7E)
+# Distinct random bytes per synthetic operand; an odd count, so repeats never line up with rows.
+SYNTHETIC_RANDOM_BYTES = 2 ** 24 - 1
 
 
 @dataclass(frozen=True)
@@ -45,24 +74,65 @@ class Timing:
 
 
 def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
-                  reps: int = TIMED_LAUNCHES) -> Timing:
+                  reps: int = TIMED_LAUNCHES, budget_s: float | None = None) -> Timing:
     """Time ``launch(i)`` (i = input set, rotating over ``num_inputs``) with CUDA events, one pair
-    of events per launch, after ``warmup`` untimed launches."""
+    of events per launch, after one untimed first call (compilation, module load) and ``warmup``
+    untimed launches. With ``budget_s``, warm-up and timed launches are cut to about
+    ``WARMUP_BUDGET_S`` and ``budget_s`` of the slower of host and GPU (at least 1 and
+    ``MIN_TIMED_LAUNCHES``). Events go on the legacy default stream, which torch and Triton use too."""
     from numba import cuda
 
-    for i in range(warmup):
-        launch(i % num_inputs)
+    if num_inputs < 1 or reps < 1 or warmup < 0:
+        raise ValueError(f"need num_inputs >= 1, reps >= 1, warmup >= 0; got {num_inputs}, {reps}, {warmup}")
+    launch(0)
     cuda.synchronize()
+    start, end = cuda.event(), cuda.event()
+    t0 = time.perf_counter()
+    start.record()
+    launch(1 % num_inputs)
+    end.record()
+    host_s = time.perf_counter() - t0
+    end.synchronize()
+    if budget_s is not None:
+        per_launch_s = max(host_s, cuda.event_elapsed_time(start, end) * 1e-3, 1e-9)
+        warmup = min(warmup, max(1, int(WARMUP_BUDGET_S / per_launch_s)))
+        reps = min(reps, max(MIN_TIMED_LAUNCHES, int(budget_s / per_launch_s)))
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        launch((2 + i) % num_inputs)
+    if warmup:
+        host_s = (time.perf_counter() - t0) / warmup
+    cuda.synchronize()
+    hold_stream(min(SPACER_MAX_S, SPACER_MARGIN * reps * host_s))
     starts = [cuda.event() for _ in range(reps)]
     ends = [cuda.event() for _ in range(reps)]
     for i in range(reps):
         starts[i].record()
-        launch((warmup + i) % num_inputs)
+        launch((2 + warmup + i) % num_inputs)
         ends[i].record()
     ends[-1].synchronize()
     times_us = np.array([cuda.event_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends)])
     return Timing(float(np.median(times_us)), float(np.percentile(times_us, 10)),
                   float(np.percentile(times_us, 90)), reps)
+
+
+@functools.lru_cache(maxsize=None)
+def _spacer_kernel():
+    from numba import cuda
+
+    @cuda.jit
+    def sleep(iterations):
+        for _ in range(iterations):
+            cuda.nanosleep(SPACER_SLEEP_NS)
+
+    return sleep
+
+
+def hold_stream(seconds: float) -> None:
+    """Enqueue a one-thread kernel that sleeps about ``seconds`` on the default stream (no sync)."""
+    iterations = int(seconds * 1e9 / int(SPACER_SLEEP_NS))
+    if iterations > 0:
+        _spacer_kernel()[1, 1](iterations)
 
 
 def rotation_count(bytes_per_input: int, l2_bytes: int = H200_L2_BYTES) -> int:
@@ -129,27 +199,36 @@ def synthetic_problem(fmt: str, *, n: int, k: int, group_sizes, expert_ids, num_
                       seed: int = 0) -> GroupedProblem:
     """A valid problem with random element codes and realistic scale bytes, built in seconds for
     any size (for timing; quantizing real weights of 64 DeepSeek experts takes minutes on a CPU).
-    Random codes are never all zero and exercise every element value."""
+    Random codes are never all zero and exercise every element value. An operand larger than
+    ``SYNTHETIC_RANDOM_BYTES`` repeats one random block of that size (a kernel's time does not
+    depend on the values, and drawing gigabytes on the host takes a minute)."""
     a_format, b_format = resolve_formats(fmt)
     rng = np.random.default_rng(seed)
     group_sizes = np.asarray(group_sizes, np.int64)
     a_offsets = np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.uint32)
     total = int(a_offsets[-1])
 
+    def random_bytes(low, high, shape, fix=None):
+        """Random bytes in [low, high) of ``shape``: one block drawn (then ``fix``ed in place), repeated."""
+        block = rng.integers(low, high, min(int(np.prod(shape)), SYNTHETIC_RANDOM_BYTES), dtype=np.uint8)
+        if fix is not None:
+            fix(block)
+        return np.resize(block, shape)
+
+    def clear_e4m3_nans(raw):   # S.1111.111 -> S.1111.110 so timing sees numbers
+        raw[(raw & 0x7F) == 0x7F] ^= np.uint8(0x01)
+
+    def clear_e5m2_nans(raw):   # exponent 11111 -> 10111
+        raw[(raw & 0x7C) == 0x7C] ^= np.uint8(0x40)
+
     def codes(fmt_, shape):
-        raw = rng.integers(0, 256, shape, dtype=np.uint8)
         if fmt_.packed:
-            return raw
-        # FP8: clear NaN encodings (E4M3 S.1111.111, E5M2 exponent 11111) so timing sees numbers
-        if fmt_.element_dtype == E4M3:
-            raw = np.where((raw & 0x7F) == 0x7F, raw ^ 0x01, raw)
-        else:
-            raw = np.where((raw & 0x7C) == 0x7C, raw ^ 0x40, raw)
-        return raw.view(fmt_.element_dtype)
+            return random_bytes(0, 256, shape)
+        fix = clear_e4m3_nans if fmt_.element_dtype == E4M3 else clear_e5m2_nans
+        return random_bytes(0, 256, shape, fix).view(fmt_.element_dtype)
 
     def scale_bytes(fmt_, shape):
-        lo, hi = SYNTHETIC_UE4M3_RANGE if fmt_.scale_dtype == "ue4m3" else SYNTHETIC_UE8M0_RANGE
-        return rng.integers(lo, hi, shape, dtype=np.uint8)
+        return random_bytes(*(SYNTHETIC_UE4M3_RANGE if fmt_.scale_dtype == "ue4m3" else SYNTHETIC_UE8M0_RANGE), shape)
 
     a = codes(a_format, operand_shape(a_format, (total,), k))
     b = codes(b_format, operand_shape(b_format, (num_experts, n), k))
@@ -183,7 +262,7 @@ def useful_flops(problem: GroupedProblem) -> int:
 
 
 def environment_fields() -> dict:
-    """GPU, date, commit and versions for every CSV row."""
+    """GPU, date, commit and versions for every CSV row (a commit with "+dirty" had local changes)."""
     import ml_dtypes
     import numba
 
@@ -195,8 +274,13 @@ def environment_fields() -> dict:
     except Exception:
         gpu = "none"
     try:
+        here = os.path.dirname(__file__)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+                                cwd=here).stdout.strip() or "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here).stdout.strip()
+        if changed and commit != "unknown":
+            commit += "+dirty"
     except OSError:
         commit = "unknown"
     try:
@@ -207,7 +291,16 @@ def environment_fields() -> dict:
         numba_cuda_version = "unknown"
     return {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit,
             "numpy": np.__version__, "numba": numba.__version__, "numba_cuda": numba_cuda_version,
-            "ml_dtypes": ml_dtypes.__version__}
+            "ml_dtypes": ml_dtypes.__version__, "torch": _installed_version("torch"),
+            "triton": _installed_version("triton")}
+
+
+def _installed_version(package: str) -> str:
+    """A package's version without importing it (torch takes seconds); "none" if absent."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -224,3 +317,487 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 def dataclass_row(obj) -> dict:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: the issue's table shapes
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchCase:
+    """One benchmark shape: ``slots`` experts with ``tokens_per_expert`` tokens each, (N, K)."""
+
+    name: str
+    n: int
+    k: int
+    slots: int
+    tokens_per_expert: int
+    routing: str = "uniform"
+
+    @property
+    def label(self) -> str:
+        return f"{self.n}x{self.k} {self.slots}x{self.tokens_per_expert}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.slots * self.tokens_per_expert
+
+    def problem(self, fmt: str, seed: int = 0) -> GroupedProblem:
+        """A synthetic problem with one expert per slot (only live experts cost bytes anywhere)."""
+        return synthetic_problem(fmt, n=self.n, k=self.k, group_sizes=[self.tokens_per_expert] * self.slots,
+                                 expert_ids=np.arange(self.slots), num_experts=self.slots, seed=seed)
+
+
+BENCH_CASES: dict[str, BenchCase] = {c.name: c for c in (
+    BenchCase("decode_up", 4096, 7168, 64, 4),            # DeepSeek-V3 up-projection, decode
+    BenchCase("decode_down", 7168, 2048, 64, 4),          # DeepSeek-V3 down-projection, decode
+    BenchCase("kimi_decode", 512, 7168, 8, 1),            # Kimi K2.5 TP-8 up-projection, one token each
+    BenchCase("small_prefill_up", 4096, 7168, 32, 32),
+    BenchCase("large_prefill_up", 4096, 7168, 8, 1024),
+    BenchCase("large_prefill_down", 7168, 2048, 8, 1024),
+)}
+QUICK_CASES = ("decode_up", "kimi_decode", "small_prefill_up", "large_prefill_up")
+QUICK_FORMATS = ("nvfp4", "mxfp8")
+FULL_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+
+# The torch peers as a teammate measured them on this H200 (torch 2.11): what this run's torch rows
+# should reproduce. (value, unit).
+EARLIER_TORCH_FIGURES: dict[str, dict[str, tuple[float, str]]] = {
+    "decode_up": {"torch_bf16": (1301, "us"), "torch_fp8_rowwise": (729, "us")},
+    "decode_down": {"torch_bf16": (669, "us"), "torch_fp8_rowwise": (410, "us")},
+    "kimi_decode": {"torch_bf16": (67.8, "us"), "torch_fp8_rowwise": (58.9, "us")},
+    "small_prefill_up": {"torch_bf16": (675, "us"), "torch_fp8_rowwise": (395, "us")},
+    "large_prefill_up": {"torch_bf16": (703, "TFLOP/s"), "torch_fp8_rowwise": (1002, "TFLOP/s")},
+    "large_prefill_down": {"torch_bf16": (631, "TFLOP/s"), "torch_fp8_rowwise": (747, "TFLOP/s")},
+}
+# Dense matmul peaks measured on this H200 (kernels.md, 2026-11-29): used when not measured.
+KERNELS_MD_PEAK_TFLOPS = {"bf16": 766.0, "fp8": 1340.0}
+KERNELS_MD_SOURCE = "kernels.md"
+MEASURED_SOURCE = "measured"
+
+
+def _names(value, what: str, allowed) -> tuple[str, ...]:
+    """Validated names from a comma-separated string or a sequence; ValueError lists the allowed."""
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else list(value)
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(f"unknown {what} {unknown or names}; expected a comma-separated subset of {list(allowed)}")
+    return tuple(dict.fromkeys(names))
+
+
+def select_cases(quick: bool, formats=None, shapes=None) -> list[tuple[str, BenchCase]]:
+    """(format, case) pairs to run, case-major (peers that ignore the format are timed once per case)."""
+    formats = _names(formats, "formats", PROBLEM_FORMATS) if formats else (QUICK_FORMATS if quick else FULL_FORMATS)
+    shapes = _names(shapes, "shapes", BENCH_CASES) if shapes else (QUICK_CASES if quick else tuple(BENCH_CASES))
+    return [(fmt, BENCH_CASES[name]) for name in shapes for fmt in formats]
+
+
+# ----------------------------------------------------------------------------------------------
+# Our kernels
+# ----------------------------------------------------------------------------------------------
+def _simt_launcher(simt, problem: GroupedProblem, config):
+    """Device-resident launcher of the SIMT kernel (``simt.grouped_matmul_simt`` copies in and out
+    on every call, which would time PCIe)."""
+    from numba import cuda
+
+    from . import schedule
+    from .reference import poison_output
+
+    tile_config = simt.check_can_implement(problem, config)
+    shape = tile_config.tile_shape
+    num_tiles = schedule.total_tiles(problem.a_offsets, problem.expert_ids, problem.n, shape)
+    if num_tiles == 0:
+        raise ValueError("the problem has no tiles (every slot is -1 or empty)")
+    threads = simt.default_threads_per_block()
+    num_ctas = simt.default_num_ctas(num_tiles, shape.cta_group)
+    kernel = simt._launchable_kernel(simt.SimtKernelSpec.for_problem(problem, tile_config, threads))
+    def as_words(x):   # the kernel reads operands as 32-bit words along K
+        return np.ascontiguousarray(x).view(np.uint8).view(np.uint32)
+
+    args = [cuda.to_device(x) for x in (
+        as_words(problem.a), as_words(problem.b),
+        np.ascontiguousarray(problem.a_scales).reshape(-1),
+        np.ascontiguousarray(problem.b_scales).reshape(problem.num_experts, -1),
+        problem.a_offsets.astype(np.int64), problem.a_scale_offsets.astype(np.int64),
+        np.ascontiguousarray(problem.expert_ids), np.ascontiguousarray(problem.expert_scales),
+        poison_output(problem.total_tokens, problem.n).view(np.uint16))]
+    n, k = problem.n, problem.k
+
+    def launch():
+        kernel[num_ctas, threads](*args, n, k, num_tiles)
+
+    return launch
+
+
+def _load_simt():
+    from .numba_kernels import simt
+
+    return functools.partial(_simt_launcher, simt)
+
+
+def _load_h200_stream():
+    from .numba_kernels import h200_stream
+    from .numba_kernels.launch import to_device
+
+    prepare_device = h200_stream.prepare
+
+    def prepare(problem: GroupedProblem, config):
+        return prepare_device(to_device(problem), config)
+
+    return prepare
+
+
+# Backend name -> loader returning ``prepare(problem, config) -> launch()``; a loader raises
+# ImportError / NotImplementedError / AttributeError while the backend is not there yet.
+BACKEND_LOADERS = {"simt": _load_simt, "h200_stream": _load_h200_stream}
+BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
+METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
+
+
+def select_methods(names=None) -> tuple[str, ...]:
+    return _names(names, "backends", METHODS) if names else METHODS
+
+
+def load_backends(names) -> tuple[dict, dict[str, str]]:
+    """``prepare`` of each backend that loads, and the reason for each one that does not."""
+    prepares, skipped = {}, {}
+    for name in names:
+        try:
+            prepares[name] = BACKEND_LOADERS[name]()
+        except BACKEND_UNAVAILABLE as err:
+            skipped[name] = f"{type(err).__name__}: {err}"
+    return prepares, skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements and rows
+# ----------------------------------------------------------------------------------------------
+KIND_OURS = "ours"
+KIND_PEER = "peer"
+STATUS_OK = "ok"
+STATUS_SKIPPED = "skipped"
+STATUS_FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One method on one (format, case): its timing, or why there is none."""
+
+    method: str
+    kind: str                  # KIND_OURS | KIND_PEER
+    method_format: str         # what the method computes in (e.g. "bf16 x bf16")
+    useful_flops: int
+    useful_bytes: int          # the fewest bytes THIS method must move
+    timing: Timing | None = None
+    status: str = STATUS_OK    # STATUS_OK | STATUS_SKIPPED | STATUS_FAIL
+    note: str = ""
+    input_sets: int = 0        # rotated input copies
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    read_tbps: float
+    bf16_tflops: float
+    fp8_tflops: float
+    bf16_source: str
+    fp8_source: str
+
+
+def _ratio(numerator, denominator):
+    """numerator / denominator, or None (a blank cell) when either is missing or zero."""
+    return numerator / denominator if numerator and denominator else None
+
+
+def _percent(value, ceiling):
+    return 100 * value / ceiling if value and ceiling else None
+
+
+def build_rows(fmt: str, case: BenchCase, config, measurements: list[Measurement], ceilings: Ceilings,
+               env: dict) -> list[dict]:
+    """One CSV row per measurement, every row with the same keys. ``speedup_vs_<peer>`` =
+    peer median / this median (> 1: this method is faster); blank without both timings."""
+    peer_us = {m.method: m.timing.median_us for m in measurements if m.kind == KIND_PEER and m.timing}
+    rows = []
+    for m in measurements:
+        us = m.timing.median_us if m.timing else None
+        tflops = _ratio(m.useful_flops, us * 1e6) if us else None
+        gbps = _ratio(m.useful_bytes, us * 1e3) if us else None
+        ours = m.kind == KIND_OURS
+        earlier = EARLIER_TORCH_FIGURES.get(case.name, {}).get(m.method)
+        row = {
+            "format": fmt, "case": case.name, "n": case.n, "k": case.k, "routing": case.routing,
+            "slots": case.slots, "tokens_per_expert": case.tokens_per_expert, "total_tokens": case.total_tokens,
+            "regime": config.regime, "method": m.method, "kind": m.kind, "method_format": m.method_format,
+            "status": m.status, "note": m.note,
+            "median_us": us, "p10_us": m.timing.p10_us if m.timing else None,
+            "p90_us": m.timing.p90_us if m.timing else None, "launches": m.timing.launches if m.timing else None,
+            "input_sets": m.input_sets, "useful_flops": m.useful_flops, "useful_bytes": m.useful_bytes,
+            "tflops": tflops, "gbps": gbps,
+            "pct_read_ceiling": _percent(gbps, ceilings.read_tbps * 1e3),
+            "pct_bf16_peak": _percent(tflops, ceilings.bf16_tflops),
+            "pct_fp8_peak": _percent(tflops, ceilings.fp8_tflops),
+        }
+        for peer in peer_lib.PEER_NAMES:
+            row[f"speedup_vs_{peer}"] = _ratio(peer_us.get(peer), us)
+        row.update({
+            "ab_swapped": config.ab_swapped if ours else None, "mma_bn": config.mma_bn if ours else None,
+            "cta_group": config.cta_group if ours else None,
+            "stages": config.num_pipeline_stages if ours else None,
+            "earlier_figure": f"{earlier[0]:g} {earlier[1]}" if earlier else "",
+            "read_ceiling_tbps": ceilings.read_tbps, "bf16_peak_tflops": ceilings.bf16_tflops,
+            "bf16_peak_source": ceilings.bf16_source, "fp8_peak_tflops": ceilings.fp8_tflops,
+            "fp8_peak_source": ceilings.fp8_source,
+        })
+        row.update(env)
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    """``value`` formatted by ``spec`` (e.g. "6.1f"), or a "-" of the same width when blank."""
+    if value is None or value == "":
+        return "-".rjust(int(spec.split(".")[0] or 0))
+    return format(value, spec)
+
+
+SPEEDUP_HEADERS = {"torch_bf16": "x_bf16", "torch_fp8_rowwise": "x_fp8", "triton_dot_scaled": "x_trit",
+                   "copy": "x_copy"}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width text table (skipped / failed methods show their reason)."""
+    speedups = "".join(f" {SPEEDUP_HEADERS[p]:>6}" for p in peer_lib.PEER_NAMES)
+    header = (f"{'case':<18} {'fmt':<6} {'method':<18} {'us':>9} {'p10-p90 us':>17} {'TFLOP/s':>8} "
+              f"{'GB/s':>7} {'%read':>6} {'%bf16':>6} {'%fp8':>6}{speedups}  config / note")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        case = f"{r['case']}"
+        head = f"{case:<18} {r['format']:<6} {r['method']:<18}"
+        if r["median_us"] is None:
+            lines.append(f"{head} {r['status']}: {r['note']}")
+            continue
+        spread = f"{r['p10_us']:.1f}-{r['p90_us']:.1f}"
+        ratios = "".join(f" {_fmt(r[f'speedup_vs_{p}'], '6.2f')}" for p in peer_lib.PEER_NAMES)
+        if r["kind"] == KIND_OURS:
+            extra = (f"swap={int(r['ab_swapped'])} bn={r['mma_bn']} cg={r['cta_group']} st={r['stages']} "
+                     f"({r['regime']})")
+        else:
+            extra = r["method_format"] + (f"; earlier {r['earlier_figure']}" if r["earlier_figure"] else "")
+        if r["note"]:
+            extra += f"; {r['note']}"
+        rates = (f"{_fmt(r['tflops'], '8.1f')} {_fmt(r['gbps'], '7.0f')} {_fmt(r['pct_read_ceiling'], '6.1f')} "
+                 f"{_fmt(r['pct_bf16_peak'], '6.1f')} {_fmt(r['pct_fp8_peak'], '6.1f')}")
+        lines.append(f"{head} {r['median_us']:>9.1f} {spread:>17} {rates}{ratios}  {extra}")
+    return "\n".join(lines)
+
+
+TABLE_LEGEND = """\
+us: median of CUDA-event timings per launch (p10-p90 beside it); launches queued behind a sleeping kernel, so
+    the GPU's time, without Python's launch gaps; inputs rotated over copies spanning 4x the L2.
+TFLOP/s: 2 x live tokens x N x K / time. GB/s: the fewest bytes THIS method moves (its weights and tokens once,
+    the bf16 output once) / time: bf16 weights are 4x the FP4 bytes; the copy reads and writes half our bytes each.
+%read: of the streaming-read ceiling measured in this run; %bf16, %fp8: of the dense matmul peaks above.
+x_<peer>: the peer's time / this row's time (> 1: this row is faster).
+Peers run only the live groups (torch has no -1 skip semantics) on their own random data; torch_fp8_rowwise uses
+    use_fast_accum=False; the Triton peer launches one kernel per group from Python (MX scales only)."""
+
+
+def default_csv_path(env: dict, root: str = "bench/results") -> str:
+    return os.path.join(root, f"{env['date']}-{gpu_slug(env['gpu'])}.csv")
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """'NVIDIA H200' -> 'h200': lower case, vendor dropped, other runs of symbols -> '-'."""
+    name = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+def measure_ceilings(read_bytes: int, measure_peaks: bool, budget_s: float) -> Ceilings:
+    """Streaming-read ceiling, always measured; dense bf16 / fp8 matmul peaks measured when asked
+    and torch is there, else the kernels.md figures (labelled)."""
+    read_tbps, _ = measure_read_bandwidth(read_bytes)
+    peaks = {kind: (KERNELS_MD_PEAK_TFLOPS[kind], KERNELS_MD_SOURCE) for kind in peer_lib.DENSE_PEAK_KINDS}
+    if measure_peaks:
+        l2 = device_l2_bytes()
+        for kind in peer_lib.DENSE_PEAK_KINDS:
+            try:
+                copies = rotation_count(peer_lib.dense_peak_input_bytes(kind), l2)
+                launch, flops = peer_lib.dense_peak_launcher(kind, copies)
+                timing = time_launches(launch, num_inputs=copies, budget_s=budget_s)
+                peaks[kind] = (flops / (timing.median_us * 1e6), MEASURED_SOURCE)
+            except Exception as err:   # no torch, no fp8 matmul: keep the labelled kernels.md figure
+                print(f"  {kind} peak not measured ({type(err).__name__}: {err}); using kernels.md")
+    return Ceilings(read_tbps, peaks["bf16"][0], peaks["fp8"][0], peaks["bf16"][1], peaks["fp8"][1])
+
+
+def _our_measurement(name: str, prepare, problem: GroupedProblem, config, budget_s: float, l2: int) -> Measurement:
+    base = dict(method=name, kind=KIND_OURS, method_format=problem.format_name,
+                useful_flops=useful_flops(problem), useful_bytes=useful_bytes(problem))
+    copies = rotation_count(sum(problem.nbytes().values()), l2)
+    try:
+        launchers = [prepare(problem, config) for _ in range(copies)]
+        timing = time_launches(lambda i: launchers[i](), num_inputs=copies, budget_s=budget_s)
+    except (NotImplementedError, ValueError, TypeError) as err:   # this config / format is not supported
+        return Measurement(**base, status=STATUS_SKIPPED, note=f"{type(err).__name__}: {err}")
+    except Exception as err:   # a crash: recorded, the run goes on
+        return Measurement(**base, status=STATUS_FAIL, note=f"{type(err).__name__}: {err}")
+    return Measurement(**base, timing=timing, input_sets=copies)
+
+
+def _peer_measurement(peer, shape, fmt: str, ours_bytes: int, budget_s: float, l2: int) -> Measurement:
+    nbytes = peer.useful_bytes(shape, fmt, ours_bytes)
+    base = dict(method=peer.name, kind=KIND_PEER, method_format=peer.method_format(fmt),
+                useful_flops=peer.useful_flops(shape), useful_bytes=nbytes)
+    copies = rotation_count(nbytes, l2)
+    try:
+        inputs = [peer.make_inputs(shape, fmt, ours_bytes, seed=i) for i in range(copies)]
+        timing = time_launches(lambda i: peer.launch(inputs[i]), num_inputs=copies, budget_s=budget_s)
+    except Exception as err:   # peers are others' code: any failure is recorded, the run goes on
+        return Measurement(**base, status=STATUS_FAIL, note=f"{type(err).__name__}: {err}")
+    return Measurement(**base, timing=timing, input_sets=copies)
+
+
+def _progress(fmt: str, case: BenchCase, m: Measurement) -> str:
+    where = f"  [{fmt} {case.name}] {m.method}:"
+    if m.timing is None:
+        return f"{where} {m.status}: {m.note}"
+    t = m.timing
+    return (f"{where} {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f}; {t.launches} launches, "
+            f"{m.input_sets} input sets)")
+
+
+def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | None, *,
+              budget_s: float = TIMING_BUDGET_S, read_bytes: int = READ_CEILING_BYTES,
+              measure_peaks: bool = True, seed: int = 0) -> int:
+    """Run the benchmark on this GPU; print the table last, write the CSV. Returns 1 if one of our
+    kernels crashed, else 0 (peer failures are reported in their rows)."""
+    from .api import dispatch_for
+
+    env = environment_fields()
+    csv_path = csv_path or default_csv_path(env)
+    print(f"gbs bench on {env['gpu']} ({env['date']}, commit {env['commit']}; torch {env['torch']}, "
+          f"triton {env['triton']}, numba-cuda {env['numba_cuda']})")
+    ceilings = measure_ceilings(read_bytes, measure_peaks, budget_s)
+    print(f"ceilings: streaming read {ceilings.read_tbps:.2f} TB/s (measured); dense bf16 "
+          f"{ceilings.bf16_tflops:.0f} TFLOP/s ({ceilings.bf16_source}); fp8 {ceilings.fp8_tflops:.0f} TFLOP/s "
+          f"({ceilings.fp8_source})")
+
+    our_names = [m for m in methods if m in BACKEND_LOADERS]
+    prepares, skipped = load_backends(our_names)
+    peers, peer_skips = peer_lib.load_peers([m for m in methods if m in peer_lib.PEER_NAMES])
+    skipped.update(peer_skips)
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}")
+
+    formats = list(dict.fromkeys(fmt for fmt, _ in selection))
+    checks = {}
+    print("peer checks (small shape vs float64; a FAIL is not timed):")
+    for peer in peers:
+        for fmt in formats if peer.format_dependent else formats[:1]:
+            checks[peer.name, fmt if peer.format_dependent else None] = check = peer_lib.check_peer(peer, fmt)
+            print(f"  {check}")
+
+    l2 = device_l2_bytes()
+    rows, shape_timings = [], {}
+    for fmt, case in selection:
+        problem = case.problem(fmt, seed)
+        config = dispatch_for(problem)
+        print(f"[{fmt} {case.name}] {case.label}: {config.regime}, swap={config.ab_swapped} "
+              f"mma_bn={config.mma_bn} cta_group={config.cta_group} stages={config.num_pipeline_stages}")
+        ours_bytes = useful_bytes(problem)
+        measurements = []
+        for name in our_names:
+            if name in prepares:
+                m = _our_measurement(name, prepares[name], problem, config, budget_s, l2)
+            else:
+                m = Measurement(name, KIND_OURS, problem.format_name, useful_flops(problem), ours_bytes,
+                                status=STATUS_SKIPPED, note=skipped[name])
+            measurements.append(m)
+        shape = peer_lib.PeerShape.from_problem(problem)
+        for peer in peers:
+            check = checks[peer.name, fmt if peer.format_dependent else None]
+            key = (peer.name, shape)
+            if not check.passed:
+                m = Measurement(peer.name, KIND_PEER, peer.method_format(fmt), peer.useful_flops(shape),
+                                peer.useful_bytes(shape, fmt, ours_bytes), status=STATUS_FAIL,
+                                note=f"correctness check failed, not timed ({check.message})")
+            elif not peer.format_dependent and key in shape_timings:
+                m = shape_timings[key]   # the same computation as for the previous format
+            else:
+                m = _peer_measurement(peer, shape, fmt, ours_bytes, budget_s, l2)
+                if not peer.format_dependent:
+                    shape_timings[key] = m
+            measurements.append(m)
+        for name in methods:
+            if name in peer_skips:
+                measurements.append(Measurement(name, KIND_PEER, "", 0, 0, status=STATUS_SKIPPED,
+                                                note=peer_skips[name]))
+        for m in measurements:
+            print(_progress(fmt, case, m))
+        rows += build_rows(fmt, case, config, measurements, ceilings, env)
+        del problem, measurements
+        peer_lib.free_cached_memory()
+
+    write_csv(csv_path, rows)
+    print(f"\nwrote {len(rows)} rows to {csv_path}\n")
+    print(TABLE_LEGEND)
+    print(f"read ceiling {ceilings.read_tbps:.2f} TB/s; bf16 peak {ceilings.bf16_tflops:.0f} TFLOP/s "
+          f"({ceilings.bf16_source}); fp8 peak {ceilings.fp8_tflops:.0f} TFLOP/s ({ceilings.fp8_source})\n")
+    print(format_table(rows))
+    crashed = any(r["kind"] == KIND_OURS and r["status"] == STATUS_FAIL for r in rows)
+    return 1 if crashed else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+NO_GPU_STATUS = 2
+NO_GPU_MESSAGE = ("python -m gbs bench needs a CUDA GPU and Numba finds none here. Run it on a GPU machine, "
+                  "e.g. `scripts/gpu_run.sh bench` on the H200.")
+
+
+def cmd_bench(args) -> int:
+    """Handler of ``python -m gbs bench``: validates the options, then needs a GPU (status 2 without)."""
+    from .api import gpu_available
+
+    selection = select_cases(args.quick, args.formats, args.shapes)
+    methods = select_methods(args.backends)
+    if not gpu_available():
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        return NO_GPU_STATUS
+    return run_bench(selection, methods, args.csv,
+                     budget_s=QUICK_TIMING_BUDGET_S if args.quick else TIMING_BUDGET_S,
+                     read_bytes=QUICK_READ_CEILING_BYTES if args.quick else READ_CEILING_BYTES,
+                     measure_peaks=not args.skip_peaks, seed=args.seed)
+
+
+def add_bench_parser(subparsers):
+    """Register ``bench`` on an ``argparse`` subparsers object (``python -m gbs bench``)."""
+    quick_rows = ", ".join(QUICK_CASES)
+    b = subparsers.add_parser(
+        "bench", help="time our kernels and the torch / Triton peers side by side on this GPU",
+        description="Time our grouped block-scaled kernels (under the dispatch's config) and the peers "
+                    "(torch._grouped_mm bf16, torch._scaled_grouped_mm FP8 row-wise, a Triton tl.dot_scaled "
+                    "grouped loop, a device copy of the same bytes) in one process, with the streaming-read "
+                    "ceiling and the dense matmul peaks measured in the same run. Prints a table last and writes "
+                    "a CSV. Needs a CUDA GPU (exit status 2 without one).")
+    b.add_argument("--quick", action="store_true",
+                   help=f"the short run of scripts/gpu_run.sh: cases {quick_rows}; formats "
+                        f"{', '.join(QUICK_FORMATS)} (under 2 minutes on an H200)")
+    b.add_argument("--csv", default=None, help="output CSV (default bench/results/<date>-<gpu>.csv)")
+    b.add_argument("--formats", default=None,
+                   help=f"comma-separated problem formats (default {','.join(FULL_FORMATS)}; "
+                        f"any of {','.join(PROBLEM_FORMATS)})")
+    b.add_argument("--backends", default=None,
+                   help=f"comma-separated methods to time, ours and peers (default all: {','.join(METHODS)})")
+    b.add_argument("--shapes", default=None,
+                   help="comma-separated cases (default all): " + "; ".join(
+                       f"{c.name} = {c.label}" for c in BENCH_CASES.values()))
+    b.add_argument("--skip-peaks", action="store_true",
+                   help="do not measure the dense bf16 / fp8 matmul peaks; use kernels.md's 766 / 1340 TFLOP/s")
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic problems")
+    b.set_defaults(func=cmd_bench)
+    return b

@@ -1,0 +1,530 @@
+"""Peers timed beside our kernels in ``python -m gbs bench``: what a PyTorch / Triton user has today.
+
+* ``torch_bf16``: ``torch._grouped_mm`` in bf16 (CUTLASS on SM90): the dense baseline. Its weights
+  are bf16, 4x the bytes of FP4 weights.
+* ``torch_fp8_rowwise``: ``torch._scaled_grouped_mm`` with E4M3 operands and float32 row-wise
+  scales (one per token row, one per weight row): the FP8 baseline, coarser than MX block scales.
+* ``triton_dot_scaled``: a Triton kernel around ``tl.dot_scaled`` (which Hopper emulates by
+  upcasting to bf16), launched once per live group from a Python loop. Its operands are the
+  problem's element formats with UE8M0 block-32 scales, which is all ``tl.dot_scaled`` takes:
+  NVFP4 rows run the MXFP4 proxy (same E2M1 bytes, block-32 UE8M0 scales).
+* ``copy``: a device-to-device copy (``Tensor.copy_``) that reads half of our kernel's useful bytes
+  and writes the other half: the same DRAM traffic, at the rate a copy reaches.
+
+Every peer sees only the live groups (slots with an expert and at least one token): torch's grouped
+matmuls have no ``-1`` skip semantics. Peers build their own random inputs on the GPU for a shape
+(N, K, live group sizes); none of them reads our problem's bytes. Before timing, ``check_peer`` runs
+each peer once on a small shape against a float64 reference of its own inputs.
+
+torch and Triton are imported only when a peer is loaded: both are on the H200 image (torch 2.11 +
+cu130, Triton 3.6), neither is in the CPU CI environment. Triton compiles its kernel on first use.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from .problem import GroupedProblem, resolve_formats
+from .quant import UE8M0_BIAS, decode_elements, unpack_fp4
+from .reference import MAX_REL_TOL, RMS_REL_TOL, relative_errors
+
+PEER_NAMES = ("torch_bf16", "torch_fp8_rowwise", "triton_dot_scaled", "copy")
+
+BF16_BYTES = 2
+FP8_BYTES = 1
+ROW_SCALE_BYTES = 4          # float32 row-wise scale (torch_fp8_rowwise)
+OUTPUT_BYTES = 2             # every method writes bf16
+COPY_ALIGN_BYTES = 16
+TORCH_ALIGN = 16             # _scaled_grouped_mm: K and N multiples of 16 (GroupedBlas.cpp)
+
+# Triton peer tiles: tokens x weight rows x K per program. A decode group (<= 64 tokens) gets a
+# 64-token tile (the smallest wgmma M on Hopper); larger groups 128.
+TRITON_SCALE_BLOCK = 32      # tl.dot_scaled: one UE8M0 scale per 32 elements along K
+TRITON_BLOCK_N = 128
+TRITON_BLOCK_K = 128
+TRITON_SMALL_BLOCK_M = 64
+TRITON_LARGE_BLOCK_M = 128
+TRITON_NUM_WARPS = 4
+TRITON_NUM_STAGES = 3
+# Random scale bytes near 1.0 (2^-7 .. 2^3): products stay far from bf16 / fp32 overflow.
+TRITON_UE8M0_RANGE = (120, 131)
+
+# The correctness check's shape: ragged groups, one longer than the large tile, N and K multiples
+# of every alignment above.
+CHECK_N = 256
+CHECK_K = 512
+CHECK_GROUP_SIZES = (5, 37, 130)
+CHECK_SEED = 1234
+
+# Dense matmul peaks measured in the same run (kernels.md measured 766 / 1340 TFLOP/s here).
+DENSE_PEAK_SIZE = 8192
+DENSE_PEAK_KINDS = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class PeerShape:
+    """What a peer computes: live group sizes (tokens) x N weight rows x K."""
+
+    n: int
+    k: int
+    group_sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.n < 1 or self.k < 1:
+            raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
+        if not self.group_sizes or min(self.group_sizes) < 1:
+            raise ValueError(f"a peer shape needs at least one group and no empty groups, got {self.group_sizes}")
+
+    @classmethod
+    def from_problem(cls, problem: GroupedProblem) -> "PeerShape":
+        """The live groups of ``problem`` (expert id >= 0 and at least one token), in slot order."""
+        sizes = problem.group_sizes
+        live = tuple(int(sizes[g]) for g in problem.active_slots())
+        if not live:
+            raise ValueError("the problem has no live group (every slot is -1 or empty)")
+        return cls(problem.n, problem.k, live)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.group_sizes)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_sizes)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.tokens * self.n * self.k
+
+    def offsets(self) -> np.ndarray:
+        """Cumulative group ends (torch's ``offs``)."""
+        return np.cumsum(self.group_sizes).astype(np.int32)
+
+    def output_bytes(self) -> int:
+        return self.tokens * self.n * OUTPUT_BYTES
+
+
+def triton_formats(fmt: str) -> tuple[str, str, str]:
+    """(lhs format, rhs format, note) of the Triton peer for a problem format: the element formats
+    of A (tokens) and B (weights), with UE8M0 block-32 scales; the note says when that is a proxy."""
+    a_format, b_format = resolve_formats(fmt)
+    proxies = [f.name for f in (a_format, b_format)
+               if f.scale_dtype != "ue8m0" or f.block_size != TRITON_SCALE_BLOCK]
+    note = ""
+    if proxies:
+        note = (f"{'/'.join(sorted(set(proxies)))} runs as its MX proxy (UE8M0 block-32 scales): "
+                "tl.dot_scaled takes no other scales")
+    return a_format.element, b_format.element, note
+
+
+def _element_bits(element: str) -> int:
+    return 4 if element == "e2m1" else 8
+
+
+def _mx_row_bytes(element: str, k: int) -> int:
+    """Bytes of one K-long row in an MX format: elements plus one UE8M0 byte per 32."""
+    return k * _element_bits(element) // 8 + k // TRITON_SCALE_BLOCK
+
+
+def _check_multiple(what: str, value: int, multiple: int, peer: str) -> None:
+    if value % multiple:
+        raise ValueError(f"{peer}: {what} = {value} must be a multiple of {multiple}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Peers
+# ----------------------------------------------------------------------------------------------
+class Peer:
+    """One peer: builds inputs for a shape on the GPU, launches once per call, and can check its
+    output against a float64 reference of the same inputs."""
+
+    name = ""
+    label = ""
+    format_dependent = False   # False: one timing of a shape serves every problem format
+
+    def method_format(self, fmt: str) -> str:
+        raise NotImplementedError
+
+    def useful_flops(self, shape: PeerShape) -> int:
+        return shape.flops
+
+    def useful_bytes(self, shape: PeerShape, fmt: str, our_useful_bytes: int) -> int:
+        """The fewest bytes this method must move for ``shape``."""
+        raise NotImplementedError
+
+    def make_inputs(self, shape: PeerShape, fmt: str, our_useful_bytes: int, seed: int):
+        raise NotImplementedError
+
+    def launch(self, inputs):
+        """Run once (asynchronously; no host copies, no syncs); returns the output tensor."""
+        raise NotImplementedError
+
+    def reference(self, inputs) -> np.ndarray:
+        """float64 result the launch must produce (small shapes only: it runs on the host)."""
+        raise NotImplementedError
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _generator(seed: int):
+    torch = _torch()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+    return gen
+
+
+def _host64(tensor) -> np.ndarray:
+    return tensor.float().cpu().numpy().astype(np.float64)
+
+
+def _grouped_reference(a: np.ndarray, b: np.ndarray, group_sizes) -> np.ndarray:
+    """C[rows of group g] = A[rows] @ B[g].T in float64."""
+    out = np.empty((a.shape[0], b.shape[1]))
+    start = 0
+    for g, size in enumerate(group_sizes):
+        out[start:start + size] = a[start:start + size] @ b[g].T
+        start += size
+    return out
+
+
+class TorchBf16Peer(Peer):
+    name = "torch_bf16"
+    label = "torch._grouped_mm bf16"
+
+    def method_format(self, fmt):
+        return "bf16 x bf16"
+
+    def useful_bytes(self, shape, fmt, our_useful_bytes):
+        return (shape.num_groups * shape.n * shape.k * BF16_BYTES + shape.tokens * shape.k * BF16_BYTES
+                + shape.output_bytes())
+
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed):
+        torch = _torch()
+        gen = _generator(seed)
+        a = torch.randn((shape.tokens, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
+        # Weights stored as experts' (N, K) rows, passed as the (G, K, N) transpose view
+        b = torch.randn((shape.num_groups, shape.n, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
+        offs = torch.from_numpy(shape.offsets()).to("cuda")
+        return {"a": a, "b": b, "offs": offs, "group_sizes": shape.group_sizes}
+
+    def launch(self, inputs):
+        return _torch()._grouped_mm(inputs["a"], inputs["b"].transpose(-2, -1), offs=inputs["offs"])
+
+    def reference(self, inputs):
+        return _grouped_reference(_host64(inputs["a"]), _host64(inputs["b"]), inputs["group_sizes"])
+
+
+class TorchFp8RowwisePeer(Peer):
+    name = "torch_fp8_rowwise"
+    label = "torch._scaled_grouped_mm e4m3, f32 row-wise scales"
+
+    def method_format(self, fmt):
+        return "e4m3 x e4m3, f32 row scales"
+
+    def useful_bytes(self, shape, fmt, our_useful_bytes):
+        weights = shape.num_groups * shape.n * (shape.k * FP8_BYTES + ROW_SCALE_BYTES)
+        tokens = shape.tokens * (shape.k * FP8_BYTES + ROW_SCALE_BYTES)
+        return weights + tokens + shape.output_bytes()
+
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed):
+        _check_multiple("K", shape.k, TORCH_ALIGN, self.name)
+        _check_multiple("N", shape.n, TORCH_ALIGN, self.name)
+        torch = _torch()
+        gen = _generator(seed)
+        e4m3 = torch.float8_e4m3fn
+        a = torch.randn((shape.tokens, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen).to(e4m3)
+        b = torch.randn((shape.num_groups, shape.n, shape.k), dtype=torch.bfloat16, device="cuda",
+                        generator=gen).to(e4m3)
+        scale_a = torch.rand(shape.tokens, dtype=torch.float32, device="cuda", generator=gen) + 0.5
+        scale_b = torch.rand((shape.num_groups, shape.n), dtype=torch.float32, device="cuda", generator=gen) + 0.5
+        offs = torch.from_numpy(shape.offsets()).to("cuda")
+        return {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs,
+                "group_sizes": shape.group_sizes}
+
+    def launch(self, inputs):
+        torch = _torch()
+        # mat_b must be "transposed" (column-major (G, K, N)); scale_b is (G, N) (GroupedBlas.cpp)
+        return torch._scaled_grouped_mm(inputs["a"], inputs["b"].transpose(-2, -1), inputs["scale_a"],
+                                        inputs["scale_b"], offs=inputs["offs"], out_dtype=torch.bfloat16)
+
+    def reference(self, inputs):
+        a = _host64(inputs["a"]) * _host64(inputs["scale_a"])[:, None]
+        b = _host64(inputs["b"]) * _host64(inputs["scale_b"])[:, :, None]
+        return _grouped_reference(a, b, inputs["group_sizes"])
+
+
+class CopyPeer(Peer):
+    name = "copy"
+    label = "device-to-device copy (Tensor.copy_)"
+
+    def method_format(self, fmt):
+        return "bytes"
+
+    @staticmethod
+    def copy_bytes(our_useful_bytes: int) -> int:
+        """Bytes copied: half our useful bytes, so read + written equals them (16-byte multiple)."""
+        half = our_useful_bytes // 2
+        return max(COPY_ALIGN_BYTES, half - half % COPY_ALIGN_BYTES)
+
+    def useful_flops(self, shape):
+        return 0
+
+    def useful_bytes(self, shape, fmt, our_useful_bytes):
+        return 2 * self.copy_bytes(our_useful_bytes)
+
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed):
+        torch = _torch()
+        nbytes = self.copy_bytes(our_useful_bytes)
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=_generator(seed))
+        return {"src": src, "dst": torch.empty_like(src)}
+
+    def launch(self, inputs):
+        return inputs["dst"].copy_(inputs["src"])
+
+    def reference(self, inputs):
+        return inputs["src"].cpu().numpy().astype(np.float64)
+
+
+class TritonDotScaledPeer(Peer):
+    name = "triton_dot_scaled"
+    label = "Triton tl.dot_scaled, one launch per group"
+    format_dependent = True
+
+    def method_format(self, fmt):
+        lhs, rhs, note = triton_formats(fmt)
+        return f"{lhs} x {rhs}, ue8m0/32" + (" (MX proxy)" if note else "")
+
+    def useful_bytes(self, shape, fmt, our_useful_bytes):
+        lhs, rhs, _ = triton_formats(fmt)
+        return (shape.num_groups * shape.n * _mx_row_bytes(rhs, shape.k) + shape.tokens * _mx_row_bytes(lhs, shape.k)
+                + shape.output_bytes())
+
+    @staticmethod
+    def block_m(shape: PeerShape) -> int:
+        return TRITON_SMALL_BLOCK_M if max(shape.group_sizes) <= TRITON_SMALL_BLOCK_M else TRITON_LARGE_BLOCK_M
+
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed, block_m: int | None = None):
+        _check_multiple("K", shape.k, TRITON_BLOCK_K, self.name)
+        _check_multiple("N", shape.n, TRITON_BLOCK_N, self.name)
+        torch = _torch()
+        gen = _generator(seed)
+        lhs, rhs, _ = triton_formats(fmt)
+
+        def elements(rows: tuple[int, ...], element: str):
+            if element == "e2m1":   # every FP4 code is a number; two per byte, low nibble first
+                return torch.randint(0, 256, (*rows, shape.k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+            dtype = torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2
+            values = torch.randn((*rows, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
+            return values.to(dtype).view(torch.uint8)
+
+        def scales(rows: tuple[int, ...]):
+            lo, hi = TRITON_UE8M0_RANGE
+            return torch.randint(lo, hi, (*rows, shape.k // TRITON_SCALE_BLOCK), dtype=torch.uint8,
+                                 device="cuda", generator=gen)
+
+        tokens, experts = (shape.tokens,), (shape.num_groups, shape.n)
+        a, a_scale, b, b_scale = elements(tokens, lhs), scales(tokens), elements(experts, rhs), scales(experts)
+        out = torch.full((shape.tokens, shape.n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        block_m = self.block_m(shape) if block_m is None else block_m
+        kernel = _triton_group_kernel()
+        launches = []   # the per-group views and grids, built once: the timed loop only launches
+        start = 0
+        for g, size in enumerate(shape.group_sizes):
+            rows = slice(start, start + size)
+            grid = (-(-size // block_m), shape.n // TRITON_BLOCK_N)
+            launches.append((grid, (a[rows], a_scale[rows], b[g], b_scale[g], out[rows], size, shape.n, shape.k,
+                                    a.stride(0), a_scale.stride(0), b.stride(1), b_scale.stride(1), out.stride(0))))
+            start += size
+        return {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "out": out, "formats": (lhs, rhs),
+                "group_sizes": shape.group_sizes, "block_m": block_m, "kernel": kernel, "launches": launches}
+
+    def launch(self, inputs):
+        kernel, (lhs, rhs), block_m = inputs["kernel"], inputs["formats"], inputs["block_m"]
+        for grid, args in inputs["launches"]:
+            kernel[grid](*args, A_FORMAT=lhs, B_FORMAT=rhs, BLOCK_M=block_m, BLOCK_N=TRITON_BLOCK_N,
+                         BLOCK_K=TRITON_BLOCK_K, num_warps=TRITON_NUM_WARPS, num_stages=TRITON_NUM_STAGES)
+        return inputs["out"]
+
+    def reference(self, inputs):
+        lhs, rhs = inputs["formats"]
+        a = _mx_values(inputs["a"], inputs["a_scale"], lhs)
+        b = _mx_values(inputs["b"], inputs["b_scale"], rhs)
+        return _grouped_reference(a, b, inputs["group_sizes"])
+
+
+def _mx_values(codes, scale_bytes, element: str) -> np.ndarray:
+    """float64 values of MX operand bytes (elements x their UE8M0 block scales), on the host."""
+    codes = codes.cpu().numpy()
+    if element == "e2m1":
+        codes = unpack_fp4(codes)
+    values = decode_elements(codes, element).astype(np.float64)
+    exponents = scale_bytes.cpu().numpy().astype(np.int64) - UE8M0_BIAS
+    return values * np.repeat(np.ldexp(1.0, exponents), TRITON_SCALE_BLOCK, axis=-1)
+
+
+# Bound by ``_triton_group_kernel`` on first use: Triton's JIT resolves the names a kernel uses
+# through the module's globals, so ``tl`` must be one (importing Triton here would cost every
+# ``python -m gbs`` command a second, and fail on machines without it).
+triton = tl = None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_group_kernel():
+    """The Triton kernel of one group; ImportError when Triton is not installed."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_scaled_group(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, m, n, k,
+                         stride_am, stride_a_scale_m, stride_bn, stride_b_scale_n, stride_cm,
+                         A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """C[m, n] = sum_k A[m, k] B[n, k] of one group: A (m, K) tokens and B (N, K) weights, both
+        K-major (FP4 two per byte), with (rows, K/32) UE8M0 scale bytes; bf16 out, rows >= m masked."""
+        A_PACK: tl.constexpr = 2 if A_FORMAT == "e2m1" else 1
+        B_PACK: tl.constexpr = 2 if B_FORMAT == "e2m1" else 1
+        SCALES_PER_BLOCK_K: tl.constexpr = BLOCK_K // 32
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_m < m
+        offs_ak = tl.arange(0, BLOCK_K // A_PACK)
+        offs_bk = tl.arange(0, BLOCK_K // B_PACK)
+        offs_sk = tl.arange(0, SCALES_PER_BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_ak[None, :]
+        b_ptrs = b_ptr + offs_bk[:, None] + offs_n[None, :] * stride_bn   # (K slice, N): B read transposed
+        a_scale_ptrs = a_scale_ptr + offs_m[:, None] * stride_a_scale_m + offs_sk[None, :]
+        b_scale_ptrs = b_scale_ptr + offs_n[:, None] * stride_b_scale_n + offs_sk[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, tl.cdiv(k, BLOCK_K)):
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
+            a_scale = tl.load(a_scale_ptrs, mask=row_ok[:, None], other=0)
+            b = tl.load(b_ptrs)
+            b_scale = tl.load(b_scale_ptrs)
+            acc = tl.dot_scaled(a, a_scale, A_FORMAT, b, b_scale, B_FORMAT, acc)
+            a_ptrs += BLOCK_K // A_PACK
+            b_ptrs += BLOCK_K // B_PACK
+            a_scale_ptrs += SCALES_PER_BLOCK_K
+            b_scale_ptrs += SCALES_PER_BLOCK_K
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & (offs_n[None, :] < n))
+
+    return dot_scaled_group
+
+
+PEER_CLASSES: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchBf16Peer, TorchFp8RowwisePeer,
+                                                                 TritonDotScaledPeer, CopyPeer)}
+
+
+def load_peers(names=PEER_NAMES) -> tuple[list[Peer], dict[str, str]]:
+    """The peers of ``names`` that can run here, and the reason for each one that cannot."""
+    unknown = [n for n in names if n not in PEER_CLASSES]
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; expected some of {list(PEER_NAMES)}")
+    peers, skipped = [], {}
+    try:
+        torch = _torch()
+    except ImportError as err:
+        return [], {name: f"torch is not installed ({err})" for name in names}
+    if not torch.cuda.is_available():
+        return [], {name: "torch sees no CUDA GPU" for name in names}
+    capability = torch.cuda.get_device_capability()
+    for name in names:
+        if name == "torch_fp8_rowwise" and capability not in ((9, 0), (10, 0)):
+            skipped[name] = (f"torch._scaled_grouped_mm runs on compute capability 9.0 / 10.0 only, "
+                             f"this GPU is {capability}")
+            continue
+        if name == "triton_dot_scaled":
+            try:
+                _triton_group_kernel()
+            except ImportError as err:
+                skipped[name] = f"triton is not installed ({err})"
+                continue
+        peers.append(PEER_CLASSES[name]())
+    return peers, skipped
+
+
+@dataclass(frozen=True)
+class PeerCheck:
+    peer: str
+    fmt: str
+    passed: bool
+    max_rel: float
+    rms_rel: float
+    message: str
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return f"{verdict} {self.peer} ({self.fmt}): {self.message}"
+
+
+def check_peer(peer: Peer, fmt: str) -> PeerCheck:
+    """Run ``peer`` once on the small check shape and compare with the float64 reference of its own
+    inputs (max rel <= 1e-2, RMS rel <= 4e-3, no NaN: every output written). The Triton peer is
+    checked with both of its token tiles. Errors are a FAIL with the message, never an exception."""
+    shape = PeerShape(CHECK_N, CHECK_K, CHECK_GROUP_SIZES)
+    block_ms = (TRITON_SMALL_BLOCK_M, TRITON_LARGE_BLOCK_M) if isinstance(peer, TritonDotScaledPeer) else (None,)
+    worst = (0.0, 0.0)
+    try:
+        for block_m in block_ms:
+            extra = {} if block_m is None else {"block_m": block_m}
+            inputs = peer.make_inputs(shape, fmt, our_useful_bytes=1 << 20, seed=CHECK_SEED, **extra)
+            out = peer.launch(inputs)
+            got = _host64(out)
+            errors = relative_errors(got, peer.reference(inputs))
+            worst = (max(worst[0], errors[0]), max(worst[1], errors[1]))
+    except Exception as err:   # a broken peer call must not stop the benchmark
+        return PeerCheck(peer.name, fmt, False, float("inf"), float("inf"), f"{type(err).__name__}: {err}")
+    passed = worst[0] <= MAX_REL_TOL and worst[1] <= RMS_REL_TOL
+    return PeerCheck(peer.name, fmt, passed, worst[0], worst[1],
+                     f"max rel {worst[0]:.2e}, rms rel {worst[1]:.2e} vs float64 "
+                     f"(limits {MAX_REL_TOL:g} / {RMS_REL_TOL:g})")
+
+
+def free_cached_memory() -> None:
+    """Hand torch's cached blocks back to the driver (our kernels allocate through Numba)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense matmul peaks
+# ----------------------------------------------------------------------------------------------
+def dense_peak_input_bytes(kind: str, size: int = DENSE_PEAK_SIZE) -> int:
+    if kind not in DENSE_PEAK_KINDS:
+        raise ValueError(f"kind must be one of {DENSE_PEAK_KINDS}, got {kind!r}")
+    return 2 * size * size * (BF16_BYTES if kind == "bf16" else FP8_BYTES)
+
+
+def dense_peak_launcher(kind: str, copies: int, size: int = DENSE_PEAK_SIZE):
+    """(launch(i), flops): a ``size``^3 matmul on input set ``i % copies`` of random data:
+    ``torch.matmul`` in bf16, or ``torch._scaled_mm`` on E4M3 with per-tensor scales."""
+    if kind not in DENSE_PEAK_KINDS:
+        raise ValueError(f"kind must be one of {DENSE_PEAK_KINDS}, got {kind!r}")
+    torch = _torch()
+    gen = _generator(CHECK_SEED)
+    sets = []
+    for _ in range(copies):
+        a = torch.randn((size, size), dtype=torch.bfloat16, device="cuda", generator=gen)
+        b = torch.randn((size, size), dtype=torch.bfloat16, device="cuda", generator=gen)
+        if kind == "fp8":
+            a = a.to(torch.float8_e4m3fn)
+            b = b.to(torch.float8_e4m3fn).t()   # _scaled_mm takes mat2 column-major
+        sets.append((a, b))
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    if kind == "bf16":
+        def launch(i):
+            a, b = sets[i % copies]
+            return torch.matmul(a, b)
+    else:
+        def launch(i):
+            a, b = sets[i % copies]
+            return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    return launch, 2 * size ** 3

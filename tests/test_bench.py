@@ -1,0 +1,407 @@
+"""The benchmark (gbs.bench, gbs.peers): CLI, no-GPU exit, case selection, row maths, useful bytes.
+
+CPU tests: the ``bench`` parser and its --help, the no-GPU message and exit status 2, option
+validation, the quick / full case lists, rows and speed-up ratios built from fake timings, the
+table, the CSV, useful bytes / FLOPs of our problems and of every peer worked out by hand,
+rotation counts, synthetic problems of every format (valid, no NaN codes, scales in range, also
+when an operand repeats its random block), the spacer kernel compiled for sm_90.
+GPU test (``@pytest.mark.gpu``): a tiny benchmark run end to end that writes a CSV.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gbs import bench, peers
+from gbs.api import dispatch_for, gpu_available
+from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
+from gbs.problem import PROBLEM_FORMATS
+from gbs.quant import decode_elements, unswizzle_scales
+
+L2 = 60 * 2 ** 20
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gbs")
+    bench.add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_parser().parse_args(["bench", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+    for option in ("--quick", "--csv", "--formats", "--backends", "--shapes", "--skip-peaks", "--seed"):
+        assert option in text
+    assert "status 2" in text and "torch._grouped_mm" in text
+    assert "decode_up = 4096x7168 64x4" in text
+
+
+def test_parser_defaults_and_values():
+    args = bench_parser().parse_args(["bench"])
+    assert (args.quick, args.csv, args.formats, args.backends, args.shapes) == (False, None, None, None, None)
+    assert args.func is bench.cmd_bench
+    args = bench_parser().parse_args(["bench", "--quick", "--csv", "out.csv", "--formats", "nvfp4,w4a8",
+                                      "--backends", "simt,copy", "--shapes", "kimi_decode", "--skip-peaks"])
+    assert args.quick and args.skip_peaks and args.csv == "out.csv"
+    assert bench.select_methods(args.backends) == ("simt", "copy")
+    assert bench.select_cases(args.quick, args.formats, args.shapes) == [
+        ("nvfp4", bench.BENCH_CASES["kimi_decode"]), ("w4a8", bench.BENCH_CASES["kimi_decode"])]
+
+
+def test_no_gpu_exits_2_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr("gbs.api.gpu_available", lambda: False)
+    args = bench_parser().parse_args(["bench", "--quick"])
+    assert bench.cmd_bench(args) == bench.NO_GPU_STATUS == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "scripts/gpu_run.sh bench" in err
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU: the no-GPU path is not taken")
+def test_no_gpu_in_a_fresh_process_prints_no_traceback():
+    script = ("import argparse, sys; from gbs.bench import add_bench_parser; p = argparse.ArgumentParser(); "
+              "add_bench_parser(p.add_subparsers(dest='c')); a = p.parse_args(['bench', '--quick']); "
+              "sys.exit(a.func(a))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bad_names_are_value_errors_naming_the_allowed_ones(monkeypatch):
+    with pytest.raises(ValueError, match="unknown formats.*nvfp5.*nvfp4"):
+        bench.select_cases(False, "nvfp4,nvfp5")
+    with pytest.raises(ValueError, match="unknown shapes.*decode_sideways.*decode_up"):
+        bench.select_cases(True, None, "decode_sideways")
+    with pytest.raises(ValueError, match="unknown backends.*cublas.*torch_bf16"):
+        bench.select_methods("simt,cublas")
+    with pytest.raises(ValueError, match="unknown formats"):
+        bench.select_cases(True, ",")
+    # options are checked before the GPU: a typo is a message (status 2 from the CLI), not a GPU hunt
+    monkeypatch.setattr("gbs.api.gpu_available", lambda: pytest.fail("GPU looked up before the options"))
+    with pytest.raises(ValueError, match="unknown backends"):
+        bench.cmd_bench(bench_parser().parse_args(["bench", "--backends", "cutlass"]))
+
+
+def test_quick_and_full_selections():
+    quick = bench.select_cases(True)
+    assert [(f, c.name) for f, c in quick] == [
+        (f, name) for name in ("decode_up", "kimi_decode", "small_prefill_up", "large_prefill_up")
+        for f in ("nvfp4", "mxfp8")]
+    assert [(c.n, c.k, c.slots, c.tokens_per_expert) for _, c in quick[::2]] == [
+        (4096, 7168, 64, 4), (512, 7168, 8, 1), (4096, 7168, 32, 32), (4096, 7168, 8, 1024)]
+    full = bench.select_cases(False)
+    assert len(full) == len(bench.BENCH_CASES) * 4
+    assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
+    # case-major: the formats of one case are adjacent (format-independent peers are timed once)
+    assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
+    assert bench.select_methods() == ("simt", "h200_stream", "torch_bf16", "torch_fp8_rowwise",
+                                      "triton_dot_scaled", "copy")
+
+
+def test_every_case_dispatches_to_the_regime_its_name_says():
+    for case in bench.BENCH_CASES.values():
+        regime = grouped_matmul_block_scaled_sm100_dispatch(
+            a_format="nvfp4", b_format="nvfp4", n=case.n, k=case.k, num_active_experts=case.slots,
+            estimated_total_m=case.total_tokens).regime
+        expected = "decode" if "decode" in case.name else "small_prefill" if "small" in case.name else "large_prefill"
+        assert regime == expected, case
+
+
+# ----------------------------------------------------------------------------------------------
+# Useful bytes and FLOPs, by hand
+# ----------------------------------------------------------------------------------------------
+def routed_problem(fmt):
+    """Slots: expert 1 with 3 tokens, an empty slot, a -1 slot with 5 tokens, expert 3 with 2."""
+    return bench.synthetic_problem(fmt, n=256, k=128, group_sizes=[3, 0, 5, 2], expert_ids=[1, 0, -1, 3],
+                                   num_experts=4)
+
+
+@pytest.mark.parametrize("fmt, a_row, b_row", [
+    ("nvfp4", 64 + 8, 64 + 8),     # K/2 FP4 bytes + K/16 UE4M3 scales
+    ("mxfp4", 64 + 4, 64 + 4),     # K/2 + K/32
+    ("mxfp8", 128 + 4, 128 + 4),   # K + K/32
+    ("w4a8", 128 + 4, 64 + 4),     # MXFP8 tokens, MXFP4 weights
+])
+def test_useful_bytes_and_flops_by_hand(fmt, a_row, b_row):
+    p = routed_problem(fmt)
+    live_tokens, live_experts = 3 + 2, 2   # the -1 slot's 5 tokens and the empty slot cost nothing
+    assert bench.useful_flops(p) == 2 * live_tokens * 256 * 128
+    assert bench.useful_bytes(p) == live_experts * 256 * b_row + live_tokens * a_row + live_tokens * 256 * 2
+
+
+def test_peer_shape_keeps_only_live_groups():
+    shape = peers.PeerShape.from_problem(routed_problem("nvfp4"))
+    assert shape == peers.PeerShape(256, 128, (3, 2))
+    assert (shape.tokens, shape.num_groups, shape.flops) == (5, 2, 2 * 5 * 256 * 128)
+    assert shape.offsets().tolist() == [3, 5] and shape.offsets().dtype == np.int32
+    with pytest.raises(ValueError, match="no live group"):
+        peers.PeerShape.from_problem(bench.synthetic_problem(
+            "nvfp4", n=128, k=64, group_sizes=[4, 0], expert_ids=[-1, 0], num_experts=1))
+    with pytest.raises(ValueError, match="no empty groups"):
+        peers.PeerShape(128, 64, (4, 0))
+
+
+def test_peer_useful_bytes_by_hand():
+    shape = peers.PeerShape(n=512, k=256, group_sizes=(3, 5))   # 2 experts, 8 tokens
+    out = 8 * 512 * 2
+    assert peers.TorchBf16Peer().useful_bytes(shape, "nvfp4", 0) == 2 * 512 * 256 * 2 + 8 * 256 * 2 + out
+    assert peers.TorchFp8RowwisePeer().useful_bytes(shape, "nvfp4", 0) == (
+        2 * 512 * (256 + 4) + 8 * (256 + 4) + out)
+    triton = peers.TritonDotScaledPeer()
+    assert triton.useful_bytes(shape, "nvfp4", 0) == 2 * 512 * (128 + 8) + 8 * (128 + 8) + out   # MX proxy
+    assert triton.useful_bytes(shape, "mxfp8", 0) == 2 * 512 * (256 + 8) + 8 * (256 + 8) + out
+    assert triton.useful_bytes(shape, "w4a8", 0) == 2 * 512 * (128 + 8) + 8 * (256 + 8) + out
+    copy = peers.CopyPeer()
+    assert copy.copy_bytes(1000) == 496 and copy.useful_bytes(shape, "nvfp4", 1000) == 992
+    assert copy.copy_bytes(3) == peers.COPY_ALIGN_BYTES
+    assert copy.useful_flops(shape) == 0 and triton.useful_flops(shape) == shape.flops
+    # bf16 weights are 4x the FP4 bytes: the ratio the GB/s column has to show
+    bf16_weights = peers.TorchBf16Peer().useful_bytes(shape, "nvfp4", 0) - 8 * 256 * 2 - out
+    assert bf16_weights == 4 * (2 * 512 * 256 // 2)
+
+
+def test_triton_formats_and_proxy_note():
+    assert peers.triton_formats("mxfp4") == ("e2m1", "e2m1", "")
+    assert peers.triton_formats("mxfp8") == ("e4m3", "e4m3", "")
+    assert peers.triton_formats("w4a8") == ("e4m3", "e2m1", "")
+    assert peers.triton_formats("mxfp8_e5m2") == ("e5m2", "e5m2", "")
+    lhs, rhs, note = peers.triton_formats("nvfp4")
+    assert (lhs, rhs) == ("e2m1", "e2m1") and "nvfp4" in note and "proxy" in note
+    assert "MX proxy" in peers.TritonDotScaledPeer().method_format("nvfp4")
+    assert "proxy" not in peers.TritonDotScaledPeer().method_format("mxfp4")
+    with pytest.raises(ValueError, match="unknown problem format"):
+        peers.triton_formats("int4")
+
+
+def test_peer_registry():
+    assert tuple(peers.PEER_CLASSES) == peers.PEER_NAMES
+    assert all(cls.name == name for name, cls in peers.PEER_CLASSES.items())
+    with pytest.raises(ValueError, match="unknown peers"):
+        peers.load_peers(["cublaslt"])
+    assert peers.TritonDotScaledPeer.block_m(peers.PeerShape(128, 128, (4, 64))) == peers.TRITON_SMALL_BLOCK_M
+    assert peers.TritonDotScaledPeer.block_m(peers.PeerShape(128, 128, (4, 65))) == peers.TRITON_LARGE_BLOCK_M
+    with pytest.raises(ValueError, match="dense_peak|kind must be one of"):
+        peers.dense_peak_input_bytes("int8")
+    assert peers.dense_peak_input_bytes("bf16") == 2 * 8192 * 8192 * 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
+def test_peers_without_torch_are_skipped_with_the_reason():
+    loaded, skipped = peers.load_peers()
+    assert loaded == [] and set(skipped) == set(peers.PEER_NAMES)
+    assert all("torch is not installed" in reason for reason in skipped.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotation, synthetic problems, timing helpers
+# ----------------------------------------------------------------------------------------------
+def test_rotation_count():
+    assert bench.rotation_count(4 * L2, L2) == 1
+    assert bench.rotation_count(4 * L2 - 1, L2) == 2
+    assert bench.rotation_count(L2, L2) == 4
+    assert bench.rotation_count(L2 // 3, L2) == 12
+    assert bench.rotation_count(10 * 2 ** 30, L2) == 1
+    assert bench.rotation_count(2 ** 20) == 4 * bench.H200_L2_BYTES // 2 ** 20
+    for nbytes in (1, 12345, 7 * 2 ** 20, 300 * 2 ** 20):   # one rotation always spans 4x the L2
+        copies = bench.rotation_count(nbytes, L2)
+        assert copies * nbytes >= 4 * L2 and (copies == 1 or (copies - 1) * nbytes < 4 * L2)
+
+
+@pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))
+@pytest.mark.parametrize("random_bytes", [bench.SYNTHETIC_RANDOM_BYTES, 1001])
+def test_synthetic_problem_is_valid_for_every_format(fmt, random_bytes, monkeypatch):
+    # random_bytes=1001: every operand repeats a small block, the path of gigabyte operands
+    monkeypatch.setattr(bench, "SYNTHETIC_RANDOM_BYTES", random_bytes)
+    group_sizes, expert_ids = [130, 0, 7, 3], [2, 0, -1, 1]
+    p = bench.synthetic_problem(fmt, n=256, k=256, group_sizes=group_sizes, expert_ids=expert_ids, num_experts=3,
+                                seed=5)
+    p.validate()
+    assert p.format_name == fmt and p.total_tokens == 140 and p.n == 256 and p.k == 256
+    assert p.a_offsets.tolist() == [0, 130, 130, 137, 140] and p.expert_ids.tolist() == expert_ids
+    assert p.estimated_total_m == 140
+    for fmt_, codes in ((p.a_format, p.a), (p.b_format, p.b)):
+        raw = codes.view(np.uint8)
+        assert np.any(raw != 0)
+        values = decode_elements(raw, fmt_.element) if not fmt_.packed else decode_elements(raw & 0x0F, "e2m1")
+        assert np.all(np.isfinite(values)), f"{fmt_.name} codes hold NaN"
+        assert np.unique(raw).size > 64   # codes exercise the whole byte range
+    low, high = bench.SYNTHETIC_UE4M3_RANGE if p.b_format.scale_dtype == "ue4m3" else bench.SYNTHETIC_UE8M0_RANGE
+    b_scales = unswizzle_scales(p.b_scales[0], p.n, p.b_format.scale_cols(p.k))
+    assert b_scales.min() >= low and b_scales.max() < high
+    assert np.all((p.expert_scales >= 0.5) & (p.expert_scales <= 2.0))
+    again = bench.synthetic_problem(fmt, n=256, k=256, group_sizes=group_sizes, expert_ids=expert_ids,
+                                    num_experts=3, seed=5)
+    assert np.array_equal(again.b.view(np.uint8), p.b.view(np.uint8))   # seeded
+
+
+def test_time_launches_rejects_bad_counts():
+    with pytest.raises(ValueError, match="num_inputs >= 1"):
+        bench.time_launches(lambda i: None, num_inputs=0)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        bench.time_launches(lambda i: None, reps=0)
+
+
+def test_spacer_kernel_compiles_for_sm90():
+    from numba import cuda, int64
+
+    ptx, _ = cuda.compile_ptx(bench._spacer_kernel().py_func, (int64,), cc=(9, 0))
+    assert "nanosleep.u32" in ptx
+
+
+def test_environment_fields_and_csv_path():
+    env = bench.environment_fields()
+    for key in ("gpu", "date", "commit", "numpy", "numba", "numba_cuda", "ml_dtypes", "torch", "triton"):
+        assert env[key]
+    assert bench.gpu_slug("NVIDIA H200") == "h200"
+    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert bench.gpu_slug("  ") == "gpu"
+    assert bench.default_csv_path({"date": "2026-11-29", "gpu": "NVIDIA H200"}) == "bench/results/2026-11-29-h200.csv"
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows, ratios, table, CSV
+# ----------------------------------------------------------------------------------------------
+CEILINGS = bench.Ceilings(read_tbps=4.0, bf16_tflops=800.0, fp8_tflops=1600.0, bf16_source="measured",
+                          fp8_source="kernels.md")
+
+
+def fake_measurements(problem, fmt="nvfp4"):
+    """simt 100 us, h200_stream skipped, torch_bf16 50 us, torch_fp8 200 us, triton FAIL, copy 25 us."""
+    shape = peers.PeerShape.from_problem(problem)
+    ours = dict(kind=bench.KIND_OURS, method_format=fmt, useful_flops=bench.useful_flops(problem),
+                useful_bytes=bench.useful_bytes(problem))
+
+    def timed(us):
+        return bench.Timing(us, 0.9 * us, 1.2 * us, 40)
+
+    def peer(name, us, **extra):
+        p = peers.PEER_CLASSES[name]()
+        return bench.Measurement(name, bench.KIND_PEER, p.method_format(fmt), p.useful_flops(shape),
+                                 p.useful_bytes(shape, fmt, ours["useful_bytes"]),
+                                 timing=timed(us) if us else None, input_sets=2, **extra)
+
+    return [bench.Measurement("simt", timing=timed(100.0), input_sets=3, **ours),
+            bench.Measurement("h200_stream", status=bench.STATUS_SKIPPED, note="ImportError: not yet", **ours),
+            peer("torch_bf16", 50.0), peer("torch_fp8_rowwise", 200.0),
+            peer("triton_dot_scaled", None, status=bench.STATUS_FAIL, note="correctness check failed"),
+            peer("copy", 25.0)]
+
+
+def test_rows_ratios_and_percentages_from_fake_timings():
+    case = bench.BENCH_CASES["kimi_decode"]
+    problem = case.problem("nvfp4")
+    config = dispatch_for(problem)
+    env = {"gpu": "NVIDIA H200", "date": "2026-11-29", "commit": "abc1234"}
+    rows = bench.build_rows("nvfp4", case, config, fake_measurements(problem), CEILINGS, env)
+    assert [r["method"] for r in rows] == ["simt", "h200_stream", "torch_bf16", "torch_fp8_rowwise",
+                                           "triton_dot_scaled", "copy"]
+    assert len({tuple(r) for r in rows}) == 1   # every row has the same keys (one CSV header)
+    simt, skipped, bf16, fp8, triton, copy = rows
+
+    flops, nbytes = 2 * 8 * 512 * 7168, bench.useful_bytes(problem)
+    assert simt["useful_flops"] == flops and simt["useful_bytes"] == nbytes
+    assert simt["tflops"] == pytest.approx(flops / 100e-6 / 1e12)
+    assert simt["gbps"] == pytest.approx(nbytes / 100e-6 / 1e9)
+    assert simt["pct_read_ceiling"] == pytest.approx(100 * nbytes / 100e-6 / 4.0e12)
+    assert simt["pct_bf16_peak"] == pytest.approx(100 * flops / 100e-6 / 800e12)
+    assert simt["pct_fp8_peak"] == pytest.approx(100 * flops / 100e-6 / 1600e12)
+    assert (simt["median_us"], simt["p10_us"], simt["p90_us"], simt["launches"], simt["input_sets"]) == (
+        100.0, 90.0, 120.0, 40, 3)
+    # speed-up = peer time / this time; blank where the peer has no timing
+    assert simt["speedup_vs_torch_bf16"] == pytest.approx(0.5)
+    assert simt["speedup_vs_torch_fp8_rowwise"] == pytest.approx(2.0)
+    assert simt["speedup_vs_copy"] == pytest.approx(0.25)
+    assert simt["speedup_vs_triton_dot_scaled"] is None
+    assert bf16["speedup_vs_torch_bf16"] == pytest.approx(1.0)
+    assert bf16["speedup_vs_torch_fp8_rowwise"] == pytest.approx(4.0)
+    # bf16 moves 4x the weight bytes of FP4 + its own tokens: its GB/s counts them
+    assert bf16["gbps"] == pytest.approx(bf16["useful_bytes"] / 50e-6 / 1e9)
+    assert bf16["useful_bytes"] > 3.5 * nbytes
+    # copy: no FLOPs, bytes = ours (half read, half written)
+    assert copy["tflops"] is None and copy["pct_bf16_peak"] is None
+    assert copy["useful_bytes"] == 2 * peers.CopyPeer.copy_bytes(nbytes)
+    # skipped and failed rows: reasons, no numbers
+    for row, status in ((skipped, "skipped"), (triton, "FAIL")):
+        assert row["status"] == status and row["note"]
+        assert row["median_us"] is None and row["tflops"] is None and row["speedup_vs_torch_bf16"] is None
+    # config on our rows only; earlier figures on the torch rows; ceilings and env on every row
+    assert (simt["ab_swapped"], simt["mma_bn"], simt["cta_group"], simt["stages"]) == (
+        config.ab_swapped, config.mma_bn, config.cta_group, config.num_pipeline_stages)
+    assert bf16["mma_bn"] is None and copy["stages"] is None
+    assert bf16["earlier_figure"] == "67.8 us" and fp8["earlier_figure"] == "58.9 us"
+    assert simt["earlier_figure"] == ""
+    assert all(r["regime"] == "decode" and r["gpu"] == "NVIDIA H200" and r["read_ceiling_tbps"] == 4.0
+               and r["fp8_peak_source"] == "kernels.md" for r in rows)
+
+
+def test_table_shows_every_row_and_the_reasons():
+    case = bench.BENCH_CASES["kimi_decode"]
+    problem = case.problem("nvfp4")
+    rows = bench.build_rows("nvfp4", case, dispatch_for(problem), fake_measurements(problem), CEILINGS, {})
+    table = bench.format_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert "x_bf16" in table[0] and "%read" in table[0]
+    assert "skipped: ImportError: not yet" in table[3]
+    assert "FAIL: correctness check failed" in table[6]
+    simt_line = table[2]
+    assert "100.0" in simt_line and "90.0-120.0" in simt_line and " 0.50 " in simt_line
+    assert "swap=" in simt_line and "(decode)" in simt_line
+    assert "earlier 67.8 us" in table[4]
+    # columns line up: the median sits under the "us" header on every timed line
+    us_column = slice(18 + 1 + 6 + 1 + 18 + 1, 18 + 1 + 6 + 1 + 18 + 1 + 9)
+    assert table[0][us_column].strip() == "us"
+    timed = [line for line in table[2:] if "skipped" not in line and "FAIL" not in line]
+    assert [float(line[us_column]) for line in timed] == [100.0, 50.0, 200.0, 25.0]
+
+
+def test_write_csv_round_trip(tmp_path):
+    case = bench.BENCH_CASES["kimi_decode"]
+    problem = case.problem("nvfp4")
+    rows = bench.build_rows("nvfp4", case, dispatch_for(problem), fake_measurements(problem), CEILINGS,
+                            {"gpu": "NVIDIA H200"})
+    path = tmp_path / "results" / "bench.csv"
+    bench.write_csv(str(path), rows)
+    with open(path, newline="") as f:
+        read = list(csv.DictReader(f))
+    assert [r["method"] for r in read] == [r["method"] for r in rows]
+    assert list(read[0]) == list(rows[0])
+    assert float(read[0]["speedup_vs_torch_bf16"]) == pytest.approx(0.5)
+    assert read[1]["median_us"] == "" and read[1]["status"] == "skipped"
+
+
+def test_measurement_is_frozen():
+    m = bench.Measurement("simt", bench.KIND_OURS, "nvfp4", 1, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.status = "ok"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
+    case = bench.BenchCase("tiny", n=256, k=512, slots=3, tokens_per_expert=5)
+    path = tmp_path / "tiny.csv"
+    status = bench.run_bench([("nvfp4", case), ("mxfp8", case)], bench.METHODS, str(path), budget_s=0.05,
+                             read_bytes=2 ** 28, measure_peaks=False)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * len(bench.METHODS)
+    simt = [r for r in rows if r["method"] == "simt"]
+    assert [r["status"] for r in simt] == ["ok", "ok"], out
+    assert all(float(r["median_us"]) > 0 and float(r["gbps"]) > 0 for r in simt)
+    assert all(r["gpu"] != "none" and float(r["read_ceiling_tbps"]) > 1.0 for r in rows)
+    assert out.rstrip().splitlines()[-1].startswith("tiny")   # the table comes last
