@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from . import dispatch as dsp
+from .bench import add_bench_parser
 from .problem import PROBLEM_FORMATS, make_routing, random_problem, resolve_formats
 
 # The demo's shapes (workloads.md): DeepSeek-V3 up / down projections and Kimi K2.5's TP-8 up-projection.
@@ -159,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", default="auto", choices=["auto", "simt", "reference"])
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
+
+    add_bench_parser(sub)
     return parser
 
 

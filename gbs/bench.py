@@ -395,44 +395,16 @@ def select_cases(quick: bool, formats=None, shapes=None) -> list[tuple[str, Benc
 # ----------------------------------------------------------------------------------------------
 # Our kernels
 # ----------------------------------------------------------------------------------------------
-def _simt_launcher(simt, problem: GroupedProblem, config):
-    """Device-resident launcher of the SIMT kernel (``simt.grouped_matmul_simt`` copies in and out
-    on every call, which would time PCIe)."""
-    from numba import cuda
-
-    from . import schedule
-    from .reference import poison_output
-
-    tile_config = simt.check_can_implement(problem, config)
-    shape = tile_config.tile_shape
-    num_tiles = schedule.total_tiles(problem.a_offsets, problem.expert_ids, problem.n, shape)
-    if num_tiles == 0:
-        raise ValueError("the problem has no tiles (every slot is -1 or empty)")
-    threads = simt.default_threads_per_block()
-    num_ctas = simt.default_num_ctas(num_tiles, shape.cta_group)
-    kernel = simt._launchable_kernel(simt.SimtKernelSpec.for_problem(problem, tile_config, threads))
-    def as_words(x):   # the kernel reads operands as 32-bit words along K
-        return np.ascontiguousarray(x).view(np.uint8).view(np.uint32)
-
-    args = [cuda.to_device(x) for x in (
-        as_words(problem.a), as_words(problem.b),
-        np.ascontiguousarray(problem.a_scales).reshape(-1),
-        np.ascontiguousarray(problem.b_scales).reshape(problem.num_experts, -1),
-        problem.a_offsets.astype(np.int64), problem.a_scale_offsets.astype(np.int64),
-        np.ascontiguousarray(problem.expert_ids), np.ascontiguousarray(problem.expert_scales),
-        poison_output(problem.total_tokens, problem.n).view(np.uint16))]
-    n, k = problem.n, problem.k
-
-    def launch():
-        kernel[num_ctas, threads](*args, n, k, num_tiles)
-
-    return launch
-
-
 def _load_simt():
     from .numba_kernels import simt
 
-    return functools.partial(_simt_launcher, simt)
+    def prepare(problem: GroupedProblem, config):
+        prepared = simt.prepare(problem, config)
+        if prepared.num_tiles == 0:
+            raise ValueError("the problem has no tiles (every slot is -1 or empty)")
+        return prepared.launch
+
+    return prepare
 
 
 def _load_h200_stream():

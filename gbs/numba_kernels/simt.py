@@ -375,15 +375,36 @@ def default_num_ctas(num_tiles: int, cta_group: int) -> int:
     return max(1, min(num_tiles, pairs)) * cta_group
 
 
-def grouped_matmul_simt(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None, threads_per_block: int | None = None) -> np.ndarray:
-    """Run the SIMT kernel; returns ``C`` (bf16, (total_tokens, N)).
+class PreparedSimt:
+    """The SIMT kernel bound to device-resident inputs: ``launch()`` queues one launch on the
+    default stream with no host copies or syncs (what a benchmark times); ``device_out`` holds
+    the bf16 bits of ``C`` as uint16 (``None`` when there are no tiles: nothing to launch)."""
 
-    ``config``: see ``check_can_implement``. ``out``: if given, written in place and returned;
-    rows of skipped slots keep its contents (default: a fresh poisoned array). ``num_ctas``: CTAs
-    of the persistent grid, a multiple of ``cta_group`` (default ``default_num_ctas``).
-    ``threads_per_block``: a multiple of 32 (default 256; 32 in the simulator).
-    """
+    def __init__(self, kernel, grid, threads, device_args, device_out, host_out, n, k, num_tiles):
+        self._kernel, self._grid, self._threads = kernel, grid, threads
+        self._args = (*device_args, device_out, n, k, num_tiles)
+        self.device_out = device_out
+        self.host_out = host_out   # the bf16 array ``copy_out`` fills (the caller's ``out``)
+        self.num_tiles = num_tiles
+
+    def launch(self) -> None:
+        if self.num_tiles:
+            self._kernel[self._grid, self._threads](*self._args)
+
+    __call__ = launch
+
+    def copy_out(self) -> np.ndarray:
+        """Copy ``C`` back into ``host_out`` (rows the kernel did not write keep their contents)."""
+        if self.num_tiles:
+            self.device_out.copy_to_host(self.host_out.view(np.uint16))
+        return self.host_out
+
+
+def prepare(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
+            num_ctas: int | None = None, threads_per_block: int | None = None) -> PreparedSimt:
+    """Check, compile and copy the inputs (and ``out``, default poisoned) to the device once."""
+    from numba import cuda
+
     tile_config = check_can_implement(problem, config)
     shape = tile_config.tile_shape
     out = _check_out(problem, out)
@@ -391,13 +412,15 @@ def grouped_matmul_simt(problem: GroupedProblem, config, out: np.ndarray | None 
     if num_ctas is not None:
         num_ctas = schedule.check_num_ctas(num_ctas, shape.cta_group)
     num_tiles = schedule.total_tiles(problem.a_offsets, problem.expert_ids, problem.n, shape)
-    if num_tiles == 0:   # every slot skipped or empty: nothing to launch
-        return out
+    if num_tiles == 0:   # every slot skipped or empty: no device work at all
+        return PreparedSimt(None, 0, threads, (), None, out, problem.n, problem.k, 0)
     if num_ctas is None:
         num_ctas = default_num_ctas(num_tiles, shape.cta_group)
-
     kernel = _launchable_kernel(SimtKernelSpec.for_problem(problem, tile_config, threads))
-    as_words = lambda x: np.ascontiguousarray(x).view(np.uint8).view(np.uint32)
+
+    def as_words(x):   # the kernel reads operands as 32-bit words along K
+        return np.ascontiguousarray(x).view(np.uint8).view(np.uint32)
+
     args = [
         as_words(problem.a),
         as_words(problem.b),
@@ -409,8 +432,19 @@ def grouped_matmul_simt(problem: GroupedProblem, config, out: np.ndarray | None 
         np.ascontiguousarray(problem.expert_scales),
     ]
     device_args = [cuda.to_device(x) for x in args]
-    out_bits = out.view(np.uint16)
-    device_out = cuda.to_device(out_bits)
-    kernel[num_ctas, threads](*device_args, device_out, problem.n, problem.k, num_tiles)
-    device_out.copy_to_host(out_bits)
-    return out
+    device_out = cuda.to_device(out.view(np.uint16))
+    return PreparedSimt(kernel, num_ctas, threads, device_args, device_out, out, problem.n, problem.k, num_tiles)
+
+
+def grouped_matmul_simt(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
+                        num_ctas: int | None = None, threads_per_block: int | None = None) -> np.ndarray:
+    """Run the SIMT kernel; returns ``C`` (bf16, (total_tokens, N)).
+
+    ``config``: see ``check_can_implement``. ``out``: if given, written in place and returned;
+    rows of skipped slots keep its contents (default: a fresh poisoned array). ``num_ctas``: CTAs
+    of the persistent grid, a multiple of ``cta_group`` (default ``default_num_ctas``).
+    ``threads_per_block``: a multiple of 32 (default 256; 32 in the simulator).
+    """
+    prepared = prepare(problem, config, out, num_ctas=num_ctas, threads_per_block=threads_per_block)
+    prepared.launch()
+    return prepared.copy_out()
