@@ -261,8 +261,26 @@ def useful_flops(problem: GroupedProblem) -> int:
     return 2 * tokens * problem.n * problem.k
 
 
+def _git_commit() -> str:
+    """Short HEAD of the checkout holding this file, "+dirty" with local changes; "unknown" without git."""
+    here = os.path.dirname(__file__)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=here).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here).stdout.strip()
+    except OSError:
+        return "unknown"
+    if not commit:
+        return "unknown"
+    return commit + "+dirty" if changed else commit
+
+
 def environment_fields() -> dict:
-    """GPU, date, commit and versions for every CSV row (a commit with "+dirty" had local changes)."""
+    """GPU, date, commit and versions for every CSV row (a commit with "+dirty" had local changes).
+
+    ``GBS_COMMIT`` in the environment overrides git (the device tool copies the working tree without
+    ``.git``: start `scripts/gpu_run.sh` there with ``GBS_COMMIT=<sha>``)."""
     import ml_dtypes
     import numba
 
@@ -273,16 +291,7 @@ def environment_fields() -> dict:
         gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
     except Exception:
         gpu = "none"
-    try:
-        here = os.path.dirname(__file__)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=here).stdout.strip() or "unknown"
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True, cwd=here).stdout.strip()
-        if changed and commit != "unknown":
-            commit += "+dirty"
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("GBS_COMMIT") or _git_commit()
     try:
         import numba_cuda
 

@@ -28,7 +28,7 @@ export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   "$PY" -c "import sys, numpy, numba, numba_cuda, ml_dtypes; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'ml_dtypes', ml_dtypes.__version__)"
-  git rev-parse --short HEAD 2>/dev/null || true; } 2>&1 | tee "$OUT/env.txt"
+  echo "commit ${GBS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$OUT/env.txt"
 
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
