@@ -1,15 +1,15 @@
 """Shared plot helpers: one style, one colour vocabulary, and the pictures the project draws often.
 
 Used by the notebooks (``notebooks/*.ipynb``) and by the plots of the ablation command. Every
-helper draws on an ``Axes`` the caller made and returns what it drew, so figures compose;
-nothing here calls ``plt.show()`` or writes files. Needs only matplotlib and numpy, no display
-(run headless with ``MPLBACKEND=Agg``).
+helper draws on an ``Axes`` (or ``Figure``) the caller made, so figures compose; nothing here
+calls ``plt.show()`` or writes files. Needs only matplotlib and numpy, no display (run headless
+with ``MPLBACKEND=Agg``).
 
 Conventions the helpers encode:
 
-* A title states the finding, not the axes (``finding_title``): "decode wastes no MMA work at
-  mma_bn=8", not "padding waste vs tokens". The how (shape, format, units) goes in the smaller
-  detail line.
+* A title states the finding, not the axes (``finding_title``): "Kimi's 4 weight tiles per expert
+  starve the grid", not "SM occupancy vs experts". The how (shape, format, source) goes in the
+  smaller detail line. Build findings from the computed numbers so they cannot go stale.
 * Anything not computed with ``gbs`` or measured says where it comes from (``source_note``
   with e.g. ``"B200 datasheet"`` or ``"modelled"``).
 * Regimes always wear ``REGIME_COLORS``; a dispatch config wears the colour of the regime whose
@@ -18,6 +18,7 @@ Conventions the helpers encode:
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Mapping, NamedTuple, Sequence
 
 import matplotlib as mpl
@@ -36,7 +37,14 @@ from .dispatch import (
     REGIME_OVERRIDE,
     REGIME_SMALL_PREFILL,
 )
-from .quant import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements
+from .quant import (
+    SF_ATOM_BYTES,
+    SF_ATOM_COLS,
+    SF_ATOM_ROWS,
+    ScaleLayout128x4,
+    decode_elements,
+    padded_scale_rows,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Style and colours
@@ -81,6 +89,7 @@ NOTE_COLOR = "0.35"
 SLOT_CMAP = "tab20"            # qualitative: neighbouring slots stay distinguishable
 ATOM_SLICE_CMAP = "tab10"      # the four 32-row slices of a 128x4 scale atom
 FAINT_TEXT_SIZE = 8.5
+AXIS_LABEL_ROOM_IN = 0.8       # inches a panel loses to its y tick labels and label
 
 
 def apply_style() -> None:
@@ -111,6 +120,13 @@ def config_label(config) -> str:
     return f"mma_bn {mma_bn}, {ctas}" + (", swapped" if ab_swapped else ", not swapped")
 
 
+def darken(color, factor: float = 0.75) -> str:
+    """``color`` with its RGB scaled by ``factor`` (< 1 darker), as a hex string."""
+    if not 0 <= factor <= 1:
+        raise ValueError(f"factor must be in [0, 1], got {factor}")
+    return mcolors.to_hex(np.array(mcolors.to_rgb(color)) * factor)
+
+
 def _config_knobs(config) -> tuple[bool, int, int]:
     missing = [a for a in ("ab_swapped", "mma_bn", "cta_group") if not hasattr(config, a)]
     if missing:
@@ -122,24 +138,46 @@ def _config_knobs(config) -> tuple[bool, int, int]:
 # ----------------------------------------------------------------------------------------------
 # Titles and provenance
 # ----------------------------------------------------------------------------------------------
+def _wrap_to_axes(text: str, ax: Axes, fontsize: float, em_per_char: float) -> str:
+    """``text`` wrapped to roughly the width ``ax`` will get: its share of the figure's grid
+    (constrained layout resizes axes only when the figure is drawn), less room for tick labels."""
+    spec = ax.get_subplotspec()
+    if spec is None:
+        width_in = ax.get_position().width * ax.figure.get_figwidth()
+    else:
+        grid = spec.get_gridspec()
+        ratios = grid.get_width_ratios() or [1] * grid.ncols
+        share = sum(ratios[c] for c in spec.colspan) / sum(ratios)
+        width_in = ax.figure.get_figwidth() * share - AXIS_LABEL_ROOM_IN
+    width_pt = max(width_in, 1.0) * 72
+    chars = max(24, int(width_pt / (fontsize * em_per_char)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+
 def finding_title(target: Axes | Figure, finding: str, detail: str | None = None) -> None:
     """Title that states the finding, in bold; ``detail`` (shape, format, units) in small grey.
 
-    On an ``Axes`` the detail is a line under the title; on a ``Figure`` the finding is the
-    suptitle and the detail a caption under the panels.
+    On an ``Axes`` the detail is a line under the title and both wrap to the axes' width; on a
+    ``Figure`` the finding is the suptitle and the detail a caption under the panels.
     """
     if not isinstance(finding, str) or not finding:
         raise ValueError("finding must be a non-empty string stating what the plot shows")
+    detail_size = FAINT_TEXT_SIZE + 0.5
     if isinstance(target, Figure):
         target.suptitle(finding, fontweight="bold", fontsize=13, x=0.01, ha="left")
         if detail:
-            target.supxlabel(detail, fontsize=FAINT_TEXT_SIZE + 0.5, color=NOTE_COLOR, x=0.01, ha="left")
+            target.supxlabel(detail, fontsize=detail_size, color=NOTE_COLOR, x=0.01, ha="left")
     elif isinstance(target, Axes):
-        target.set_title(finding, loc="left", fontweight="bold", pad=18 if detail else 6)
+        title_size = mpl.rcParams["axes.titlesize"]
+        title_size = title_size if isinstance(title_size, (int, float)) else 12
+        detail_text = _wrap_to_axes(detail, target, detail_size, 0.5) if detail else ""
+        detail_lines = detail_text.count("\n") + 1 if detail else 0
+        target.set_title(_wrap_to_axes(finding, target, title_size, 0.6), loc="left", fontweight="bold",
+                         pad=6 + 1.3 * detail_size * detail_lines)
         if detail:
-            target.annotate(detail, xy=(0, 1), xycoords="axes fraction", xytext=(0, 5),
+            target.annotate(detail_text, xy=(0, 1), xycoords="axes fraction", xytext=(0, 5),
                             textcoords="offset points", va="bottom", ha="left",
-                            fontsize=FAINT_TEXT_SIZE + 0.5, color=NOTE_COLOR)
+                            fontsize=detail_size, color=NOTE_COLOR)
     else:
         raise TypeError(f"target must be a matplotlib Axes or Figure, got {type(target).__name__}")
 
@@ -215,16 +253,19 @@ def value_table(ax: Axes, cell_text: Sequence[Sequence[str]], *, col_labels: Seq
 
 
 def annotated_heatmap(ax: Axes, data, *, x_labels: Sequence, y_labels: Sequence, cmap="viridis",
-                      vmin=None, vmax=None, fmt: str = "{:.0%}", colorbar_label: str | None = None,
-                      annotate: bool = True, fontsize: float = 7.5):
+                      vmin=None, vmax=None, fmt: str = "{:.0%}", annotations=None,
+                      colorbar_label: str | None = None, annotate: bool = True, fontsize: float = 7.5):
     """``data[y, x]`` as coloured cells with their values written in; returns the image.
 
-    ``fmt`` formats each annotation (``str.format``); NaN cells are left blank.
+    ``fmt`` formats each value (``str.format``); ``annotations`` (same shape as ``data``, strings)
+    replaces the formatted values. NaN cells are left blank.
     """
     data = np.asarray(data, dtype=float)
     if data.ndim != 2 or data.shape != (len(y_labels), len(x_labels)):
         raise ValueError(f"data must be 2-D (len(y_labels), len(x_labels)) = "
                          f"({len(y_labels)}, {len(x_labels)}), got shape {data.shape}")
+    if annotations is not None and np.shape(annotations) != data.shape:
+        raise ValueError(f"annotations must have the shape of data {data.shape}, got {np.shape(annotations)}")
     image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
     ax.set_xticks(range(len(x_labels)), [str(x) for x in x_labels])
     ax.set_yticks(range(len(y_labels)), [str(y) for y in y_labels])
@@ -232,7 +273,8 @@ def annotated_heatmap(ax: Axes, data, *, x_labels: Sequence, y_labels: Sequence,
     if annotate:
         for (y, x), value in np.ndenumerate(data):
             if np.isfinite(value):
-                ax.text(x, y, fmt.format(value), ha="center", va="center", fontsize=fontsize,
+                text = fmt.format(value) if annotations is None else str(annotations[y][x])
+                ax.text(x, y, text, ha="center", va="center", fontsize=fontsize,
                         color=_text_color_on(image.cmap(image.norm(value))))
     if colorbar_label is not None:
         ax.figure.colorbar(image, ax=ax, label=colorbar_label, shrink=0.9)
@@ -275,13 +317,12 @@ def segmented_bar(ax: Axes, y: float, segments: Sequence[Segment], *, height: fl
 
 
 def group_rows_picture(ax: Axes, a_offsets, expert_ids, a_scale_offsets=None, *,
-                       band_rows: int = SF_ATOM_ROWS, label_slots: bool = True) -> None:
+                       label_slots: bool = True) -> None:
     """A grouped batch's token rows, slot by slot, and (with ``a_scale_offsets``) where each slot's
     scale rows land in the per-group padded scale array (every slot starts a fresh 128-row band).
 
     Top bar: rows of ``a`` (tokens concatenated, no padding). Bottom bar: rows of the padded scale
-    array, ``128 * (a_offsets[g] // 128 + a_scale_offsets[g])`` onwards for slot ``g``, padding
-    hatched. Skipped slots (expert id -1) are grey; empty slots are marked with a triangle.
+    array (``gbs.quant.padded_scale_rows``), each slot's padding up to its band's end hatched. Skipped slots (expert id -1) are grey; empty slots are marked with a triangle.
     """
     a_offsets = np.asarray(a_offsets, dtype=np.int64)
     expert_ids = np.asarray(expert_ids, dtype=np.int64)
@@ -298,20 +339,27 @@ def group_rows_picture(ax: Axes, a_offsets, expert_ids, a_scale_offsets=None, *,
         name = f"g{g}: skip" if skipped else f"g{g}: e{expert_ids[g]}"
         return (SKIPPED_COLOR if skipped else slot_color(g)), ("//" if skipped else None), name
 
+    total_rows = int(a_offsets[-1])
+    x_hi = total_rows
+    label_inside_fraction = 0.06   # narrower slots get a short label above the bar
     token_segments = []
+    labels_above = 0
     for g in range(expert_ids.size):
         color, hatch, name = slot_style(g)
         if counts[g] == 0:
             ax.plot(a_offsets[g], token_y + 0.42, marker="v", color=color, markersize=7, zorder=5)
-            if label_slots:
-                ax.annotate(f"g{g} empty", (a_offsets[g], token_y + 0.42), xytext=(0, 6),
-                            textcoords="offset points", ha="center", fontsize=7, color=NOTE_COLOR)
-            continue
-        token_segments.append(Segment(a_offsets[g], counts[g], color,
-                                      f"{name}\n{counts[g]} tok" if label_slots else "", hatch))
-    total_rows = int(a_offsets[-1])
-    x_hi = total_rows
-    segmented_bar(ax, token_y, token_segments, height=0.55, min_label_fraction=0.04)
+        label_above = counts[g] == 0 or counts[g] < label_inside_fraction * max(total_rows, 1)
+        if label_slots and label_above:
+            text = f"g{g}\nempty" if counts[g] == 0 else (f"g{g}\nskip" if expert_ids[g] < 0 else f"g{g}")
+            # stagger neighbouring labels over two heights so they do not overlap
+            ax.annotate(text, (a_offsets[g] + counts[g] / 2, token_y + 0.42), xytext=(0, 6 + 16 * (labels_above % 2)),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7, color=NOTE_COLOR)
+            labels_above += 1
+        if counts[g]:
+            token_segments.append(Segment(a_offsets[g], counts[g], color,
+                                          f"{name}\n{counts[g]} tok" if label_slots and not label_above else "",
+                                          hatch))
+    segmented_bar(ax, token_y, token_segments, height=0.55)
 
     labels = {token_y: "a rows\n(tokens, unpadded)"}
     if a_scale_offsets is not None:
@@ -319,13 +367,14 @@ def group_rows_picture(ax: Axes, a_offsets, expert_ids, a_scale_offsets=None, *,
         if a_scale_offsets.shape != expert_ids.shape:
             raise ValueError(f"a_scale_offsets must have one entry per slot ({expert_ids.size}), "
                              f"got {a_scale_offsets.shape}")
+        scale_rows = padded_scale_rows(a_offsets, a_scale_offsets)
         scale_segments = []
         for g in range(expert_ids.size):
             if counts[g] == 0:
                 continue
             color, hatch, _ = slot_style(g)
-            first = band_rows * (a_offsets[g] // band_rows + a_scale_offsets[g])
-            padded = -(-counts[g] // band_rows) * band_rows
+            first = int(scale_rows[a_offsets[g]])
+            padded = -(-counts[g] // SF_ATOM_ROWS) * SF_ATOM_ROWS   # whole 128-row bands
             scale_segments.append(Segment(first, counts[g], color, "", hatch))
             scale_segments.append(Segment(first + counts[g], padded - counts[g], PADDING_COLOR, "", "..."))
             # connect the slot's token rows to its scale rows
@@ -334,11 +383,11 @@ def group_rows_picture(ax: Axes, a_offsets, expert_ids, a_scale_offsets=None, *,
                                  closed=True, color=color, alpha=0.25, lw=0))
             x_hi = max(x_hi, first + padded)
         segmented_bar(ax, scale_y, scale_segments, height=0.55)
-        for band_edge in range(0, x_hi + 1, band_rows):
+        for band_edge in range(0, x_hi + 1, SF_ATOM_ROWS):
             ax.axvline(band_edge, ymin=0.0, ymax=0.45, color="0.3", lw=0.8, ls=":")
-        labels[scale_y] = f"a_scales rows\n(padded to {band_rows}-row bands)"
+        labels[scale_y] = f"a_scales rows\n(padded to {SF_ATOM_ROWS}-row bands)"
     ax.set_yticks(list(labels), list(labels.values()))
-    ax.set_ylim(-0.6, 1.75)
+    ax.set_ylim(-0.6 if a_scale_offsets is not None else 0.55, 2.0)
     ax.set_xlim(-0.01 * x_hi, 1.01 * x_hi)
     ax.set_xlabel("row index")
     ax.grid(False)
@@ -355,30 +404,39 @@ def _log_cell_edges(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[first], mids, [last]])
 
 
+def _object_grid(name: str, rows, shape: tuple[int, int]) -> np.ndarray:
+    """Nested sequences -> a 2-D object array of ``shape`` (entries such as tuples stay whole)."""
+    rows = list(rows)
+    if len(rows) != shape[0] or any(len(row) != shape[1] for row in rows):
+        raise ValueError(f"{name} must be {shape[0]} rows of {shape[1]} entries (rows x len(x))")
+    grid = np.empty(shape, dtype=object)
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            grid[i, j] = value
+    return grid
+
+
 def regime_map(ax: Axes, x, categories, *, row_labels: Sequence[str], colors: Mapping,
                category_labels: Mapping | None = None, run_labels=None,
                thresholds: Mapping[float, str] | None = None, xlabel: str = "",
-               legend: bool = True, run_label_fontsize: float = 7.5) -> None:
+               legend: bool = True, run_label_fontsize: float = 7.5) -> dict[str, int]:
     """Rows of coloured runs along a log-scaled x: which category (regime, config) holds where.
 
     ``x``: increasing positive values (e.g. avg tokens per expert). ``categories``: (rows, len(x))
     of hashable keys of ``colors``. ``run_labels``: optional (rows, len(x)) strings; a run is a
     stretch of equal (category, label) and shows its first label inside when it fits.
     ``thresholds``: {value: text}: a dashed line between ``value`` and the next x, labelled on top.
+    Returns the y coordinate of each row, by row label (the first row is drawn on top).
     """
     x = np.asarray(x, dtype=float)
     if x.ndim != 1 or x.size == 0 or np.any(x <= 0) or np.any(np.diff(x) <= 0):
         raise ValueError("x must be a non-empty, strictly increasing 1-D array of positive values")
-    cats = np.asarray(categories, dtype=object)
-    if cats.shape != (len(row_labels), x.size):
-        raise ValueError(f"categories must have shape (len(row_labels), len(x)) = "
-                         f"({len(row_labels)}, {x.size}), got {cats.shape}")
+    cats = _object_grid("categories", categories, (len(row_labels), x.size))
     missing = {c for c in cats.ravel() if c not in colors}
     if missing:
         raise ValueError(f"categories without a colour: {sorted(map(str, missing))}")
-    labels = np.full(cats.shape, "", dtype=object) if run_labels is None else np.asarray(run_labels, dtype=object)
-    if labels.shape != cats.shape:
-        raise ValueError(f"run_labels must have the shape of categories {cats.shape}, got {labels.shape}")
+    labels = (np.full(cats.shape, "", dtype=object) if run_labels is None
+              else _object_grid("run_labels", run_labels, cats.shape))
     edges = _log_cell_edges(x)
     log_span = np.log(edges[-1] / edges[0])
     axes_width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
@@ -391,18 +449,18 @@ def regime_map(ax: Axes, x, categories, *, row_labels: Sequence[str], colors: Ma
                 continue
             lo, hi = edges[start], edges[i]
             color = colors[cats[row, start]]
-            ax.add_patch(Rectangle((lo, y - 0.4), hi - lo, 0.8, color=color, lw=0))
+            ax.add_patch(Rectangle((lo, y - 0.4), hi - lo, 0.8, color=color, lw=0, zorder=1))
             text = str(labels[row, start])
             width_pt = np.log(hi / lo) / log_span * axes_width_pt
             longest_line = max((len(t) for t in text.split("\n")), default=0)
             if text and width_pt > 0.6 * run_label_fontsize * longest_line:
                 ax.text(np.sqrt(lo * hi), y, text, ha="center", va="center", fontsize=run_label_fontsize,
-                        color=_text_color_on(color))
+                        color=_text_color_on(color), zorder=3)
             start = i
     for value, text in (thresholds or {}).items():
         i = int(np.searchsorted(x, value, side="right"))
         edge = edges[i] if i < edges.size else edges[-1]
-        ax.axvline(edge, color="black", ls="--", lw=1.1)
+        ax.axvline(edge, color="black", ls="--", lw=1.1, zorder=2)
         ax.text(edge, cats.shape[0] - 0.45, text, ha="center", va="bottom", fontsize=8.5,
                 bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.6"))
     ax.set_xscale("log")
@@ -416,6 +474,7 @@ def regime_map(ax: Axes, x, categories, *, row_labels: Sequence[str], colors: Ma
         names = category_labels or {}
         handles = [Patch(color=colors[c], label=str(names.get(c, c))) for c in seen]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return {label: cats.shape[0] - 1 - row for row, label in enumerate(row_labels)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,7 +573,7 @@ def scale_layout_picture(ax: Axes, rows: int = SF_ATOM_ROWS, cols: int = SF_ATOM
                         color=_text_color_on(rgba[ln, x, :3]))
     header = [f"s{(p // 4)}\nk{p % 4}" for p in range(bytes_per_line)] * atoms
     ax.set_xticks(range(atoms * bytes_per_line), header, fontsize=7)
-    ax.xaxis.tick_top()
+    ax.set_xlabel("byte of the 16-byte line: 4-byte word = 32-row slice s, byte in the word = k-block k")
     ax.set_yticks(range(0, lines, 4))
-    ax.set_ylabel("16-byte line = TMEM lane (byte offset / 16)")
+    ax.set_ylabel("16-byte line = TMEM lane (byte offset // 16)")
     return image
