@@ -61,7 +61,7 @@ from gbs.dispatch import (
     SMALL_PREFILL_AVG_M,
     STAGES_AUTO,
     STAGES_SOURCES,
-    _require_int,
+    require_int,
     classify_regime,
     grouped_matmul_block_scaled_sm100_dispatch,
     grouped_matmul_mxfp8_dispatch,
@@ -261,7 +261,7 @@ class AblationRow:
             raise ValueError(f"gpu must be a lower-case id such as 'h200' or 'b200', got {self.gpu!r}")
         resolve_names(self.format)
         for name, minimum in (("n", 1), ("k", 1), ("num_active_experts", 1), ("total_tokens", 0), ("stages", 1)):
-            object.__setattr__(self, name, _require_int(name, getattr(self, name), minimum))
+            object.__setattr__(self, name, require_int(name, getattr(self, name), minimum))
         if self.routing not in ABLATION_ROUTINGS:
             raise ValueError(f"routing must be one of {ABLATION_ROUTINGS}, got {self.routing!r}")
         avg_m = _positive_finite("avg_m", self.avg_m, allow_zero=True)

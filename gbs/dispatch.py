@@ -195,7 +195,7 @@ STAGES_SOURCES = (STAGES_TUNED, STAGES_DECODE_DEFAULT, STAGES_AUTO, STAGES_OVERR
 
 # ---------------------------------------------------------------------------------------------
 # Input checks.
-def _require_int(name: str, value, minimum: int) -> int:
+def require_int(name: str, value, minimum: int) -> int:
     """``value`` as a Python int >= ``minimum``; bools and floats are rejected."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -236,8 +236,8 @@ def _check_k(k: int, pair: tuple[str, str]) -> None:
 # Pure decision functions.
 def classify_regime(estimated_total_m, num_active_experts) -> str:
     """``"decode"``, ``"small_prefill"`` or ``"large_prefill"``, by integer comparison."""
-    estimated_total_m = _require_int("estimated_total_m", estimated_total_m, 0)
-    num_active_experts = _require_int("num_active_experts", num_active_experts, 1)
+    estimated_total_m = require_int("estimated_total_m", estimated_total_m, 0)
+    num_active_experts = require_int("num_active_experts", num_active_experts, 1)
     if estimated_total_m <= num_active_experts * DECODE_AVG_M:
         return REGIME_DECODE
     if estimated_total_m <= num_active_experts * SMALL_PREFILL_AVG_M:
@@ -261,8 +261,8 @@ def regime_comparison(estimated_total_m: int, num_active_experts: int) -> str:
 def check_mma_tile(ab_swapped, mma_bn, cta_group) -> tuple[bool, int, int]:
     """Validated (ab_swapped, mma_bn, cta_group); ValueError names the legal values."""
     ab_swapped = _require_bool("ab_swapped", ab_swapped)
-    mma_bn = _require_int("mma_bn", mma_bn, 1)
-    cta_group = _require_int("cta_group", cta_group, 1)
+    mma_bn = require_int("mma_bn", mma_bn, 1)
+    cta_group = require_int("cta_group", cta_group, 1)
     if cta_group not in CTA_GROUPS:
         raise ValueError(f"cta_group must be one of {CTA_GROUPS}, got {cta_group}")
     if mma_bn not in LEGAL_MMA_BN[cta_group]:
@@ -303,8 +303,8 @@ def pipeline_smem_terms(*, mma_bn, cta_group, ab_swapped, num_sf_k_tiles,
                         smem_per_sm=B200_SMEM_PER_SM) -> PipelineSmemTerms:
     """Shared-memory terms of one config, exactly as the spec's stages=auto formula counts them."""
     ab_swapped, mma_bn, cta_group = check_mma_tile(ab_swapped, mma_bn, cta_group)
-    num_sf_k_tiles = _require_int("num_sf_k_tiles", num_sf_k_tiles, 1)
-    smem_per_sm = _require_int("smem_per_sm", smem_per_sm, 1)
+    num_sf_k_tiles = require_int("num_sf_k_tiles", num_sf_k_tiles, 1)
+    smem_per_sm = require_int("smem_per_sm", smem_per_sm, 1)
     c_cols = min(SWAPPED_C_TILE_MAX_COLS, mma_bn) if ab_swapped else UNSWAPPED_C_TILE_COLS
     c_tile_bytes = OUTPUT_BYTES * TILE_ROWS * c_cols
     accum_stages = num_accum_pipeline_stages(mma_bn)
@@ -364,14 +364,14 @@ def _pair_mma_kind(a_format: str, b_format: str) -> str:
     return SUPPORTED_FORMAT_PAIRS[(a_format, b_format)][0]
 
 
-def _k_tile_elements(mma_kind: str) -> int:
+def k_tile_elements_for_kind(mma_kind: str) -> int:
     return K_TILE_BYTES * 8 // _SMEM_ELEMENT_BITS[mma_kind]
 
 
-def _num_sf_k_tiles(a_format: str, b_format: str) -> int:
+def sf_k_tiles_per_stage(a_format: str, b_format: str) -> int:
     """Scale atoms per K slice: K-slice elements / (block size x 4 scale columns per atom)."""
     block = get_format(a_format).block_size   # both operands of a supported pair share it
-    return _k_tile_elements(_pair_mma_kind(a_format, b_format)) // (block * SF_ATOM_K)
+    return k_tile_elements_for_kind(_pair_mma_kind(a_format, b_format)) // (block * SF_ATOM_K)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,7 +415,7 @@ class KernelConfig:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         mma_kind = _pair_mma_kind(a_format, b_format)
-        num_sf_k_tiles = _num_sf_k_tiles(a_format, b_format)
+        num_sf_k_tiles = sf_k_tiles_per_stage(a_format, b_format)
         if self.num_pipeline_stages == AUTO_STAGES:
             raise ValueError("a KernelConfig holds resolved stages, not AUTO_STAGES")
         stages = check_config(ab_swapped=self.ab_swapped, mma_bn=self.mma_bn,
@@ -429,7 +429,7 @@ class KernelConfig:
             cluster_shape=(self.cta_group, 1, 1),
             num_accum_pipeline_stages=num_accum_pipeline_stages(self.mma_bn),
             num_sf_k_tiles=num_sf_k_tiles,
-            k_tile_elements=_k_tile_elements(mma_kind),
+            k_tile_elements=k_tile_elements_for_kind(mma_kind),
             max_pipeline_stages=auto_pipeline_stages(
                 mma_bn=self.mma_bn, cta_group=self.cta_group, ab_swapped=self.ab_swapped,
                 num_sf_k_tiles=num_sf_k_tiles, smem_per_sm=self.smem_per_sm),
@@ -477,19 +477,19 @@ class KernelConfig:
 
 # ---------------------------------------------------------------------------------------------
 def _validated_problem(pair, n, k, num_active_experts, estimated_total_m, smem_per_sm) -> dict:
-    n = _require_int("n", n, 1)
-    k = _require_int("k", k, 1)
+    n = require_int("n", n, 1)
+    k = require_int("k", k, 1)
     _check_k(k, pair)
     return dict(
         a_format=pair[0], b_format=pair[1], n=n, k=k,
-        num_active_experts=_require_int("num_active_experts", num_active_experts, 1),
-        estimated_total_m=_require_int("estimated_total_m", estimated_total_m, 0),
-        smem_per_sm=_require_int("smem_per_sm", smem_per_sm, 1))
+        num_active_experts=require_int("num_active_experts", num_active_experts, 1),
+        estimated_total_m=require_int("estimated_total_m", estimated_total_m, 0),
+        smem_per_sm=require_int("smem_per_sm", smem_per_sm, 1))
 
 
 def _auto_reason(problem, knobs, why: str) -> str:
     terms = pipeline_smem_terms(mma_bn=knobs[1], cta_group=knobs[2], ab_swapped=knobs[0],
-                                num_sf_k_tiles=_num_sf_k_tiles(problem["a_format"],
+                                num_sf_k_tiles=sf_k_tiles_per_stage(problem["a_format"],
                                                                problem["b_format"]),
                                 smem_per_sm=problem["smem_per_sm"])
     return (f"{why} -> auto: budget {terms.budget} B // {terms.per_stage} B per stage "
@@ -499,7 +499,7 @@ def _auto_reason(problem, knobs, why: str) -> str:
 def _auto_stages(problem, knobs) -> int:
     return auto_pipeline_stages(
         mma_bn=knobs[1], cta_group=knobs[2], ab_swapped=knobs[0],
-        num_sf_k_tiles=_num_sf_k_tiles(problem["a_format"], problem["b_format"]),
+        num_sf_k_tiles=sf_k_tiles_per_stage(problem["a_format"], problem["b_format"]),
         smem_per_sm=problem["smem_per_sm"])
 
 
@@ -546,7 +546,7 @@ def grouped_matmul_nvfp4_dispatch(*, n, k, num_active_experts, estimated_total_m
         knobs = check_mma_tile(ab_swapped, mma_bn, cta_group)
         stages = check_config(ab_swapped=knobs[0], mma_bn=knobs[1], cta_group=knobs[2],
                               num_pipeline_stages=num_pipeline_stages,
-                              num_sf_k_tiles=_num_sf_k_tiles("nvfp4", "nvfp4"),
+                              num_sf_k_tiles=sf_k_tiles_per_stage("nvfp4", "nvfp4"),
                               smem_per_sm=problem["smem_per_sm"])
         if num_pipeline_stages == AUTO_STAGES:
             reason = _auto_reason(problem, knobs, f"caller's num_pipeline_stages={AUTO_STAGES}")

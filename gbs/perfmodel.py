@@ -55,9 +55,9 @@ from gbs.dispatch import (
     MMA_KIND_F8F6F4,
     OUTPUT_BYTES,
     SUPPORTED_FORMAT_PAIRS,
-    _k_tile_elements,
-    _num_sf_k_tiles,
-    _require_int,
+    k_tile_elements_for_kind,
+    sf_k_tiles_per_stage,
+    require_int,
     auto_pipeline_stages,
     classify_regime,
     num_accum_pipeline_stages,
@@ -160,7 +160,7 @@ class HardwareParams:
 @functools.lru_cache(maxsize=1024)
 def _max_stages(fmt: str, tile: TileConfig, smem_per_sm: int) -> int:
     return auto_pipeline_stages(mma_bn=tile.mma_bn, cta_group=tile.cta_group, ab_swapped=tile.ab_swapped,
-                                num_sf_k_tiles=_num_sf_k_tiles(*resolve_names(fmt)), smem_per_sm=smem_per_sm)
+                                num_sf_k_tiles=sf_k_tiles_per_stage(*resolve_names(fmt)), smem_per_sm=smem_per_sm)
 
 
 _MAY_BE_ZERO = {"stage_setup_cycles", "tile_overhead_cycles", "epilogue_cycles", "dequant_cycles_per_element",
@@ -258,10 +258,10 @@ class ProblemShape:
 
     def __post_init__(self):
         resolve_names(self.format)
-        object.__setattr__(self, "n", _require_int("n", self.n, 1))
-        object.__setattr__(self, "k", _require_int("k", self.k, 1))
-        sizes = tuple(_require_int("group_sizes[i]", s, 0) for s in self.group_sizes)
-        ids = tuple(_require_int("expert_ids[i]", e, -1) for e in self.expert_ids)
+        object.__setattr__(self, "n", require_int("n", self.n, 1))
+        object.__setattr__(self, "k", require_int("k", self.k, 1))
+        sizes = tuple(require_int("group_sizes[i]", s, 0) for s in self.group_sizes)
+        ids = tuple(require_int("expert_ids[i]", e, -1) for e in self.expert_ids)
         if not sizes or len(sizes) != len(ids):
             raise ValueError(f"need one expert id per group slot and at least one slot, got {len(sizes)} sizes "
                              f"and {len(ids)} ids")
@@ -274,7 +274,7 @@ class ProblemShape:
     @classmethod
     def uniform(cls, fmt: str, *, n: int, k: int, num_active_experts: int, tokens_per_expert: int) -> "ProblemShape":
         """``num_active_experts`` slots (experts 0, 1, ...) with the same token count each."""
-        slots = _require_int("num_active_experts", num_active_experts, 1)
+        slots = require_int("num_active_experts", num_active_experts, 1)
         return cls(fmt, n, k, (tokens_per_expert,) * slots, tuple(range(slots)))
 
     @classmethod
@@ -336,7 +336,7 @@ class ModelConfig:
         object.__setattr__(self, "ab_swapped", tile.ab_swapped)
         object.__setattr__(self, "mma_bn", tile.mma_bn)
         object.__setattr__(self, "cta_group", tile.cta_group)
-        object.__setattr__(self, "stages", _require_int("stages", self.stages, 1))
+        object.__setattr__(self, "stages", require_int("stages", self.stages, 1))
 
     @classmethod
     def of(cls, config) -> "ModelConfig":
@@ -534,7 +534,7 @@ class _FormatBytes(NamedTuple):
 @functools.lru_cache(maxsize=256)
 def _format_bytes(fmt: str, k: int) -> _FormatBytes:
     a_format, b_format = resolve_formats(fmt)
-    k_tile = _k_tile_elements(_mma_kind(fmt))
+    k_tile = k_tile_elements_for_kind(_mma_kind(fmt))
 
     def row_slice(f):
         return k_tile * f.element_bits // 8 + k_tile // f.block_size * SCALE_BYTES_PER_BLOCK
