@@ -370,12 +370,27 @@ class _Launch:
         for pair in range(self.num_ctas // g):
             ctas = [CtaState(np.zeros(self.smem_plan.dynamic_bytes, np.uint8)) for _ in range(g)]
             k_iter, acc_iter = 0, 0
-            for tile_index in range(pair, self.num_tiles, self.num_ctas // g):
+            # What the scheduler warp hands out: the pair's walk indices, located one by one.
+            for tile_index in schedule.pair_tile_indices(pair * g, self.num_ctas, self.num_tiles, g):
                 fields = [int(v) for v in schedule.locate_tile(tile_index, self.a_offsets, self.p.expert_ids,
                                                                self.p.n, self.shape.tokens, self.shape.weight_rows)]
                 _expect(fields[0] >= 0, f"tile {tile_index} of {self.num_tiles} not found")
                 k_iter = self._tile(pair, ctas, fields, k_iter, acc_iter)
                 acc_iter += 1
+
+    def _check_against_schedule(self, pair, fields, coordinates):
+        """Each CTA loads the token rows and weight rows ``schedule.cta_work`` assigns it."""
+        spec, g = self.spec, self.spec.cta_group
+        tile = schedule.Tile(-1, *fields)
+        for rank in range(g):
+            work = schedule.cta_work(tile, pair * g + rank, self.shape)
+            token_row, weight_row = coordinates[rank][:2]
+            if work.staged_token_start < work.staged_token_end:
+                _expect(token_row == work.staged_token_start, f"CTA rank {rank} loads tokens from {token_row}, "
+                                                              f"the schedule stages {work.staged_token_start}")
+            if spec.ab_swapped and work.row_start < work.row_end:
+                _expect(weight_row == work.row_start, f"CTA rank {rank} loads weight rows from {weight_row}, "
+                                                      f"the schedule gives it {work.row_start}")
 
     # -- one tile ------------------------------------------------------------------------------
     def _tile(self, pair, ctas, fields, k_iter, acc_iter):
@@ -384,6 +399,7 @@ class _Launch:
         coordinates = [k.tile_load_coordinates(spec.ab_swapped, spec.b_rows_per_cta, rank, expert, token_start,
                                                row_start, int(self.a_offsets[slot]), int(self.a_scale_offsets[slot]),
                                                self.row_bands) for rank in range(g)]
+        self._check_against_schedule(pair, fields, coordinates)
         acc, _ = k.pipeline_position(acc_iter, spec.accum_stages)
         d_tmem = EMULATED_TMEM_BASE + acc * spec.mma_bn
         sfb_row = coordinates[0][4]

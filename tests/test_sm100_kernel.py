@@ -250,3 +250,13 @@ def test_resource_table():
     for row in rows:
         assert row["smem_total"] <= dispatch.B200_SMEM_PER_SM and row["tmem_columns"] <= desc.TMEM_COLUMNS
         assert row["stages"] <= row["formula_max_stages"] <= row["own_max_stages"]
+
+
+def test_launch_keeps_one_block_per_sm():
+    """All 512 TMEM columns are allocated: the launch's shared memory must forbid a second block."""
+    for spec in KERNEL_SPECS:
+        plan = k.smem_plan(spec, 2)
+        request = k.launch_smem_bytes(plan)
+        assert request >= plan.dynamic_bytes
+        assert 2 * (request + plan.reserved_bytes) > dispatch.B200_SMEM_PER_SM
+        assert request + plan.reserved_bytes <= dispatch.B200_SMEM_PER_SM

@@ -204,13 +204,10 @@ class Sm100KernelSpec:
         return get_format(self.a_format).block_size
 
     @property
-    def smem_element_bits(self) -> int:
-        """Shared-memory bits per element: kind::mxf8f6f4 holds every operand one per byte."""
-        return 4 if self.kind.name != dispatch.MMA_KIND_F8F6F4 else 8
-
-    @property
     def k_slice_elements(self) -> int:
-        return K_SLICE_BYTES * 8 // self.smem_element_bits
+        """K elements per 128-byte slice: 256 for the FP4 kinds, 128 for mxf8f6f4 (which holds
+        every operand, FP4 included, one element per byte of shared memory)."""
+        return dispatch.k_tile_elements_for_kind(self.kind.name)
 
     @functools.cached_property
     def num_sf_k_tiles(self) -> int:
@@ -603,6 +600,14 @@ def tmem_plan(spec: Sm100KernelSpec, stages: int) -> TmemPlan:
         raise ValueError(f"{spec}: {stages} stages need {used} TMEM columns (accumulators + per-stage "
                          f"scale atoms), more than the {TMEM_ALLOC_COLUMNS} there are")
     return TmemPlan(stages, tuple(s * spec.mma_bn for s in range(spec.accum_stages)), sfa_base, sfb_base, used)
+
+
+def launch_smem_bytes(plan: SmemPlan, smem_per_sm: int = dispatch.B200_SMEM_PER_SM) -> int:
+    """Dynamic shared memory to request at launch: the plan's, raised (if needed) so that two
+    blocks cannot share an SM. The kernel allocates all 512 TMEM columns, so a second resident
+    block would stall in ``tcgen05.alloc`` until the first exits, while other SMs sit idle."""
+    two_blocks = smem_per_sm // 2 - plan.reserved_bytes   # largest request that still fits twice
+    return max(plan.dynamic_bytes, two_blocks + 1)
 
 
 def max_dynamic_smem_bytes(smem_per_sm: int = dispatch.B200_SMEM_PER_SM) -> int:
@@ -1389,15 +1394,17 @@ def _launch(spec: Sm100KernelSpec, plan: SmemPlan, num_ctas: int, args) -> None:
 
     kernel = _compiled_kernel(spec)
     cufunc = kernel._codelibrary.get_cufunc()
+    smem_bytes = launch_smem_bytes(plan)
     driver.driver.cuKernelSetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                       plan.dynamic_bytes, cufunc.handle, 0)
+                                       smem_bytes, cufunc.handle, 0)
     stream = driver._to_core_stream(cuda.default_stream())   # what numba's own launches pass to cuda.core
     kernel_args, writeback = [], []
     for ty, value in zip(kernel.argument_types, args):
         kernel._prepare_args(ty, value, stream, writeback, kernel_args)
     cluster = (spec.cta_group, 1, 1) if spec.cta_group > 1 else None
+    # With a cluster, cuda.core's grid counts clusters.
     config = LaunchConfig(grid=num_ctas // spec.cta_group, cluster=cluster, block=spec.threads,
-                          shmem_size=plan.dynamic_bytes)
+                          shmem_size=smem_bytes)
     launch(stream, config, cufunc.kernel, *kernel_args)
     cuda.synchronize()
     for write in writeback:
