@@ -2,6 +2,8 @@
 
 Backends, best first where the hardware allows:
 
+* ``"sm100"``: the tcgen05 kernel (Blackwell B200/GB200, compute capability 10.0; assembled and
+  emulated in CI, never run here: no such GPU exists in this project's machines);
 * ``"simt"``: the plain Numba CUDA kernel (any CUDA GPU, or Numba's simulator with
   ``NUMBA_ENABLE_CUDASIM=1``);
 * ``"reference"``: the exact CPU reference (``gbs.reference``), always available.
@@ -18,7 +20,8 @@ from .dispatch import KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
 from .reference import reference_grouped_matmul
 
-BACKENDS = ("auto", "simt", "reference")
+BACKENDS = ("auto", "sm100", "simt", "reference")
+SM100_COMPUTE_CAPABILITY = (10, 0)
 
 
 def gpu_available() -> bool:
@@ -43,12 +46,20 @@ def dispatch_for(problem: GroupedProblem) -> KernelConfig:
         num_active_experts=problem.num_active_experts, estimated_total_m=problem.estimated_total_m)
 
 
+def _compute_capability() -> tuple[int, int]:
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability)
+
+
 def select_backend(backend: str = "auto") -> str:
     """The backend ``backend`` resolves to on this machine."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "simt" if gpu_available() else "reference"
+        if not gpu_available():
+            return "reference"
+        return "sm100" if _compute_capability() == SM100_COMPUTE_CAPABILITY else "simt"
     return backend
 
 
@@ -71,9 +82,14 @@ def grouped_matmul(problem: GroupedProblem, config: KernelConfig | None = None, 
     chosen = select_backend(backend)
     if chosen == "reference":
         return reference_grouped_matmul(problem, out)
-    from .numba_kernels import simt
     from .schedule import TileConfig
 
     if problem.a_format.name in _ROUTE_AS:   # decided on the E4M3 route: hand the kernel only the knobs
         config = TileConfig.of(config)
+    if chosen == "sm100":   # raises, naming the hardware it needs, on anything but compute capability 10.0
+        from .numba_kernels import sm100
+
+        return sm100.grouped_matmul_sm100(problem, config, out=out)
+    from .numba_kernels import simt
+
     return simt.grouped_matmul_simt(problem, config, out=out)

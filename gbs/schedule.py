@@ -18,7 +18,7 @@ so that they all visit the same tiles in the same order (``../shared/spec/kernel
 
 Functions marked *device-capable* are plain integer Python on arrays: they run on the host with
 numpy arrays and compile for the GPU through ``device_functions()``. They call no other module
-function except through ``_rebind`` (numba resolves a device function's callees by name), and
+function except through ``rebind`` (numba resolves a device function's callees by name), and
 take no dataclasses. The walk itself is linear in the number of slots (G <= 256).
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def cta_output_rows(row_start, row_end, rank, cta_group, tile_rows):
     return lo, hi
 
 
-def _rebind(func, **callees):
+def rebind(func, **callees):
     """``func`` with the module functions it calls replaced by their device versions."""
     globals_ = dict(func.__globals__, **callees)
     return types.FunctionType(func.__code__, globals_, func.__name__, func.__defaults__, func.__closure__)
@@ -181,7 +181,7 @@ def device_functions() -> DeviceFunctions:
     from numba import cuda
 
     def device(func, **callees):
-        return cuda.jit(device=True)(_rebind(func, **callees))
+        return cuda.jit(device=True)(rebind(func, **callees))
 
     d_ceil_div = device(ceil_div)
     d_token_blocks = device(slot_token_blocks, ceil_div=d_ceil_div)

@@ -533,10 +533,10 @@ def emulate(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
     """Replay the SM100 kernel on ``problem`` with ``config`` (``KernelConfig`` or ``TileConfig``)
     on the CPU. ``num_ctas``: persistent grid (default: one CTA per B200 SM, whole pairs, no more
     pairs than tiles). ``out``: written in place (default: poisoned)."""
-    from gbs.numba_kernels.simt import _check_out
+    from gbs.numba_kernels.simt import check_out
 
     spec, stages = k.check_can_implement(problem, config)
-    out = _check_out(problem, out)
+    out = check_out(problem, out)
     num_tiles = schedule.total_tiles(problem.a_offsets, problem.expert_ids, problem.n, spec.tile_shape)
     if num_ctas is None:
         num_ctas = k.default_num_ctas(num_tiles, spec.cta_group, k.B200_SM_COUNT)

@@ -37,3 +37,9 @@ def test_backend_selection():
     assert select_backend("auto") in ("simt", "reference")
     with pytest.raises(ValueError, match="backend must be one of"):
         select_backend("cuda")
+
+
+def test_sm100_backend_says_what_hardware_it_needs():
+    p = random_problem("nvfp4", n=64, k=256, num_experts=3, total_tokens=8, num_active_experts=2, seed=1)
+    with pytest.raises(RuntimeError, match=r"compute capability 10\.0.*use backend"):
+        grouped_matmul(p, backend="sm100")

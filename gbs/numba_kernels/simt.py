@@ -332,7 +332,7 @@ def can_implement(problem: GroupedProblem, config) -> tuple[bool, str]:
     return True, ""
 
 
-def _check_out(problem: GroupedProblem, out) -> np.ndarray:
+def check_out(problem: GroupedProblem, out) -> np.ndarray:
     shape = (problem.total_tokens, problem.n)
     if out is None:
         return poison_output(*shape)
@@ -407,7 +407,7 @@ def prepare(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
 
     tile_config = check_can_implement(problem, config)
     shape = tile_config.tile_shape
-    out = _check_out(problem, out)
+    out = check_out(problem, out)
     threads = _check_threads(default_threads_per_block() if threads_per_block is None else threads_per_block)
     if num_ctas is not None:
         num_ctas = schedule.check_num_ctas(num_ctas, shape.cta_group)

@@ -61,7 +61,7 @@ from gbs.problem import GroupedProblem
 from gbs.ptx_inline import sm100_descriptors as desc
 from gbs.quant import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, SF_LANE_BYTES, SF_LANES, get_format
 from gbs.quant import scale_byte_offset
-from gbs.schedule import _rebind
+from gbs.schedule import rebind
 
 # ----------------------------------------------------------------------------------------------
 # Constants
@@ -785,7 +785,7 @@ def tma_load_cta_pair(rank: int):
 def _device(func, **callees):
     from numba import cuda
 
-    return cuda.jit(device=True)(_rebind(func, **callees) if callees else func)
+    return cuda.jit(device=True)(rebind(func, **callees) if callees else func)
 
 
 def make_kernel_function(spec: Sm100KernelSpec):
@@ -1428,10 +1428,10 @@ def grouped_matmul_sm100(problem: GroupedProblem, config, out: np.ndarray | None
     """
     from numba import cuda
 
-    from gbs.numba_kernels.simt import _check_out
+    from gbs.numba_kernels.simt import check_out
 
     spec, stages = check_can_implement(problem, config)
-    out = _check_out(problem, out)
+    out = check_out(problem, out)
     shape = spec.tile_shape
     if num_ctas is not None:
         num_ctas = schedule.check_num_ctas(num_ctas, shape.cta_group)
