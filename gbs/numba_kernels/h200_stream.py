@@ -1,0 +1,1312 @@
+"""The fast H200 (sm_90a) grouped block-scaled matmul, streaming path: a TMA shared-memory ring,
+block scales applied in software, exactly, and bf16 ``mma.sync`` on the tensor cores.
+
+It computes the grouped 1D-1D problem of ``gbs.problem`` (``../shared/spec/formats.md``) for NVFP4,
+MXFP4, MXFP8 (E4M3), MXFP8 E5M2 and W4A8 (MXFP8 tokens x MXFP4 weights) with every legal knob of
+``gbs.dispatch`` implemented for real: ``ab_swapped`` True / False, ``mma_bn`` 8..256,
+``cta_group`` 1 / 2 and ``num_pipeline_stages``. One kernel family, specialised at compile time by
+``StreamSpec`` (formats and knobs) and cached per spec.
+
+Structure (one CTA per SM, persistent):
+* The producer: warp 0, or with 8 consumer warps a whole warpgroup (warps 1-3 idle) whose registers
+  ``setmaxnreg`` hands to the consumers. One thread walks the CTA's tiles (``gbs.schedule``: slot
+  order, ``-1`` and empty slots have no tiles, M-major inside a group; pair ``p`` of ``P`` pairs takes
+  tiles ``p, p + P, ...``) and, for every K slice, waits for a free ring stage (``empty`` mbarrier),
+  announces the stage's bytes (``arrive.expect_tx`` on ``full``) and issues the TMA loads: the weight
+  rows' slice (3-D map over ``b``: rows past N read as zero and never bleed into the next expert), the
+  token rows' slice (2-D map over ``a``) and the 512-byte scale atoms of both, straight from the 128x4
+  layouts (the weights' 6-D scales as stored: no re-layout).
+* The consumers: 4 warps (``mma_bn <= 32``) or 8. Each owns a ``WM x WN`` part of the CTA's
+  ``128 x mma_bn`` MMA tile (M = weight rows when ``ab_swapped``, else tokens), waits for a full
+  stage, reads raw FP4/FP8 bytes and scale bytes from shared memory, decodes them to bf16 times
+  their block scale in registers and issues ``mma.sync.m16n8k16.bf16`` into fp32 register
+  accumulators; then one lane per warp releases the stage. After a tile's last slice it multiplies
+  by ``expert_scales[e]`` (and the power of two below), rounds to bf16 (RNE) and stores
+  ``C[token, n]`` with predicated 2-byte stores, masked to the group's tokens and to N: rows of
+  skipped slots are never written.
+* ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile.
+  Each CTA loads half of the token rows and multicasts them (``.multicast::cluster``) to both; the
+  token scale atoms are multicast too. Every consumer warp releases a stage on the ``empty`` barriers
+  of both CTAs (a multicast writes into the peer); the producers wait with cluster-scope acquire.
+  Both CTAs of a pair walk the same tiles, so they run the same number of stages; a cluster barrier
+  follows the mbarrier init and precedes exit.
+
+Exact software block scaling. Hopper has no FP4 MMA and no block-scale hardware. Each element is
+decoded with integer operations into bf16 bits that read as ``value * 2**-c`` (E2M1: the 3 magnitude
+bits go to bf16 bits 6..8, so code 1 = 0.5 lands on the bf16 subnormal ``2**-127``: ``c = 126``;
+E4M3 ``c = 120``; E5M2 ``c = 112``), then one ``fma.rn.bf16x2`` multiplies it by the block scale held
+as the bf16 ``s * 2**(c - d)``. E2M1 x UE4M3 and E2M1/E4M3/E5M2 x UE8M0 products have at most 7
+significant bits, so the result ``value * s * 2**-d`` is exact in bf16; ``d`` (8 for UE4M3, 16 for
+UE8M0) keeps ``s * 2**(c - d)`` inside the bf16 range. The MMA accumulates exact products in fp32 and
+the epilogue multiplies by ``2**(d_tokens + d_weights)``, exactly. The exact range covers UE8M0 scale
+exponents (``byte - 127``) in [-116, +17] for E2M1, [-108, +23] for E4M3, [-101, +31] for E5M2 and
+every UE4M3 scale (``exact_scale_exponent_range``); outside it a product underflows to zero or its
+scale saturates to Inf. NaN scale bytes (UE8M0 0xFF, UE4M3 0x7F) make their block NaN; NaN element
+codes of E4M3 / E5M2 are decoded as finite numbers (the quantizers never emit them: a NaN block gets
+a NaN scale and zero codes).
+
+The K permutation. A sum over K ignores the order of k, so each thread of a quad takes a contiguous
+quarter of the K slice of its row (64 FP4 or 32 FP8 elements), and both operands are read with the
+same permutation: a group of 8 consecutive elements feeds two MMA k16 steps. FP4 groups pair
+elements ``(j, j + 4)`` in one bf16x2 register (two shifts and masks per register); FP8 x FP8 pairs
+``(0, 2), (1, 3)`` of each 4-byte word (no byte moves); W4A8 reads its FP8 tokens with the FP4
+pairing. Threads visit their groups in an order rotated by their quad index, so the 32 lanes of a
+shared-memory load hit 32 different banks (TMA 128B / 64B swizzle does the rest).
+
+Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
+are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned
+device arrays (TMA); the pipeline's real shared-memory bytes within the H200's 227 KiB per block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, float32
+from numba.cuda import types
+from numba.cuda.extending import intrinsic
+
+from gbs import schedule
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, KernelConfig, pipeline_smem_terms
+from gbs.numba_kernels import launch
+from gbs.numba_kernels.simt import scale_byte_offset
+from gbs.problem import PROBLEM_FORMATS, GroupedProblem
+from gbs.ptx_inline import cluster as cl
+from gbs.ptx_inline import common as cm
+from gbs.ptx_inline import copy as cp
+from gbs.ptx_inline import hopper as hp
+from gbs.ptx_inline import mbarrier as mb
+from gbs.ptx_inline._llvm import F32, I16, I32, asm, struct_to_tuple
+from gbs.quant import BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, get_format
+from gbs.reference import poison_output
+
+# ----------------------------------------------------------------------------------------------
+# Constants
+# ----------------------------------------------------------------------------------------------
+SM90 = (9, 0)
+K_SLICE_BYTES = 128            # bytes of K per stage of a 1-byte (FP8) operand row (the SM100 K tile)
+TILE_M_ROWS = schedule.MMA_M_ROWS   # rows of the CTA's MMA M side (weight rows when swapped)
+WARP_SIZE = 32
+QUAD = 4                       # lanes of a quad share an MMA row and split its K slice in 4
+GROUP_ELEMENTS = 8             # K elements one decode group covers: 4 bf16x2 registers, 2 MMA steps
+MMA_M, MMA_N = 16, 8           # mma.sync.m16n8k16
+CONSUMER_WARPS_SMALL_N = 4     # mma_bn <= 32: 4 warps x (32 rows, mma_bn)
+CONSUMER_WARPS_LARGE_N = 8     # mma_bn >= 64: 8 warps, 2-D warp grid (see ``consumer_warp_grid``)
+WARPGROUP_WARPS = 4
+# With 8 consumer warps a lone producer warp would make 9 warps, and ptxas caps every thread at 168
+# registers (3 warps on one SM sub-partition): the 64-128 fp32 accumulators then spill. Instead the
+# producer gets a whole warpgroup (warp 0 issues, warps 1-3 idle) and setmaxnreg moves registers:
+# 4 x 32 x 64 + 8 x 32 x 224 = 65536. The producer's tile walk needs ~63 registers (48 spills); the
+# mma_bn = 256 consumers (128 accumulators) use up to 218.
+PRODUCER_WARPGROUP_REGISTERS = 64
+CONSUMER_WARPGROUP_REGISTERS = 224
+DATA_ALIGN = 1024              # TMA destinations with 128B / 64B swizzle: 1024-byte aligned
+DYNAMIC_SMEM_ALIGN = 1024      # the dynamic shared array is declared 1024-aligned (checked at run time)
+# sm_90 reserves 1 KiB of shared memory per block and the cubin counts it as static, with the
+# mbarrier array padded up to the dynamic array's alignment: static = 1 KiB + 1 KiB here. The
+# legality check counts static + dynamic against H200_SMEM_PER_SM (227 KiB): conservative by 1 KiB
+# if the driver leaves the reserved KiB out of that limit.
+SM90_RESERVED_SMEM = 1024
+SCALE_ALIGN = 128              # scale atoms: plain TMA boxes, 128-byte aligned
+MBARRIER_BYTES = 8
+SWIZZLE_MASK = {128: 7, 64: 3}   # row bytes -> the XOR mask of TMA 128B / 64B swizzle (16-B chunks)
+TMA_SWIZZLE = {128: "128B", 64: "64B"}
+SCALE_MAP_ROW_BYTES = 128      # scale tensors are viewed as rows of 128 B: one 512-B atom = 4 rows
+ATOM_MAP_ROWS = SF_ATOM_BYTES // SCALE_MAP_ROW_BYTES
+MULTICAST_PAIR = 0b11          # ctaMask of a 2-CTA cluster
+# The four tensor maps, in this order in the kernel's map buffer (u64 byte offsets).
+NUM_TENSOR_MAPS = 4
+MAP_TOKENS, MAP_WEIGHTS, MAP_TOKEN_SCALES, MAP_WEIGHT_SCALES = (
+    np.uint64(cp.TENSOR_MAP_BYTES * i) for i in range(NUM_TENSOR_MAPS))
+
+# Element decode: bf16 bits that read as ``value * 2**-ELEMENT_LOG2_OFFSET`` (see the module docstring).
+ELEMENT_LOG2_OFFSET = {"e2m1": 126, "e4m3": 120, "e5m2": 112}
+# Scale pre-bias d: the scaled operand is ``value * s * 2**-d``; the epilogue multiplies by 2**(d_a + d_b).
+SCALE_LOG2_PREBIAS = {"ue4m3": 8, "ue8m0": 16}
+BF16_EXPONENT_MAX = 254        # largest biased exponent of a finite bf16
+BF16_EXPONENT_SHIFT = 7
+BF16_QUIET_NAN_BIT = 0x40
+NEG_ZERO_BF16X2 = 0x80008000   # fma addend: x * s + (-0) == x * s exactly, also for x * s == +0
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration and compile-time spec
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamConfig:
+    """The knobs this kernel takes: ``gbs.dispatch`` legality (``TileConfig``) plus a stage count
+    (``AUTO_STAGES`` = the deepest ring that fits the H200)."""
+
+    ab_swapped: bool
+    mma_bn: int
+    cta_group: int
+    num_pipeline_stages: int = AUTO_STAGES
+
+    def __post_init__(self):
+        tile = schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
+        object.__setattr__(self, "ab_swapped", tile.ab_swapped)
+        object.__setattr__(self, "mma_bn", tile.mma_bn)
+        object.__setattr__(self, "cta_group", tile.cta_group)
+        stages = self.num_pipeline_stages
+        if isinstance(stages, (bool, np.bool_)) or not isinstance(stages, (int, np.integer)):
+            raise TypeError(f"num_pipeline_stages must be an int, got {stages!r}")
+        if stages < 1 and stages != AUTO_STAGES:
+            raise ValueError(f"num_pipeline_stages must be >= 1 or {AUTO_STAGES} (auto), got {stages}")
+        object.__setattr__(self, "num_pipeline_stages", int(stages))
+
+    @classmethod
+    def of(cls, config) -> "StreamConfig":
+        """A ``StreamConfig`` from a ``KernelConfig`` (its stages), a ``StreamConfig``, a
+        ``schedule.TileConfig`` (auto stages) or anything with those attributes."""
+        if isinstance(config, cls):
+            return config
+        missing = [n for n in ("ab_swapped", "mma_bn", "cta_group") if not hasattr(config, n)]
+        if missing:
+            raise TypeError(f"config must be a KernelConfig, StreamConfig or TileConfig (it lacks {missing}), "
+                            f"got {type(config).__name__}")
+        return cls(config.ab_swapped, config.mma_bn, config.cta_group,
+                   getattr(config, "num_pipeline_stages", AUTO_STAGES))
+
+
+def consumer_warp_grid(mma_bn: int) -> tuple[int, int]:
+    """(warps along M, warps along N) of the consumers for a ``128 x mma_bn`` CTA tile.
+
+    Small N: 4 warps of 32 rows x all of N (weights decoded once, tokens once per warp). From 64 up:
+    8 warps, 32 x (mma_bn / 2) for 64 and 128 and 64 x 64 for 256 (128 fp32 accumulators per thread,
+    the most that fits with the operands in registers)."""
+    if mma_bn <= 32:
+        return CONSUMER_WARPS_SMALL_N, 1
+    if mma_bn <= 128:
+        return 4, 2
+    return 2, 4
+
+
+@dataclass(frozen=True)
+class OperandSide:
+    """One MMA side as staged in a ring stage: which operand, its format, rows and K-slice bytes."""
+
+    role: str           # "tokens" or "weights"
+    format: str         # a name of gbs.quant.FORMATS
+    rows: int           # rows staged per stage in each CTA
+    row_bytes: int      # bytes of one row's K slice (128, or 64 for FP4 in a 128-element slice)
+    k_slice: int        # K elements per stage
+    scale_bands: int    # 128-row scale bands staged per stage
+
+    @property
+    def fmt(self):
+        return get_format(self.format)
+
+    @property
+    def element(self) -> str:
+        return self.fmt.element
+
+    @property
+    def packed(self) -> bool:
+        return self.fmt.packed
+
+    @property
+    def swizzle(self) -> str:
+        return TMA_SWIZZLE[self.row_bytes]
+
+    @property
+    def swizzle_mask(self) -> int:
+        return SWIZZLE_MASK[self.row_bytes]
+
+    @property
+    def data_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def sf_atoms_per_slice(self) -> int:
+        """512-byte scale atoms (4 scale columns each) one 128-row band needs per K slice."""
+        return self.k_slice // (self.fmt.block_size * SF_ATOM_COLS)
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.scale_bands * self.sf_atoms_per_slice * SF_ATOM_BYTES
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of one 8-element decode group: a 4-byte FP4 word or two FP8 words."""
+        return GROUP_ELEMENTS * self.fmt.element_bits // 8
+
+    @property
+    def thread_bytes(self) -> int:
+        """Bytes of a row's K slice one lane of a quad reads (a contiguous quarter)."""
+        return self.row_bytes // QUAD
+
+    @property
+    def groups(self) -> int:
+        return self.thread_bytes // self.group_bytes
+
+    @property
+    def blocks_per_thread(self) -> int:
+        return self.k_slice // QUAD // self.fmt.block_size
+
+    @property
+    def log2_prebias(self) -> int:
+        return SCALE_LOG2_PREBIAS[self.fmt.scale_dtype]
+
+
+@dataclass(frozen=True)
+class StreamSmemLayout:
+    """Byte offsets inside one ring stage, the stage size, and the kernel's shared-memory totals."""
+
+    m_data: int
+    n_data: int
+    m_scales: int
+    n_scales: int
+    stage_bytes: int
+    stages: int
+
+    @property
+    def dynamic_bytes(self) -> int:
+        return self.stages * self.stage_bytes
+
+    @property
+    def barrier_bytes(self) -> int:
+        return 2 * self.stages * MBARRIER_BYTES
+
+    @property
+    def static_bytes(self) -> int:
+        """What the cubin reports as static: the reserved KiB plus the mbarriers, padded."""
+        return SM90_RESERVED_SMEM + _align(self.barrier_bytes, DYNAMIC_SMEM_ALIGN)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dynamic_bytes + self.static_bytes
+
+
+def _align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Everything the kernel is specialised on; hashable (compiled kernels are cached per spec)."""
+
+    a_format: str       # token operand
+    b_format: str       # weight operand
+    ab_swapped: bool
+    mma_bn: int
+    cta_group: int
+    stages: int
+
+    def __post_init__(self):
+        pair = (get_format(self.a_format).name, get_format(self.b_format).name)
+        if pair not in PROBLEM_FORMATS.values():
+            raise ValueError(f"unsupported operand formats A={pair[0]} x B={pair[1]}; "
+                             f"supported: {sorted(PROBLEM_FORMATS.values())}")
+        schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
+        if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
+                or self.stages < 1:
+            raise ValueError(f"stages must be a positive int, got {self.stages!r}")
+
+    # -- formats and the K slice --------------------------------------------------------------
+    @property
+    def k_slice(self) -> int:
+        """K elements per stage: 256 when both operands are FP4 (128 bytes each), else 128."""
+        both_fp4 = get_format(self.a_format).packed and get_format(self.b_format).packed
+        return 2 * K_SLICE_BYTES if both_fp4 else K_SLICE_BYTES
+
+    @property
+    def pairing(self) -> str:
+        """How 8-element groups fill bf16x2 registers: "stride4" with an FP4 operand, else "stride2"."""
+        any_fp4 = get_format(self.a_format).packed or get_format(self.b_format).packed
+        return "stride4" if any_fp4 else "stride2"
+
+    @property
+    def tile_shape(self) -> schedule.TileShape:
+        return schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group).tile_shape
+
+    def _side(self, role: str, rows: int, scale_bands: int) -> OperandSide:
+        fmt = self.a_format if role == "tokens" else self.b_format
+        return OperandSide(role, get_format(fmt).name, rows, get_format(fmt).row_bytes(self.k_slice),
+                           self.k_slice, scale_bands)
+
+    @property
+    def m_side(self) -> OperandSide:
+        """The 128-row MMA M side: weights when swapped, else tokens."""
+        return self._side("weights" if self.ab_swapped else "tokens", TILE_M_ROWS, 1)
+
+    @property
+    def n_side(self) -> OperandSide:
+        """The ``mma_bn``-row MMA N side (every CTA of a pair holds all of it)."""
+        return self._side("tokens" if self.ab_swapped else "weights", self.mma_bn,
+                          -(-self.mma_bn // SF_ATOM_ROWS))
+
+    @property
+    def token_side(self) -> OperandSide:
+        return self.n_side if self.ab_swapped else self.m_side
+
+    @property
+    def weight_side(self) -> OperandSide:
+        return self.m_side if self.ab_swapped else self.n_side
+
+    # -- consumers -----------------------------------------------------------------------------
+    @property
+    def warp_grid(self) -> tuple[int, int]:
+        return consumer_warp_grid(self.mma_bn)
+
+    @property
+    def consumer_warps(self) -> int:
+        wm, wn = self.warp_grid
+        return wm * wn
+
+    @property
+    def uses_setmaxnreg(self) -> bool:
+        """A whole producer warpgroup and setmaxnreg (8 consumer warps), see the constants."""
+        return self.consumer_warps == CONSUMER_WARPS_LARGE_N
+
+    @property
+    def producer_warps(self) -> int:
+        """Warps before the consumers: warp 0 issues the TMA loads, the others (if any) idle."""
+        return WARPGROUP_WARPS if self.uses_setmaxnreg else 1
+
+    @property
+    def threads(self) -> int:
+        return WARP_SIZE * (self.producer_warps + self.consumer_warps)
+
+    @property
+    def warp_tile(self) -> tuple[int, int]:
+        """(rows, cols) of the MMA tile one consumer warp owns."""
+        wm, wn = self.warp_grid
+        return TILE_M_ROWS // wm, self.mma_bn // wn
+
+    @property
+    def epilogue_log2(self) -> int:
+        """The epilogue's exact power of two: undoes both operands' scale pre-bias."""
+        return self.m_side.log2_prebias + self.n_side.log2_prebias
+
+    # -- shared memory -------------------------------------------------------------------------
+    @property
+    def smem(self) -> StreamSmemLayout:
+        m, n = self.m_side, self.n_side
+        m_data = 0
+        n_data = _align(m_data + m.data_bytes, DATA_ALIGN)
+        m_scales = _align(n_data + n.data_bytes, SCALE_ALIGN)
+        n_scales = _align(m_scales + m.scale_bytes, SCALE_ALIGN)
+        stage = _align(n_scales + n.scale_bytes, DATA_ALIGN)
+        return StreamSmemLayout(m_data, n_data, m_scales, n_scales, stage, self.stages)
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes every CTA's ``full`` barrier expects per stage (whole TMA boxes, multicasts included)."""
+        m, n = self.m_side, self.n_side
+        return m.data_bytes + n.data_bytes + m.scale_bytes + n.scale_bytes
+
+    # -- TMA boxes (innermost first) -------------------------------------------------------------
+    @property
+    def token_box(self) -> tuple[int, int]:
+        """(bytes, rows) each CTA loads of the token slice: half the token tile per CTA of a pair."""
+        side = self.token_side
+        rows = self.mma_bn // self.cta_group if self.ab_swapped else TILE_M_ROWS
+        return side.row_bytes, rows
+
+    @property
+    def weight_box(self) -> tuple[int, int, int]:
+        """(bytes, rows, experts) of the weight slice each CTA loads."""
+        side = self.weight_side
+        return side.row_bytes, (TILE_M_ROWS if self.ab_swapped else self.mma_bn), 1
+
+    @property
+    def scale_box(self) -> tuple[int, int, int]:
+        """One 128-row band's atoms of a K slice, as (128 B, 4 rows per atom, 1 band)."""
+        return SCALE_MAP_ROW_BYTES, ATOM_MAP_ROWS * self.m_side.sf_atoms_per_slice, 1
+
+
+def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
+    """The TMA boxes one stage receives in each CTA: (what, stage offset, bytes, multicast).
+
+    Every CTA of a pair receives the same boxes: its own loads plus what the peer multicasts (the
+    token rows' halves; token scale bands). The producer issues exactly these (scales one band per
+    box); the tests check that they tile the stage and sum to ``tx_bytes``.
+    """
+    lay, cg = spec.smem, spec.cta_group
+    tokens_m = not spec.ab_swapped
+    tok_data = lay.m_data if tokens_m else lay.n_data
+    tok_sf = lay.m_scales if tokens_m else lay.n_scales
+    w_data = lay.n_data if tokens_m else lay.m_data
+    w_sf = lay.n_scales if tokens_m else lay.m_scales
+    band_bytes = spec.m_side.sf_atoms_per_slice * SF_ATOM_BYTES
+    loads = [("weights", w_data, math.prod(spec.weight_box), False)]
+    loads += [("weight scales", w_sf + b * band_bytes, band_bytes, False)
+              for b in range(spec.weight_side.scale_bands)]
+    box_bytes = math.prod(spec.token_box)
+    loads += [("tokens", tok_data + r * box_bytes, box_bytes, cg > 1) for r in range(cg)]
+    loads += [("token scales", tok_sf + b * band_bytes, band_bytes, cg > 1)
+              for b in range(spec.token_side.scale_bands)]
+    return loads
+
+
+# ----------------------------------------------------------------------------------------------
+# Device-capable helpers (integer Python: the host tests run them on numpy arrays, the kernel
+# compiles them as device functions)
+# ----------------------------------------------------------------------------------------------
+E2M1_SPREAD = 0x1040          # nibble x (2**6 + 2**12): copies at bits 6..9 and 12..15, no overlap
+E2M1_KEEP = 0x81C081C0        # magnitude of the first copy (bf16 bits 6..8), sign of the second (15)
+
+
+def e2m1_pair_bits(word, j):
+    """bf16x2 bits of FP4 elements ``j`` (low half) and ``j + 4`` (high half) of a 32-bit word of 8
+    packed E2M1 codes (element i in nibble i), each reading as ``value * 2**-126``: the 3 magnitude
+    bits land on bf16 bits 6..8 and the sign on bit 15 (so code 1 = 0.5 is the bf16 subnormal
+    2**-127). One multiply does both moves: mask the nibble pair, multiply by ``2**6 + 2**12``
+    (shifted down for odd ``j``), keep bits ``E2M1_KEEP``; ``j`` = 2, 3 first drop one byte."""
+    if j >= 2:
+        word = word >> 8
+    odd = 4 * (j % 2)
+    nibbles = word & (0x000F000F << odd)
+    return np.uint32((nibbles * (E2M1_SPREAD >> odd)) & E2M1_KEEP)
+
+
+def fp8_pair_bits(word0, word1, j, e5m2, stride4):
+    """bf16x2 bits of register ``j`` (0..3) of an 8-element FP8 group ``word0 | word1 << 32``, each
+    reading as ``value * 2**-120`` (E4M3) or ``value * 2**-112`` (E5M2).
+
+    The two codes are first put in bits 8..15 and 24..31 (sign already at bf16 bit 15 / 31), then
+    exponent and mantissa move down to bf16 bits 4..10 (E4M3) or 5..11 (E5M2).
+    ``stride4`` (the FP4 pairing, for W4A8): elements ``(j, j + 4)``. Otherwise ``(0, 2), (1, 3),
+    (4, 6), (5, 7)`` for j = 0..3: bytes 0/2 of a word shifted up by 8, bytes 1/3 in place."""
+    word0, word1 = np.int64(word0), np.int64(word1)   # one integer type for numba's typing
+    if stride4:
+        u = (((word0 >> (8 * j)) & 0xFF) << 8) | (((word1 >> (8 * j)) & 0xFF) << 24)
+    else:
+        word = word0 if j < 2 else word1
+        u = word << 8 if j % 2 == 0 else word
+    if e5m2:
+        return np.uint32((u & 0x80008000) | ((u >> 3) & 0x0FE00FE0))
+    return np.uint32((u & 0x80008000) | ((u >> 4) & 0x07F007F0))
+
+
+def pair_elements(j, pairing):
+    """Group-element indices (low half, high half) of register ``j`` under ``pairing`` (host only)."""
+    if pairing == "stride4":
+        return j, j + 4
+    return ((0, 2), (1, 3), (4, 6), (5, 7))[j]
+
+
+def ue8m0_scale_bits(scale_byte, exponent_offset):
+    """bf16x2 bits (the same value in both halves) of the UE8M0 scale ``2**(byte - 127)`` times
+    ``2**exponent_offset`` (``exponent_offset = c - d``): the byte plus the offset is the bf16 biased
+    exponent; saturates to Inf past the bf16 range; byte 0xFF gives NaN."""
+    biased = min(scale_byte + exponent_offset, BF16_EXPONENT_MAX + 1)
+    bits = (biased << BF16_EXPONENT_SHIFT) | (((scale_byte + 1) >> 8) * BF16_QUIET_NAN_BIT)
+    return np.uint32(bits | (bits << 16))
+
+
+ROTATION_RUN = 4   # groups are rotated inside aligned runs of 4 (every thread range has 4 or 8 groups)
+
+
+def rotated_group(gi, q):
+    """Group a quad lane ``q`` visits at step ``gi``: rotated by ``q`` inside aligned runs of 4, so
+    the lanes of one shared-memory load use different banks while a scale block (4 groups of
+    8 elements for 32-element blocks) is still visited at the same step by every lane. 32-bit."""
+    gi = np.uint32(gi)
+    return np.uint32((gi & np.uint32(~(ROTATION_RUN - 1) & 0xFFFFFFFF))
+                     | (np.uint32(gi + np.uint32(q)) & np.uint32(ROTATION_RUN - 1)))
+
+
+def scale_word_column(q, blocks_per_thread):
+    """First scale column of the 4-column (one u32 per row) word that holds quad lane ``q``'s
+    ``blocks_per_thread`` block scales of a K slice."""
+    return (q * blocks_per_thread) // SF_ATOM_COLS * SF_ATOM_COLS
+
+
+def scale_byte_index(q, blocks_per_thread, block):
+    """Byte of that word holding the scale of the lane's ``block``-th block."""
+    return (q * blocks_per_thread) % SF_ATOM_COLS + block
+
+
+def bf16_broadcast_selector(index):
+    """``prmt`` selector that copies bf16 number ``index`` (0..3) of the 8 bytes ``b:a`` into both
+    halves of the result."""
+    lo = 2 * index
+    return (lo | ((lo + 1) << 4)) * 0x101
+
+
+def token_scale_band(group_start, scale_offset, token_start):
+    """128-row band of ``a_scales`` holding token ``token_start`` of the group starting at
+    ``group_start`` (``a_scale_offsets[g] = scale_offset``); the token's row in it is
+    ``(token_start - group_start) % 128`` (formats.md: padded row ``m - start + 128 * (start // 128
+    + a_scale_offsets[g])``)."""
+    return group_start // SF_ATOM_ROWS + scale_offset + (token_start - group_start) // SF_ATOM_ROWS
+
+
+def weight_scale_band(expert, bands_per_expert, row):
+    """Band of the 6-D weight scales, viewed as (experts x bands) bands, holding weight ``row``."""
+    return expert * bands_per_expert + row // SF_ATOM_ROWS
+
+
+def swizzle_xor(row, row_bytes, mask):
+    """What TMA's 128B (mask 7) / 64B (mask 3) swizzle XORs into the in-row byte offset of row
+    ``row`` of a 1024-byte aligned tile with ``row_bytes``-byte rows (16-byte chunk bits 4.. XOR
+    address bits 7..): the same for rows 8 apart, so a thread computes it once."""
+    return ((row * row_bytes) >> 7 & mask) << 4
+
+
+def swizzled_offset(row, col, row_bytes, mask):
+    """Byte offset of byte ``col`` (< row_bytes) of row ``row`` in such a swizzled tile."""
+    return row * row_bytes + (col ^ swizzle_xor(row, row_bytes, mask))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel-local intrinsics
+# ----------------------------------------------------------------------------------------------
+def _pure_asm(builder, ret, argtys, text, constraints, args):
+    """Inline asm WITHOUT side effects: LLVM may CSE, hoist or drop it (pure register arithmetic)."""
+    return builder.call(ir.InlineAsm(ir.FunctionType(ret, argtys), text, constraints, side_effect=False), args)
+
+
+def _pure_u32_intrinsic(name, text, arity, doc):
+    """A side-effect-free intrinsic of ``arity`` u32 operands returning u32 (``$0`` = result)."""
+    constraints = ",".join(["=r"] + ["r"] * arity)
+
+    def typer(context, *arg_types):
+        for ty in arg_types:
+            if not isinstance(ty, types.Integer):
+                raise TypeError(f"{name}: operands must be integers, got {ty}")
+
+        def codegen(ctx, builder, sig, args):
+            vals = [ctx.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+            return _pure_asm(builder, I32, [I32] * arity, text, constraints, vals)
+
+        return types.uint32(*arg_types), codegen
+
+    params = ", ".join(f"x{i}" for i in range(arity))
+    namespace = {"typer": typer}
+    exec(f"def {name}(typingctx, {params}):\n    return typer(typingctx, {params})\n", namespace)
+    template = namespace[name]
+    template.__doc__ = f"{doc}\n\nPTX: ``{text}``"
+    return intrinsic(template)
+
+
+ld_shared_u32 = cm.ptx_intrinsic(
+    "ld_shared_u32", "ld.shared.u32 $0, [$1];", [("smem", "u32")], result="u32", memory=False,
+    doc="32-bit load from the shared-window address ``smem`` (4-byte aligned).")
+
+fma_bf16x2 = _pure_u32_intrinsic(
+    "fma_bf16x2", "fma.rn.bf16x2 $0, $1, $2, $3;", 3,
+    "a * b + c on two packed bf16 lanes, one rounding (exact here); bf16 subnormals are kept.")
+
+prmt_b32 = _pure_u32_intrinsic(
+    "prmt_b32", "prmt.b32 $0, $1, $2, $3;", 3,
+    "Byte permute: byte i of the result is byte ``selector[4i:4i+4]`` of the 8 bytes ``b:a``.")
+
+_U32X2 = types.UniTuple(types.uint32, 2)
+
+
+@intrinsic
+def ld_shared_v2_u32(typingctx, smem):
+    """Two 32-bit words from the 8-byte aligned shared-window address ``smem``."""
+    text = "ld.shared.v2.u32 {$0, $1}, [$2];"
+
+    def codegen(context, builder, sig, args):
+        address = context.cast(builder, args[0], sig.args[0], types.uint32)
+        words = asm(builder, ir.LiteralStructType([I32, I32]), [I32], text, "=r,=r,r", [address], memory=False)
+        return struct_to_tuple(context, builder, sig.return_type, words, 2)
+
+    return _U32X2(smem), codegen
+
+
+def _ue4m3_scale_intrinsic(log2_multiplier: int):
+    """Intrinsic: four UE4M3 scale bytes (a u32, byte i = block i) -> two bf16x2 words
+    ``(s0, s1), (s2, s3)`` of ``s * 2**log2_multiplier`` (exact: E4M3 -> f16 -> f32 in hardware,
+    a power-of-two multiply, bf16 rounding of a value that fits). NaN bytes stay NaN."""
+    multiplier = f"0f{(log2_multiplier + 127) << 23:08X}"
+    text = ("{\n .reg .b16 lo, hi, h0, h1, h2, h3;\n .reg .b32 x01, x23;\n .reg .f32 f0, f1, f2, f3;\n"
+            " mov.b32 {lo, hi}, $2;\n"
+            " cvt.rn.f16x2.e4m3x2 x01, lo;\n cvt.rn.f16x2.e4m3x2 x23, hi;\n"
+            " mov.b32 {h0, h1}, x01;\n mov.b32 {h2, h3}, x23;\n"
+            " cvt.f32.f16 f0, h0;\n cvt.f32.f16 f1, h1;\n cvt.f32.f16 f2, h2;\n cvt.f32.f16 f3, h3;\n"
+            f" mul.f32 f0, f0, {multiplier};\n mul.f32 f1, f1, {multiplier};\n"
+            f" mul.f32 f2, f2, {multiplier};\n mul.f32 f3, f3, {multiplier};\n"
+            " cvt.rn.bf16x2.f32 $0, f1, f0;\n cvt.rn.bf16x2.f32 $1, f3, f2;\n}")
+
+    @intrinsic
+    def ue4m3x4_to_bf16x2(typingctx, word):
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.uint32)
+            pairs = _pure_asm(builder, ir.LiteralStructType([I32, I32]), [I32], text, "=r,=r,r", [value])
+            return struct_to_tuple(context, builder, sig.return_type, pairs, 2)
+
+        return _U32X2(word), codegen
+
+    return ue4m3x4_to_bf16x2
+
+
+trap_if_nonzero = cm.ptx_intrinsic(
+    "trap_if_nonzero", "{\n .reg .pred p;\n setp.ne.u32 p, $0, 0;\n @p trap;\n}", [("value", "u32")],
+    doc="Abort the kernel (``trap``: the launch fails with an error) if ``value`` is nonzero.")
+
+store_global_u16_if = cm.ptx_intrinsic(
+    "store_global_u16_if",
+    "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n @p st.global.u16 [$0], $1;\n}",
+    [("address", "u64"), ("value", "u16"), ("predicate", "u32")],
+    doc="""Store the 16-bit ``value`` at the global address ``address`` if ``predicate`` is nonzero.
+
+A predicated store inside the asm keeps the epilogue free of branches, so NVVM unrolls it (and the
+accumulator array stays in registers).""")
+
+
+@intrinsic
+def f32_to_bf16_bits(typingctx, value):
+    """bf16 bits (u16) of an f32, rounded to nearest even in hardware; NaN stays NaN, overflow -> Inf."""
+    def codegen(context, builder, sig, args):
+        x = context.cast(builder, args[0], sig.args[0], types.float32)
+        return _pure_asm(builder, I16, [F32], "cvt.rn.bf16.f32 $0, $1;", "=h,f", [x])
+
+    return types.uint16(value), codegen
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------
+def kernel_signature():
+    """Argument types of every kernel of the family (the offline compile uses the same)."""
+    u32_1d = types.Array(types.uint32, 1, "C")
+    return (types.uint64, u32_1d, u32_1d, types.Array(types.int32, 1, "C"), types.Array(types.float32, 1, "C"),
+            types.Array(types.uint16, 2, "C"), types.int64, types.int64, types.int64)
+
+
+def _device(func):
+    return cuda.jit(device=True, forceinline=True)(func)
+
+
+def _make_side_reader(side: OperandSide, pairing: str):
+    """Device functions for one MMA side: ``load_group(address) -> (w0, w1)`` (w1 unused for FP4),
+    ``decode(w0, w1, j)`` (unscaled bf16x2 bits of register j of the group), ``load_scales(address,
+    q) -> (s0, s1)`` (per row and K slice: UE4M3 -> the two packed bf16x2 pairs of 4 blocks; UE8M0 ->
+    the bf16x2 scale of each of the thread's 1 or 2 blocks) and ``group_scale(s0, s1, gl, gi)``."""
+    element = side.element
+    stride4 = pairing == "stride4"
+    e5m2 = element == "e5m2"
+    exponent_offset = ELEMENT_LOG2_OFFSET[element] - side.log2_prebias
+    blocks = side.blocks_per_thread
+    groups_per_block = side.groups // blocks
+    ue4m3 = side.fmt.scale_dtype == "ue4m3"
+    ue4m3_convert = _ue4m3_scale_intrinsic(exponent_offset) if ue4m3 else None
+    e2m1_bits = _device(e2m1_pair_bits)
+    fp8_bits = _device(fp8_pair_bits)
+    ue8m0_bits = _device(ue8m0_scale_bits)
+    byte_index = _device(scale_byte_index)
+    broadcast_selector = _device(bf16_broadcast_selector)
+
+    if side.packed:
+        @_device
+        def load_group(address):
+            return ld_shared_u32(address), np.uint32(0)
+
+        @_device
+        def decode(w0, w1, j):
+            return e2m1_bits(w0, j)
+    else:
+        @_device
+        def load_group(address):
+            return ld_shared_v2_u32(address)
+
+        @_device
+        def decode(w0, w1, j):
+            return fp8_bits(w0, w1, j, e5m2, stride4)
+
+    if ue4m3:
+        @_device
+        def load_scales(address, q):
+            return ue4m3_convert(ld_shared_u32(address))
+
+        @_device
+        def group_scale(s0, s1, gl, gi):
+            # the lane's 4 blocks are bf16 0..3 of s1:s0; group gl lies in block gl // 2
+            return prmt_b32(s0, s1, broadcast_selector(gl // groups_per_block))
+    else:
+        @_device
+        def load_scales(address, q):
+            word = ld_shared_u32(address)
+            s0 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 0))) & 0xFF, exponent_offset)
+            s1 = s0
+            if blocks > 1:
+                s1 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 1))) & 0xFF, exponent_offset)
+            return s0, s1
+
+        @_device
+        def group_scale(s0, s1, gl, gi):
+            # UE8M0 blocks are 4 groups long and the rotation stays inside a block: static choice
+            if gi // groups_per_block == 0:
+                return s0
+            return s1
+
+    return load_group, decode, load_scales, group_scale
+
+
+def make_kernel_function(spec: StreamSpec):
+    """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
+    compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``)."""
+    walk = schedule.device_functions()
+    locate_tile, ceil_div = walk.locate_tile, walk.ceil_div
+    cta_output_rows = walk.cta_output_rows
+    shape = spec.tile_shape
+    tile_tokens, tile_rows = shape.tokens, shape.weight_rows
+    cta_group, stages, swapped = spec.cta_group, spec.stages, spec.ab_swapped
+    m_side, n_side, lay = spec.m_side, spec.n_side, spec.smem
+    stage_bytes, tx_bytes = lay.stage_bytes, spec.tx_bytes
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
+    tok_data_off, tok_sf_off = (n_data_off, n_sf_off) if swapped else (m_data_off, m_sf_off)
+    w_data_off, w_sf_off = (m_data_off, m_sf_off) if swapped else (n_data_off, n_sf_off)
+    token_side, weight_side = spec.token_side, spec.weight_side
+    tok_slice_bytes, w_slice_bytes = token_side.row_bytes, weight_side.row_bytes
+    tok_box_rows = spec.token_box[1]
+    tok_box_bytes = math.prod(spec.token_box)
+    sf_rows_per_slice = spec.scale_box[1]
+    sf_band_bytes = m_side.sf_atoms_per_slice * SF_ATOM_BYTES
+    tok_bands, w_bands = token_side.scale_bands, weight_side.scale_bands
+    atoms = m_side.sf_atoms_per_slice
+    wm_warps, _ = spec.warp_grid
+    warp_rows, warp_cols = spec.warp_tile
+    m_tiles, n_tiles = warp_rows // MMA_M, warp_cols // MMA_N
+    m_rows, n_rows = 2 * m_tiles, n_tiles            # rows each thread reads per side
+    num_acc = m_tiles * n_tiles * 4
+    # local-array sizes must be plain constants in numba
+    m_pair_words, n_pair_words, a_frag_words = 2 * m_rows, 2 * n_rows, 4 * m_tiles
+    groups = m_side.groups
+    m_load, m_decode, m_load_scales, m_group_scale = _make_side_reader(m_side, spec.pairing)
+    n_load, n_decode, n_load_scales, n_group_scale = _make_side_reader(n_side, spec.pairing)
+    m_blocks, n_blocks = m_side.blocks_per_thread, n_side.blocks_per_thread
+    m_row_bytes, n_row_bytes = m_side.row_bytes, n_side.row_bytes
+    m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
+    m_thread_bytes, n_thread_bytes = m_side.thread_bytes, n_side.thread_bytes
+    m_group_bytes, n_group_bytes = m_side.group_bytes, n_side.group_bytes
+    epilogue_scale = np.float32(2.0 ** spec.epilogue_log2)
+    consumers = spec.consumer_warps
+    producer_warps, uses_setmaxnreg = spec.producer_warps, spec.uses_setmaxnreg
+    producer_regs = hp.setmaxnreg_dec(PRODUCER_WARPGROUP_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(CONSUMER_WARPGROUP_REGISTERS)
+    empty_count = consumers * cta_group
+    num_barriers = 2 * stages
+    sf_offset = _device(scale_byte_offset)
+    rotated = _device(rotated_group)
+    swizzle = _device(swizzle_xor)
+    word_column = _device(scale_word_column)
+    token_band_of = _device(token_scale_band)
+    weight_band_of = _device(weight_scale_band)
+
+    @_device
+    def next_tile(tile, cursor_slot, cursor_first, a_offsets, expert_ids, n):
+        """The tile ``tile`` (>= cursor_first, the first tile of slot cursor_slot), found by walking
+        from the cursor: amortised O(1) per tile instead of O(slots)."""
+        slot, expert, m_blk, n_blk, t0, t1, r0, r1 = locate_tile(
+            tile - cursor_first, a_offsets[cursor_slot:], expert_ids[cursor_slot:], n, tile_tokens, tile_rows)
+        if slot < 0:
+            return slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first
+        slot += cursor_slot
+        token_blocks = ceil_div(np.int64(a_offsets[slot + 1]) - np.int64(a_offsets[slot]), tile_tokens)
+        return slot, expert, t0, t1, r0, r1, slot, tile - (m_blk + n_blk * token_blocks)
+
+    @_device
+    def cta_position():
+        """(rank in the pair, pair index, number of pairs) of this CTA."""
+        rank = np.int64(0)
+        if cta_group > 1:
+            rank = np.int64(cl.cluster_ctarank())
+        return rank, np.int64(cuda.blockIdx.x // cta_group), np.int64(cuda.gridDim.x // cta_group)
+
+    @_device
+    def block_sync():
+        """Every thread of the CTA (and of the pair): after the mbarrier init, before exit."""
+        if cta_group > 1:
+            cl.cluster_arrive_release()
+            cl.cluster_wait_acquire()
+        else:
+            cuda.syncthreads()
+
+    def grouped_matmul_h200_stream(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
+                                   out, n, k_slices, max_tiles):
+        dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
+        bars = cuda.shared.array(num_barriers, dtype=np.uint64)
+        warp = cm.warp_index()
+        # Each role's branch starts with setmaxnreg (ptxas budgets the code it dominates) and
+        # computes everything it needs after it, so nothing stays live across the re-allocation.
+        if warp < producer_warps:
+            # ------------------------------------------------------------------ producer
+            if uses_setmaxnreg:
+                producer_regs()
+            lane = cm.laneid()
+            # shared-window addresses as signed int64 (numba turns uint64 + int64 into float64)
+            base = np.int64(cm.shared_address(dyn))
+            bar0 = np.int64(cm.shared_address(bars))
+            if warp == 0 and lane == 0:
+                trap_if_nonzero(base % DYNAMIC_SMEM_ALIGN)   # TMA swizzle needs it: fail loudly
+                for s in range(stages):
+                    mb.mbarrier_init(bar0 + MBARRIER_BYTES * s, 1)                      # full[s]
+                    mb.mbarrier_init(bar0 + MBARRIER_BYTES * (stages + s), empty_count)  # empty[s]
+                cm.fence_mbarrier_init_release_cluster()
+                cm.fence_proxy_async_shared_cta()
+            block_sync()
+            rank, pair, num_pairs = cta_position()
+            if warp == 0 and lane == 0:
+                for i in range(NUM_TENSOR_MAPS):
+                    cp.fence_proxy_tensormap_acquire_sys(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
+                    cp.prefetch_tensormap(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
+                map_tokens, map_weights = tensor_maps + MAP_TOKENS, tensor_maps + MAP_WEIGHTS
+                map_token_sf, map_weight_sf = tensor_maps + MAP_TOKEN_SCALES, tensor_maps + MAP_WEIGHT_SCALES
+                weight_bands_per_expert = (n + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS
+                stage = np.int64(0)
+                phase = np.int64(0)
+                cursor_slot = np.int64(0)
+                cursor_first = np.int64(0)
+                for tile in range(pair, max_tiles, num_pairs):
+                    slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
+                        tile, cursor_slot, cursor_first, a_offsets, expert_ids, n)
+                    if slot < 0:
+                        break
+                    group_start = np.int64(a_offsets[slot])
+                    token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t0)
+                    w_row0 = r0 + rank * TILE_M_ROWS if swapped else r0
+                    w_band = weight_band_of(expert, weight_bands_per_expert, w_row0)
+                    for s in range(k_slices):
+                        full = np.uint32(bar0 + MBARRIER_BYTES * stage)
+                        empty = np.uint32(full + MBARRIER_BYTES * stages)
+                        if cta_group > 1:
+                            mb.mbarrier_wait_parity_acquire_cluster(empty, phase ^ 1)
+                        else:
+                            mb.mbarrier_wait_parity(empty, phase ^ 1)
+                        mb.mbarrier_arrive_expect_tx(full, tx_bytes)
+                        dst = np.uint32(base + stage * stage_bytes)
+                        sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
+                        cp.tma_load_3d(dst + w_data_off, map_weights, s * w_slice_bytes, w_row0, expert, full)
+                        for b in range(w_bands):
+                            cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row, w_band + b,
+                                           full)
+                        if cta_group > 1:   # each CTA loads its half of the tokens for both
+                            cp.tma_load_2d_multicast(dst + tok_data_off + rank * tok_box_bytes, map_tokens,
+                                                     s * tok_slice_bytes, t0 + rank * tok_box_rows, full,
+                                                     MULTICAST_PAIR)
+                            if tok_bands > 1:
+                                cp.tma_load_3d_multicast(dst + tok_sf_off + rank * sf_band_bytes, map_token_sf, 0,
+                                                         sf_row, token_band + rank, full, MULTICAST_PAIR)
+                            elif rank == 0:
+                                cp.tma_load_3d_multicast(dst + tok_sf_off, map_token_sf, 0, sf_row, token_band, full,
+                                                         MULTICAST_PAIR)
+                        else:
+                            cp.tma_load_2d(dst + tok_data_off, map_tokens, s * tok_slice_bytes, t0, full)
+                            for b in range(tok_bands):
+                                cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
+                                               token_band + b, full)
+                        stage += 1
+                        if stage == stages:
+                            stage = 0
+                            phase ^= 1
+            cuda.syncwarp()
+        else:
+            # ------------------------------------------------------------------ consumers
+            if uses_setmaxnreg:
+                consumer_regs()
+            block_sync()   # the mbarriers are initialised
+            lane = cm.laneid()
+            base = np.int64(cm.shared_address(dyn))
+            bar0 = np.int64(cm.shared_address(bars))
+            rank, pair, num_pairs = cta_position()
+            cw = warp - producer_warps
+            warp_m = cw % wm_warps
+            warp_n = cw // wm_warps
+            g = lane >> 2
+            q = lane & 3
+            m_row_base = warp_m * warp_rows + g
+            n_row_base = warp_n * warp_cols + g
+            n_col_base = warp_n * warp_cols + 2 * q
+            out_address = np.int64(cm.generic_address(out))
+            # swizzle XOR of the thread's rows (rows g + 8 i share it) and its first scale column
+            m_xor = np.uint32(swizzle(m_row_base, m_row_bytes, m_mask))
+            n_xor = np.uint32(swizzle(n_row_base, n_row_bytes, n_mask))
+            m_row_addr = np.uint32(m_data_off + m_row_base * m_row_bytes)   # stage-relative
+            n_row_addr = np.uint32(n_data_off + n_row_base * n_row_bytes)
+            m_col0 = np.uint32(q * m_thread_bytes)
+            n_col0 = np.uint32(q * n_thread_bytes)
+            m_col = word_column(q, m_blocks)
+            n_col = word_column(q, n_blocks)
+            acc = cuda.local.array(num_acc, float32)
+            m_sc = cuda.local.array(m_pair_words, np.uint32)
+            n_sc = cuda.local.array(n_pair_words, np.uint32)
+            m_gs = cuda.local.array(m_rows, np.uint32)
+            m_w = cuda.local.array(m_pair_words, np.uint32)
+            a_frag = cuda.local.array(a_frag_words, np.uint32)
+            stage = np.int64(0)
+            phase = np.int64(0)
+            cursor_slot = np.int64(0)
+            cursor_first = np.int64(0)
+            for tile in range(pair, max_tiles, num_pairs):
+                slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
+                    tile, cursor_slot, cursor_first, a_offsets, expert_ids, n)
+                if slot < 0:
+                    break
+                group_start = np.int64(a_offsets[slot])
+                token_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+                if swapped:
+                    m_sf_row0 = np.int64(0)
+                    n_sf_row0 = token_sf_row0
+                else:
+                    m_sf_row0 = token_sf_row0
+                    n_sf_row0 = r0 % SF_ATOM_ROWS
+                for mi in range(m_tiles):   # nested like the MMA loops, so NVVM unrolls it fully
+                    for nj in range(n_tiles):
+                        for i in range(4):
+                            acc[4 * (mi * n_tiles + nj) + i] = float32(0.0)
+                for s in range(k_slices):
+                    full = bar0 + MBARRIER_BYTES * stage
+                    mb.mbarrier_wait_parity(full, phase)
+                    st = np.uint32(base + stage * stage_bytes)
+                    for i in range(m_rows):
+                        row = np.uint32(m_sf_row0 + m_row_base + 8 * i)
+                        address = np.uint32(st + m_sf_off + sf_offset(row, m_col, atoms))
+                        m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
+                    for j in range(n_rows):
+                        row = np.uint32(n_sf_row0 + n_row_base + 8 * j)
+                        address = np.uint32(st + n_sf_off + sf_offset(row, n_col, atoms))
+                        n_sc[2 * j], n_sc[2 * j + 1] = n_load_scales(address, q)
+                    for gi in range(groups):
+                        gl = rotated(gi, q)
+                        # 32-bit address arithmetic (numba widens to int64 unless told)
+                        m_off = np.uint32(st + m_row_addr + np.uint32(np.uint32(m_col0 + gl * m_group_bytes) ^ m_xor))
+                        n_off = np.uint32(st + n_row_addr + np.uint32(np.uint32(n_col0 + gl * n_group_bytes) ^ n_xor))
+                        for i in range(m_rows):
+                            m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
+                            m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], gl, gi)
+                        for step in range(2):
+                            for mi in range(m_tiles):
+                                for h in range(2):        # k 2q.. (h = 0) and k 2q+8.. (h = 1)
+                                    for rr in range(2):   # rows g (rr = 0) and g + 8 (rr = 1)
+                                        i = 2 * mi + rr
+                                        a_frag[4 * mi + 2 * h + rr] = fma_bf16x2(
+                                            m_decode(m_w[2 * i], m_w[2 * i + 1], 2 * step + h), m_gs[i],
+                                            NEG_ZERO_BF16X2)
+                            for nj in range(n_tiles):
+                                # N rows just in time (reloaded for the second step): fewer live registers
+                                n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
+                                n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], gl, gi)
+                                b0 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step), n_scale, NEG_ZERO_BF16X2)
+                                b1 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step + 1), n_scale, NEG_ZERO_BF16X2)
+                                for mi in range(m_tiles):
+                                    c = 4 * (mi * n_tiles + nj)
+                                    d = hp.mma_bf16_m16n8k16(
+                                        (a_frag[4 * mi], a_frag[4 * mi + 1], a_frag[4 * mi + 2], a_frag[4 * mi + 3]),
+                                        (b0, b1), (acc[c], acc[c + 1], acc[c + 2], acc[c + 3]))
+                                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d
+                    cuda.syncwarp()
+                    if lane == 0:
+                        empty = bar0 + MBARRIER_BYTES * (stages + stage)
+                        if cta_group > 1:
+                            for peer in range(cta_group):
+                                mb.mbarrier_arrive_remote_cluster(cl.mapa_shared_cluster(empty, peer))
+                        else:
+                            mb.mbarrier_arrive(empty)
+                    stage += 1
+                    if stage == stages:
+                        stage = 0
+                        phase ^= 1
+                # epilogue: C[token, row] = bf16(acc * 2**epilogue_log2 * expert_scales[e])
+                out_scale = expert_scales[expert] * epilogue_scale
+                row_lo, row_hi = cta_output_rows(r0, r1, rank, cta_group, tile_rows)
+                for mi in range(m_tiles):
+                    for nj in range(n_tiles):
+                        for i in range(4):   # mma.sync accumulator i: row g + 8 (i // 2), col 2 q + i % 2
+                            m_row = m_row_base + MMA_M * mi + 8 * (i // 2)
+                            n_col_i = n_col_base + MMA_N * nj + i % 2
+                            if swapped:
+                                token = t0 + n_col_i
+                                row = row_lo + m_row
+                            else:
+                                token = t0 + m_row
+                                row = r0 + n_col_i
+                            value = f32_to_bf16_bits(acc[4 * (mi * n_tiles + nj) + i] * out_scale)
+                            store_global_u16_if(out_address + (token * n + row) * 2, value,
+                                                np.uint32((token < t1) & (row < row_hi)))
+        if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
+            cl.cluster_arrive_release()
+            cl.cluster_wait_acquire()
+
+    return grouped_matmul_h200_stream
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: checks, stages, tensor maps, prepare and run
+# ----------------------------------------------------------------------------------------------
+def _problem_formats(problem) -> tuple[str, str]:
+    return get_format(problem.a_format).name, get_format(problem.b_format).name
+
+
+def _spec_for(formats: tuple[str, str], config: StreamConfig, stages: int) -> StreamSpec:
+    return StreamSpec(formats[0], formats[1], config.ab_swapped, config.mma_bn, config.cta_group, stages)
+
+
+def max_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
+    """Deepest ring the kernel's REAL shared-memory bytes (``StreamSmemLayout.total_bytes``) allow
+    within ``smem_limit`` (0 if not even one stage fits)."""
+    config = StreamConfig.of(config)
+    spec = _spec_for((get_format(a_format).name, get_format(b_format).name), config, 1)
+    stages = 0
+    while dataclasses.replace(spec, stages=stages + 1).smem.total_bytes <= smem_limit:
+        stages += 1
+    return stages
+
+
+def formula_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
+    """The spec's stages=auto formula (``gbs.dispatch.auto_pipeline_stages``) with the H200 budget,
+    for the report: it counts SM100's bytes (half the token tile per CTA of a pair, FP4 unpacked to
+    bytes for W4A8, bf16 output tiles), not this kernel's."""
+    config = StreamConfig.of(config)
+    spec = _spec_for((get_format(a_format).name, get_format(b_format).name), config, 1)
+    num_sf_k_tiles = spec.m_side.sf_atoms_per_slice
+    terms = pipeline_smem_terms(mma_bn=config.mma_bn, cta_group=config.cta_group, ab_swapped=config.ab_swapped,
+                                num_sf_k_tiles=num_sf_k_tiles, smem_per_sm=smem_limit)
+    return terms.stages
+
+
+def check_can_implement(problem, config) -> StreamSpec:
+    """Static checks before any device work; returns the resolved ``StreamSpec``.
+
+    ``problem``: a ``GroupedProblem`` or ``launch.DeviceProblem``. ``config``: a ``KernelConfig``
+    (its formats must be the problem's; its stage count is taken as is), a ``StreamConfig`` or a
+    ``schedule.TileConfig`` (auto stages). TypeError / ValueError saying what is wrong and what
+    is allowed.
+    """
+    if not isinstance(problem, (GroupedProblem, launch.DeviceProblem)):
+        raise TypeError(f"problem must be a GroupedProblem or DeviceProblem, got {type(problem).__name__}")
+    if isinstance(problem, GroupedProblem):
+        problem.validate()
+    formats = _problem_formats(problem)
+    if formats not in PROBLEM_FORMATS.values():
+        raise ValueError(f"unsupported operand formats A={formats[0]} x B={formats[1]}; supported: "
+                         f"{sorted(PROBLEM_FORMATS.values())}")
+    if isinstance(config, KernelConfig):
+        for side, want in (("a_format", formats[0]), ("b_format", formats[1])):
+            got = getattr(config, side)
+            # upstream routes no E5M2: its problems run on the E4M3 decision (gbs.api.dispatch_for)
+            if got != want and not (want == "mxfp8_e5m2" and got == "mxfp8"):
+                raise ValueError(f"config was decided for {side}={got!r} but the problem's {side} is {want!r}")
+    stream_config = StreamConfig.of(config)
+    probe = _spec_for(formats, stream_config, 1)
+    k_slice = probe.k_slice
+    if problem.k % k_slice:
+        kind = "both operands are FP4" if k_slice == 2 * K_SLICE_BYTES else "an operand is FP8"
+        raise ValueError(
+            f"K={problem.k} is not a multiple of this kernel's {k_slice}-element K slice ({kind}: "
+            f"{K_SLICE_BYTES} bytes of every row per pipeline stage); pad K to "
+            f"{-(-problem.k // k_slice) * k_slice} with zero elements (zero codes; any scale byte) in A and B")
+    for name, row_bytes in (("a", problem.a_format.row_bytes(problem.k)),
+                            ("b", problem.b_format.row_bytes(problem.k))):
+        if row_bytes % launch.TMA_ADDRESS_ALIGN:
+            raise ValueError(f"rows of {name} are {row_bytes} bytes; TMA needs a multiple of "
+                             f"{launch.TMA_ADDRESS_ALIGN}")
+    real_max = max_pipeline_stages(*formats, stream_config)
+    stages = stream_config.num_pipeline_stages
+    if stages == AUTO_STAGES:
+        stages = real_max
+    if not 1 <= stages <= real_max:
+        one = probe.smem
+        raise ValueError(
+            f"{stages} pipeline stages do not fit the H200: this kernel's stage is {one.stage_bytes} B, "
+            f"{one.static_bytes} B are static (reserved KiB, mbarriers) and a block may use "
+            f"{H200_SMEM_PER_SM} B, so at most {real_max} stages for "
+            f"{formats[0]} x {formats[1]}, ab_swapped={stream_config.ab_swapped}, "
+            f"mma_bn={stream_config.mma_bn}, cta_group={stream_config.cta_group} (the SM100 formula with the "
+            f"H200 budget says {formula_pipeline_stages(*formats, stream_config)}); "
+            f"use num_pipeline_stages <= {real_max} or {AUTO_STAGES} (auto)")
+    if problem.n >= 2 ** 31 or problem.total_tokens >= 2 ** 31:
+        raise ValueError("N and the token count must be below 2**31 (TMA coordinates are s32)")
+    return _spec_for(formats, stream_config, stages)
+
+
+def h200_stream_config(problem, config) -> StreamConfig:
+    """``config``'s knobs with its stage count capped at what fits this kernel on the H200.
+
+    The dispatch's stage counts are B200 numbers (e.g. NVFP4 large prefill at N 4096, K 7168: 7),
+    and this kernel's pair holds the whole token tile in both CTAs, so some do not fit; passing the
+    config as is makes ``check_can_implement`` refuse it. This is the explicit opt-in to the cap."""
+    stream_config = StreamConfig.of(config)
+    real_max = max_pipeline_stages(*_problem_formats(problem), stream_config)
+    stages = stream_config.num_pipeline_stages
+    stages = real_max if stages == AUTO_STAGES else min(stages, real_max)
+    return dataclasses.replace(stream_config, num_pipeline_stages=max(stages, 1))
+
+
+def can_implement(problem, config) -> tuple[bool, str]:
+    """(True, "") if this kernel runs ``problem`` with ``config``, else (False, the reason)."""
+    try:
+        check_can_implement(problem, config)
+    except (TypeError, ValueError) as err:
+        return False, str(err)
+    return True, ""
+
+
+def max_tiles_bound(spec: StreamSpec, total_tokens: int, num_slots: int, n: int) -> int:
+    """An upper bound of the tile walk's length from shapes only (no routing values needed):
+    every slot has at most ``ceil(tokens / tile_tokens) + 1`` token blocks in all."""
+    shape = spec.tile_shape
+    token_blocks = -(-total_tokens // shape.tokens) + num_slots
+    return token_blocks * -(-n // shape.weight_rows)
+
+
+@dataclass(frozen=True)
+class TensorMapArgs:
+    """The ``cuTensorMapEncodeTiled`` arguments of one map (byte elements; innermost first)."""
+
+    name: str
+    global_address: int
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]     # bytes, one fewer than dims
+    box: tuple[int, ...]
+    swizzle: str
+
+    def check(self) -> None:
+        cp.check_tensor_map_args(self.global_address, "uint8", self.dims, self.strides, self.box, self.swizzle)
+
+    def encode(self) -> np.ndarray:
+        if len(self.dims) == 2:
+            return cp.encode_tensor_map_2d(self.global_address, "uint8", self.dims, self.strides[0], self.box,
+                                           self.swizzle)
+        return cp.encode_tensor_map_3d(self.global_address, "uint8", self.dims, self.strides, self.box, self.swizzle)
+
+
+def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[TensorMapArgs]:
+    """The four maps the kernel reads, in its order (``MAP_TOKENS``...): tokens (2-D over ``a``),
+    weights (3-D over ``b``), token scales and weight scales (3-D views of the 128x4 atoms as rows of
+    128 bytes: (128 B, 4 rows per atom x column groups, 128-row bands)). ``shapes`` / ``addresses``:
+    per array name of ``launch.PROBLEM_ARRAY_DTYPES``, its shape and device address."""
+    a, b = shapes["a"], shapes["b"]
+    tok_bytes, tok_rows = spec.token_box
+    w_bytes, w_rows, w_experts = spec.weight_box
+
+    def scale_map(name, bands):
+        rows = ATOM_MAP_ROWS * shapes[name][-4]   # 4 rows of 128 B per atom, per column group
+        return TensorMapArgs(name, addresses[name], (SCALE_MAP_ROW_BYTES, rows, bands),
+                             (SCALE_MAP_ROW_BYTES, SCALE_MAP_ROW_BYTES * rows), spec.scale_box, "none")
+
+    return [
+        TensorMapArgs("a", addresses["a"], (a[1], a[0]), (a[1],), (tok_bytes, tok_rows), TMA_SWIZZLE[tok_bytes]),
+        TensorMapArgs("b", addresses["b"], (b[2], b[1], b[0]), (b[2], b[1] * b[2]), (w_bytes, w_rows, w_experts),
+                      TMA_SWIZZLE[w_bytes]),
+        scale_map("a_scales", shapes["a_scales"][0]),
+        scale_map("b_scales", shapes["b_scales"][0] * shapes["b_scales"][1]),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernel(spec: StreamSpec) -> launch.CompiledKernel:
+    """The JIT-compiled kernel of ``spec`` for the current GPU (cached per spec)."""
+    return launch.compile_kernel(make_kernel_function(spec), kernel_signature(), threads=spec.threads,
+                                 dynamic_smem_bytes=spec.smem.dynamic_bytes, cluster_size=spec.cta_group,
+                                 name=f"grouped_matmul_h200_stream[{spec}]")
+
+
+def default_num_ctas(spec: StreamSpec, max_tiles: int) -> int:
+    """One CTA per SM (the ring fills shared memory), never more pairs than tiles."""
+    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    pairs = max(1, min(sm_count // spec.cta_group, max_tiles))
+    return pairs * spec.cta_group
+
+
+@dataclass
+class StreamLaunch:
+    """A prepared launch: ``launch()`` (or calling the object) enqueues the kernel, no host copies or
+    syncs. ``out`` is the device output (uint16 bf16 bits, (total_tokens, N))."""
+
+    spec: StreamSpec
+    out: object
+    num_ctas: int
+    max_tiles: int
+    _launch: launch.PreparedLaunch | None
+
+    def __call__(self, stream=None) -> None:
+        if self._launch is not None:   # no tiles (no tokens): nothing to run
+            self._launch(stream)
+
+
+def _device_out(problem: launch.DeviceProblem, out):
+    shape = (problem.total_tokens, problem.n)
+    if out is None:
+        return cuda.device_array(shape, dtype=np.uint16)
+    if not cuda.is_cuda_array(out):
+        raise TypeError(f"out must be a device array (__cuda_array_interface__), got {type(out).__name__}")
+    arr = cuda.as_cuda_array(out)
+    if arr.dtype.itemsize != 2:
+        raise TypeError(f"out must hold bf16 (2-byte) elements, got {arr.dtype}")
+    if arr.dtype != np.uint16:
+        arr = arr.view(np.uint16)
+    if tuple(arr.shape) != shape or not arr.is_c_contiguous():
+        raise ValueError(f"out must be a C-contiguous {shape} (total_tokens, N) array, got {tuple(arr.shape)}")
+    return arr
+
+
+def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
+            stream=0) -> StreamLaunch:
+    """Compile (cached), build the tensor maps and marshal the arguments once; returns a
+    ``StreamLaunch`` that launches with no host copies or syncs (for the benchmark).
+
+    ``out``: a device array of bf16 bits, (total_tokens, N) (default: a new uninitialised one; rows of
+    skipped slots are never written). ``num_ctas``: persistent grid size, a multiple of ``cta_group``.
+    """
+    if not isinstance(problem_device, launch.DeviceProblem):
+        raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
+    launch.require_gpu(SM90, "the H200 streaming kernel")
+    spec = check_can_implement(problem_device, config)
+    device_out = _device_out(problem_device, out)
+    max_tiles = max_tiles_bound(spec, problem_device.total_tokens, problem_device.num_active_experts,
+                                problem_device.n)
+    if problem_device.total_tokens == 0:
+        return StreamLaunch(spec, device_out, 0, 0, None)
+    for name, arr in problem_device.arrays().items():
+        if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
+            raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
+    if num_ctas is None:
+        num_ctas = default_num_ctas(spec, max_tiles)
+    num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
+    arrays = problem_device.arrays()
+    map_args = tensor_map_args(spec, {k: tuple(v.shape) for k, v in arrays.items()},
+                               {k: launch.device_address(v) for k, v in arrays.items()})
+    maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
+    kernel = compiled_kernel(spec)
+    args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
+            problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
+            np.int64(problem_device.k // spec.k_slice), np.int64(max_tiles))
+    prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream,
+                                     keepalive=(maps, problem_device))
+    return StreamLaunch(spec, device_out, num_ctas, max_tiles, prepared)
+
+
+def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
+                        num_ctas: int | None = None) -> np.ndarray:
+    """Run the H200 streaming kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)).
+
+    ``out``: if given (bf16, C-contiguous), rows of skipped slots keep its contents and it is written
+    in place and returned; default: a fresh array holding ``gbs.reference.poison_output``.
+    Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU.
+    """
+    launch.require_gpu(SM90, "the H200 streaming kernel")
+    check_can_implement(problem, config)
+    shape = (problem.total_tokens, problem.n)
+    if out is None:
+        out = poison_output(*shape)
+    elif not isinstance(out, np.ndarray) or out.dtype != BF16 or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous bfloat16 numpy array of shape {shape}")
+    device_problem = launch.to_device(problem)
+    bits = out.view(np.uint16)
+    device_out = cuda.to_device(bits)
+    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas)
+    prepared()
+    device_out.copy_to_host(bits)
+    return out
+
+
+def exact_scale_exponent_range(element: str, scale_dtype: str = "ue8m0") -> tuple[int, int]:
+    """Unbiased UE8M0 scale exponents ``byte - 127`` for which every decoded, scaled element is exact
+    (bf16 quantum ``2**-133`` below, the scale's bf16 image ``2**(e + c - d)`` finite above)."""
+    if scale_dtype != "ue8m0":
+        raise ValueError("UE4M3 scales are exact over their whole range here; ask for 'ue8m0'")
+    c, d = ELEMENT_LOG2_OFFSET[element], SCALE_LOG2_PREBIAS["ue8m0"]
+    element_quantum_log2 = {"e2m1": -1, "e4m3": -9, "e5m2": -16}[element]
+    lowest_byte = (-133 + 127 + d) - element_quantum_log2
+    highest_byte = BF16_EXPONENT_MAX - c + d
+    return lowest_byte - UE8M0_BIAS, highest_byte - UE8M0_BIAS

@@ -1,0 +1,949 @@
+"""The H200 streaming kernel (gbs.numba_kernels.h200_stream) and its launch helper (launch.py).
+
+CI (no GPU):
+* numpy models of the host-capable pieces the kernel compiles: the E2M1 / E4M3 / E5M2 -> bf16 decodes
+  (exhaustive), the UE8M0 scale image, the exactness of every element x scale product inside
+  ``exact_scale_exponent_range`` (and that the range is tight), one thread's view of a K slice
+  (TMA swizzle emulated independently, rotated groups, pairing, scale blocks) against the
+  dequantized operand, the scale-atom addressing after a TMA box (weights' 6-D scales and the
+  per-group padded token scales, two-band tiles included), bank-conflict-free shared-memory loads,
+  the stage carve-up (boxes tile the stage and sum to expect_tx), the tensor-map arguments;
+* ``can_implement`` / ``StreamConfig`` rejections with their messages, the launch-helper checks;
+* offline compiles for sm_90a through nvJitLink (the launch path) of every format and a config
+  matrix covering decode (8, cg1), small prefill (64, cg2), large prefill (128, cg2), not swapped
+  (128, cg1) and mma_bn 256, with SASS checks: HMMA.16816.F32.BF16, UTMALDG, SYNCS, no LDL/STL, the
+  multicast / cluster barrier for pairs, setmaxnreg with 8 consumer warps.
+
+GPU (``@pytest.mark.gpu``, H200): every format and regime on small-but-real shapes (N 512 x K 7168,
+N 4096 x K 2048) with ragged groups, an empty group, a ``-1`` slot, a 1-token group and sizes that
+are not tile multiples; outputs poisoned before the launch and judged by ``check_acceptance``; both
+orientations, cta_group 1 and 2, 2 stages and the maximum; persistent grids of one CTA pair (many
+tiles per CTA: mbarrier phases across tiles). A failure prints where the output is wrong and which
+hypotheses (power-of-two factor, peer half, multicast half, transposed tile, shifted scales) fit.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import re
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gbs import schedule
+from gbs.bench import synthetic_problem
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, grouped_matmul_nvfp4_dispatch
+from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import launch
+from gbs.numba_kernels.simt import scale_byte_offset
+from gbs.problem import PROBLEM_FORMATS, build_problem, random_activations, random_weights
+from gbs.ptx_inline import offline
+from gbs.quant import (
+    BF16,
+    BlockScaled,
+    decode_elements,
+    decode_scales,
+    decode_ue4m3,
+    dequantize,
+    gather_group_scales,
+    get_format,
+    pack_fp4,
+    unpack_fp4,
+    unswizzle_scales,
+)
+from gbs.reference import check_acceptance, is_poison, reference_grouped_matmul, relative_errors
+
+FORMATS = tuple(PROBLEM_FORMATS)
+CONFIGS = {
+    "decode": hs.StreamConfig(True, 8, 1),
+    "small_prefill": hs.StreamConfig(True, 64, 2),
+    "large_prefill": hs.StreamConfig(True, 128, 2),
+    "not_swapped": hs.StreamConfig(False, 128, 1),
+    "wide": hs.StreamConfig(True, 256, 2),
+    "wide_cg1": hs.StreamConfig(True, 256, 1),
+    "not_swapped_wide": hs.StreamConfig(False, 256, 1),
+    "not_swapped_decode": hs.StreamConfig(False, 8, 1),
+    "mid": hs.StreamConfig(True, 32, 1),
+}
+
+
+def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None) -> hs.StreamSpec:
+    a, b = PROBLEM_FORMATS[fmt]
+    stages = hs.max_pipeline_stages(a, b, config) if stages is None else stages
+    return hs.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, stages)
+
+
+def bf16_value(bits) -> np.ndarray:
+    """float64 value of bf16 bit patterns."""
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def register_halves(reg) -> tuple[np.ndarray, np.ndarray]:
+    reg = np.asarray(reg, np.uint32)
+    return bf16_value(reg & 0xFFFF), bf16_value(reg >> 16)
+
+
+def exactly_bf16(x) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x.astype(BF16).astype(np.float64) == x
+
+
+# =============================================================================================
+# Element and scale decodes (exhaustive)
+# =============================================================================================
+@pytest.mark.parametrize("j", range(4))
+def test_e2m1_pair_decode_is_exact_for_every_code_pair(j):
+    lo, hi = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32), indexing="ij")
+    lo, hi = lo.ravel(), hi.ravel()
+    noise = np.uint32(0x5A5A5A5A)   # other nibbles: the decode must ignore them
+    word = (noise & ~((np.uint32(0xF) << 4 * j) | (np.uint32(0xF) << 4 * (j + 4)))) | (lo << 4 * j) | (
+        hi << 4 * (j + 4))
+    got_lo, got_hi = register_halves(hs.e2m1_pair_bits(word, j))
+    scale = 2.0 ** hs.ELEMENT_LOG2_OFFSET["e2m1"]
+    np.testing.assert_array_equal(got_lo * scale, decode_elements(lo.astype(np.uint8), "e2m1"))
+    np.testing.assert_array_equal(got_hi * scale, decode_elements(hi.astype(np.uint8), "e2m1"))
+    assert np.any(got_lo[lo == 1] > 0) and np.all(got_lo[lo == 1] < 2.0 ** -126), "0.5 must be a bf16 subnormal"
+
+
+def _finite_fp8_codes(element: str) -> np.ndarray:
+    codes = np.arange(256, dtype=np.uint8)
+    return codes[np.isfinite(decode_elements(codes, element))]
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pairing", ["stride4", "stride2"])
+def test_fp8_pair_decode_is_exact_for_every_finite_code(element, pairing):
+    rng = np.random.default_rng(1)
+    codes = _finite_fp8_codes(element)
+    lo, hi = np.meshgrid(codes, codes, indexing="ij")
+    lo, hi = lo.ravel(), hi.ravel()
+    scale = 2.0 ** hs.ELEMENT_LOG2_OFFSET[element]
+    for j in range(4):
+        group = rng.choice(codes, (lo.size, 8))
+        e_lo, e_hi = hs.pair_elements(j, pairing)
+        group[:, e_lo], group[:, e_hi] = lo, hi
+        words = np.ascontiguousarray(group).view(np.uint32)   # little endian: byte i = element i
+        got_lo, got_hi = register_halves(
+            hs.fp8_pair_bits(words[:, 0], words[:, 1], j, element == "e5m2", pairing == "stride4"))
+        np.testing.assert_array_equal(got_lo * scale, decode_elements(lo, element), err_msg=f"register {j}")
+        np.testing.assert_array_equal(got_hi * scale, decode_elements(hi, element), err_msg=f"register {j}")
+
+
+@pytest.mark.parametrize("pairing", ["stride4", "stride2"])
+def test_each_pairing_covers_the_group_once(pairing):
+    slots = [e for j in range(4) for e in hs.pair_elements(j, pairing)]
+    assert sorted(slots) == list(range(hs.GROUP_ELEMENTS))
+
+
+@pytest.mark.parametrize("element", ["e2m1", "e4m3", "e5m2"])
+def test_ue8m0_scale_image(element):
+    offset = hs.ELEMENT_LOG2_OFFSET[element] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
+    for byte in range(256):
+        bits = int(hs.ue8m0_scale_bits(byte, offset))
+        lo, hi = register_halves(bits)
+        assert bits >> 16 == bits & 0xFFFF, "both halves hold the scale"
+        if byte == 255:
+            assert np.isnan(lo), "0xFF is NaN"
+        elif byte + offset > hs.BF16_EXPONENT_MAX:
+            assert lo == np.inf, f"byte {byte}: past the bf16 range the image saturates to Inf"
+        else:
+            assert lo == 2.0 ** (byte - 127 + offset), f"byte {byte}"
+
+
+def test_ue4m3_scale_image_is_exact_and_finite():
+    """The device converts UE4M3 -> f16 -> f32, multiplies by 2**(c - d) and rounds to bf16; every
+    non-NaN byte must land on a finite bf16 exactly."""
+    bytes_ = np.arange(0x7F, dtype=np.uint8)
+    image = decode_ue4m3(bytes_).astype(np.float64) * 2.0 ** (hs.ELEMENT_LOG2_OFFSET["e2m1"]
+                                                              - hs.SCALE_LOG2_PREBIAS["ue4m3"])
+    assert np.all(np.isfinite(image)) and np.all(image < 2.0 ** 128)
+    assert np.all(exactly_bf16(image))
+
+
+def _scaled_products(element: str, scale_dtype: str, scale_bytes: np.ndarray) -> np.ndarray:
+    codes = np.arange(16 if element == "e2m1" else 256, dtype=np.uint8)
+    values = decode_elements(codes, element).astype(np.float64)
+    values = values[np.isfinite(values)]
+    scales = decode_scales(scale_bytes, "nvfp4" if scale_dtype == "ue4m3" else "mxfp8").astype(np.float64)
+    return np.outer(values, scales) * 2.0 ** -hs.SCALE_LOG2_PREBIAS[scale_dtype]
+
+
+@pytest.mark.parametrize("element", ["e2m1", "e4m3", "e5m2"])
+def test_scaled_elements_are_exact_in_bf16_over_the_documented_range(element):
+    low, high = hs.exact_scale_exponent_range(element)
+    inside = np.arange(low, high + 1) + 127
+    assert np.all(exactly_bf16(_scaled_products(element, "ue8m0", inside.astype(np.uint8))))
+    offset = hs.ELEMENT_LOG2_OFFSET[element] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
+    assert low + 127 + offset >= 1 and high + 127 + offset == hs.BF16_EXPONENT_MAX
+    # tight below: one more step down and some product falls off the bf16 subnormal grid
+    assert not np.all(exactly_bf16(_scaled_products(element, "ue8m0", np.array([low + 126], np.uint8))))
+    if element == "e2m1":
+        assert np.all(exactly_bf16(_scaled_products("e2m1", "ue4m3", np.arange(0x7F, dtype=np.uint8))))
+
+
+# =============================================================================================
+# One thread's view of a K slice: TMA swizzle, rotated groups, pairing, scale blocks
+# =============================================================================================
+def tma_swizzle_image(tile: np.ndarray, swizzle: str) -> np.ndarray:
+    """Bytes of a (rows, row_bytes) box as TMA writes them to 1024-byte aligned shared memory:
+    16-byte chunk index (address bits 4..) XOR address bits 7.. (3 bits for 128B, 2 for 64B)."""
+    mask = {"128B": 7, "64B": 3, "none": 0}[swizzle]
+    flat = tile.reshape(-1)
+    address = np.arange(flat.size)
+    image = np.empty_like(flat)
+    image[address ^ (((address >> 7) & mask) << 4)] = flat
+    return image
+
+
+def prmt(a, b, selector):
+    """numpy model of ``prmt.b32`` (default mode): byte i of the result = byte selector[4i:4i+4] & 7
+    of the 8 bytes b:a (no sign replication: selectors here never set bit 3)."""
+    source = np.stack([np.asarray(a, np.uint32), np.asarray(b, np.uint32)], axis=-1).view(np.uint8)
+    picks = [(selector >> (4 * i)) & 0x7 for i in range(4)]
+    assert all(((selector >> (4 * i)) & 0x8) == 0 for i in range(4))
+    return np.stack([source[..., p] for p in picks], axis=-1).view(np.uint32)[..., 0]
+
+
+def thread_scale_bits(side: hs.OperandSide, scale_words: np.ndarray, q: int, gi: int, gl: int) -> np.ndarray:
+    """numpy model of the kernel's load_scales + group_scale, per row (the device-only steps: the
+    hardware UE4M3 conversion and prmt): the bf16x2 scale image the lane uses for group ``gl``."""
+    offset = hs.ELEMENT_LOG2_OFFSET[side.element] - side.log2_prebias
+    blocks = side.blocks_per_thread
+    groups_per_block = side.groups // blocks
+
+    def byte(block):
+        return ((scale_words >> np.uint32(8 * hs.scale_byte_index(q, blocks, block))) & 0xFF).astype(np.int64)
+
+    if side.fmt.scale_dtype == "ue8m0":
+        assert gl // groups_per_block == gi // groups_per_block, "UE8M0: the block is static per step"
+        block = gi // groups_per_block
+        return np.array([int(hs.ue8m0_scale_bits(int(b), offset)) for b in byte(block)], np.uint32)
+    # UE4M3: the device converts the word's 4 bytes into two bf16x2 pairs, then prmt selects one
+    halves = [(decode_ue4m3(byte(b).astype(np.uint8)).astype(np.float64) * 2.0 ** offset)
+              .astype(np.float32).astype(BF16).view(np.uint16).astype(np.uint32) for b in range(4)]
+    s0, s1 = halves[0] | (halves[1] << 16), halves[2] | (halves[3] << 16)
+    return prmt(s0, s1, hs.bf16_broadcast_selector(gl // groups_per_block))
+
+
+SIDE_CASES = [("nvfp4", "decode", "m"), ("nvfp4", "decode", "n"), ("mxfp4", "not_swapped", "n"),
+              ("mxfp8", "large_prefill", "m"), ("mxfp8_e5m2", "wide", "n"), ("w4a8", "decode", "m"),
+              ("w4a8", "decode", "n"), ("w4a8", "not_swapped", "n")]
+
+
+@pytest.mark.parametrize("fmt,config,which", SIDE_CASES)
+def test_thread_view_of_a_k_slice_matches_the_dequantized_operand(fmt, config, which):
+    """Every (row, quad lane, group, register, half) the kernel decodes, scaled by the block scale it
+    selects, against the dequantized operand at the K index the shared pairing assigns."""
+    rng = np.random.default_rng(7)
+    spec = spec_of(fmt, CONFIGS[config])
+    side = spec.m_side if which == "m" else spec.n_side
+    fmt_obj = side.fmt
+    rows = side.rows
+    if fmt_obj.packed:
+        tile = rng.integers(0, 256, (rows, side.row_bytes), dtype=np.uint8)
+        codes = unpack_fp4(tile)
+    else:
+        tile = rng.choice(_finite_fp8_codes(side.element), (rows, side.row_bytes)).astype(np.uint8)
+        codes = tile
+    values = decode_elements(codes, side.element).astype(np.float64)
+    cols = spec.k_slice // fmt_obj.block_size
+    lo_byte, hi_byte = (0x40, 0x7E) if fmt_obj.scale_dtype == "ue4m3" else (110, 140)
+    scale_bytes = rng.integers(lo_byte, hi_byte, (rows, cols), dtype=np.uint8)
+    block_scales = decode_scales(scale_bytes, fmt_obj).astype(np.float64)
+    expected = values * np.repeat(block_scales, fmt_obj.block_size, axis=1) * 2.0 ** -side.log2_prebias
+    # shared memory as the TMA leaves it: swizzled data box, scale atoms band after band
+    image = tma_swizzle_image(tile, side.swizzle)
+    atoms = side.sf_atoms_per_slice
+    scale_image = np.zeros(side.scale_bands * atoms * 512, np.uint8)
+    r_idx, c_idx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    scale_image[scale_byte_offset(r_idx, c_idx, atoms)] = scale_bytes
+    row = np.arange(rows)
+    xor = hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
+    np.testing.assert_array_equal(xor, hs.swizzle_xor(row % 8, side.row_bytes, side.swizzle_mask),
+                                  err_msg="rows 8 apart share the swizzle XOR (the kernel computes it once)")
+    got = np.full_like(expected, np.nan)
+    k_per_thread = spec.k_slice // hs.QUAD
+    for q in range(hs.QUAD):
+        word_at = scale_byte_offset(row, hs.scale_word_column(q, side.blocks_per_thread), atoms)
+        scale_words = np.stack([scale_image[a:a + 4] for a in word_at]).view(np.uint32).ravel()
+        for gi in range(side.groups):
+            gl = int(hs.rotated_group(gi, q))
+            col = q * side.thread_bytes + gl * side.group_bytes
+            address = row * side.row_bytes + (col ^ xor)          # the kernel's formula
+            np.testing.assert_array_equal(address, hs.swizzled_offset(row, col, side.row_bytes, side.swizzle_mask))
+            words = np.stack([image[a:a + side.group_bytes] for a in address]).view(np.uint32)
+            scale_halves = register_halves(thread_scale_bits(side, scale_words, q, gi, gl))
+            for j in range(4):
+                if fmt_obj.packed:
+                    reg = hs.e2m1_pair_bits(words[:, 0], j)
+                else:
+                    reg = hs.fp8_pair_bits(words[:, 0], words[:, 1], j, side.element == "e5m2",
+                                           spec.pairing == "stride4")
+                for half, value in enumerate(register_halves(reg)):
+                    k = q * k_per_thread + hs.GROUP_ELEMENTS * gl + hs.pair_elements(j, spec.pairing)[half]
+                    product = value * scale_halves[half]
+                    assert np.all(exactly_bf16(product)), "the bf16 fma must be exact"
+                    assert np.all(np.isnan(got[:, k])), f"K index {k} visited twice"
+                    got[:, k] = product
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", ["decode", "small_prefill", "not_swapped", "wide"])
+def test_shared_memory_loads_are_bank_conflict_free(fmt, config):
+    spec = spec_of(fmt, CONFIGS[config])
+    warp_rows, warp_cols = spec.warp_tile
+    lanes = np.arange(hs.WARP_SIZE)
+    g, q = lanes >> 2, lanes & 3
+    for side, warp_span, rows_per_thread in ((spec.m_side, warp_rows, 2 * warp_rows // 16),
+                                             (spec.n_side, warp_cols, warp_cols // 8)):
+        for base in range(0, side.rows, warp_span):
+            for i in range(rows_per_thread):
+                row = base + g + 8 * i
+                for gi in range(side.groups):
+                    gl = hs.rotated_group(gi, q).astype(np.int64)
+                    address = row * side.row_bytes + (
+                        (q * side.thread_bytes + gl * side.group_bytes) ^ hs.swizzle_xor(base + g, side.row_bytes,
+                                                                                          side.swizzle_mask))
+                    if side.group_bytes == 4:
+                        banks = (address // 4) % 32
+                        assert len(set(banks)) == 32, f"{side.role} rows {base}+{8 * i}, step {gi}: {banks}"
+                    else:   # LDS.64: two half-warp wavefronts of 16 x 8 bytes
+                        for half in (lanes < 16, lanes >= 16):
+                            slots = (address[half] // 8) % 16
+                            assert len(set(slots)) == 16, f"{side.role} rows {base}+{8 * i}, step {gi}: {slots}"
+
+
+# =============================================================================================
+# Scale atoms after a TMA box: the kernel's addressing against the 128x4 layouts
+# =============================================================================================
+def tma_box_3d(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
+    """Bytes of a 3-D box of a C-contiguous (dims reversed) byte tensor, zero outside (no swizzle)."""
+    assert args.swizzle == "none" and len(args.dims) == 3
+    view = tensor.reshape(args.dims[::-1])
+    out = np.zeros(args.box[::-1], np.uint8)
+    c0, c1, c2 = coords
+    src = view[c2:c2 + args.box[2], c1:c1 + args.box[1], c0:c0 + args.box[0]]
+    out[:src.shape[0], :src.shape[1], :src.shape[2]] = src
+    return out.reshape(-1)
+
+
+def _problem(fmt, *, n, k, group_sizes, expert_ids, num_experts=4, seed=0):
+    return synthetic_problem(fmt, n=n, k=k, group_sizes=group_sizes, expert_ids=expert_ids,
+                             num_experts=num_experts, seed=seed)
+
+
+def _shapes_and_fake_addresses(problem):
+    shapes = {name: problem.__getattribute__(name).shape for name in launch.PROBLEM_ARRAY_DTYPES}
+    addresses = {name: (i + 1) << 20 for i, name in enumerate(launch.PROBLEM_ARRAY_DTYPES)}
+    return shapes, addresses
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", ["decode", "not_swapped_wide", "wide"])
+def test_weight_scale_atoms_land_where_the_consumers_read(fmt, config):
+    spec = spec_of(fmt, CONFIGS[config])
+    p = _problem(fmt, n=640, k=2 * spec.k_slice, group_sizes=[3], expert_ids=[2])
+    shapes, addresses = _shapes_and_fake_addresses(p)
+    args = hs.tensor_map_args(spec, shapes, addresses)[3]
+    side = spec.weight_side
+    bands_per_expert = p.b_scales.shape[1]
+    linear = unswizzle_scales(p.b_scales, p.n, p.b_format.scale_cols(p.k))   # (E, N, C)
+    atoms = side.sf_atoms_per_slice
+    cols_per_slice = spec.k_slice // p.b_format.block_size
+    for expert in (0, 2, 3):
+        for row0 in (0, 256, 512):       # the CTA's first weight row (a band boundary)
+            for s in range(p.k // spec.k_slice):
+                image = np.concatenate([
+                    tma_box_3d(p.b_scales, args, (0, s * hs.ATOM_MAP_ROWS * atoms,
+                                                  hs.weight_scale_band(expert, bands_per_expert, row0) + b))
+                    for b in range(side.scale_bands)])
+                for r in range(side.rows):
+                    for q in range(hs.QUAD):
+                        word = image[scale_byte_offset(r, hs.scale_word_column(q, side.blocks_per_thread), atoms):][:4]
+                        for b in range(side.blocks_per_thread):
+                            got = word[hs.scale_byte_index(q, side.blocks_per_thread, b)]
+                            row = row0 + r
+                            if row >= p.n:      # rows past N are zero data, masked at the store
+                                continue
+                            col = s * cols_per_slice + q * side.blocks_per_thread + b
+                            assert got == linear[expert, row, col], f"expert {expert} row {row} slice {s} q {q} b {b}"
+
+
+@pytest.mark.parametrize("config", ["decode", "small_prefill", "wide", "not_swapped", "wide_cg1"])
+def test_token_scale_atoms_land_where_the_consumers_read(config):
+    fmt = "nvfp4"
+    spec = spec_of(fmt, CONFIGS[config])
+    sizes = [5, 0, 1, 300, 130, 7]
+    p = _problem(fmt, n=256, k=spec.k_slice, group_sizes=sizes, expert_ids=[0, 1, -1, 2, 3, 1])
+    shapes, addresses = _shapes_and_fake_addresses(p)
+    args = hs.tensor_map_args(spec, shapes, addresses)[2]
+    side = spec.token_side
+    linear = gather_group_scales(p.a_scales, p.a_offsets, p.a_scale_offsets, p.a_format.scale_cols(p.k))
+    atoms = side.sf_atoms_per_slice
+    shape = spec.tile_shape
+    for tile in schedule.iter_tiles(p.a_offsets, p.expert_ids, p.n, shape):
+        g = tile.slot
+        start = int(p.a_offsets[g])
+        band = hs.token_scale_band(start, int(p.a_scale_offsets[g]), tile.token_start)
+        image = np.concatenate([tma_box_3d(p.a_scales, args, (0, 0, band + b)) for b in range(side.scale_bands)])
+        row0 = (tile.token_start - start) % hs.SF_ATOM_ROWS
+        for t in range(tile.num_tokens):
+            for q in range(hs.QUAD):
+                bpt = side.blocks_per_thread
+                word = image[scale_byte_offset(row0 + t, hs.scale_word_column(q, bpt), atoms):][:4]
+                got = word[[hs.scale_byte_index(q, bpt, b) for b in range(bpt)]]
+                want = linear[tile.token_start + t, q * side.blocks_per_thread:(q + 1) * side.blocks_per_thread]
+                np.testing.assert_array_equal(got, want, err_msg=f"tile {tile}, token {t}, q {q}")
+
+
+# =============================================================================================
+# Stage carve-up, boxes, tensor maps, stages
+# =============================================================================================
+ALL_KNOBS = [hs.StreamConfig(sw, bn, cg) for sw in (True, False) for cg in (1, 2) for bn in (8, 16, 32, 64, 128, 256)
+             if not (cg == 2 and (not sw or bn < 64))]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stage_boxes_tile_the_stage_and_sum_to_expect_tx(fmt):
+    for config in ALL_KNOBS:
+        spec = spec_of(fmt, config)
+        lay = spec.smem
+        loads = sorted(hs.stage_loads(spec), key=lambda x: x[1])
+        assert sum(size for _, _, size, _ in loads) == spec.tx_bytes
+        end = 0
+        for what, offset, size, _ in loads:
+            assert offset >= end, f"{config}: {what} overlaps the previous box"
+            align = hs.DATA_ALIGN if what in ("weights", "tokens") and size >= hs.DATA_ALIGN else hs.SCALE_ALIGN
+            assert offset % align == 0, f"{config}: {what} at {offset}"
+            end = offset + size
+        assert end <= lay.stage_bytes and lay.stage_bytes % hs.DATA_ALIGN == 0
+        assert spec.tx_bytes < 2 ** 20, "expect_tx counts fit the mbarrier's tx field"
+        # the deepest ring fits the H200, one more stage does not
+        assert lay.total_bytes <= H200_SMEM_PER_SM
+        assert dataclasses.replace(spec, stages=spec.stages + 1).smem.total_bytes > H200_SMEM_PER_SM
+        assert all(box <= 256 for box in spec.token_box + spec.weight_box + spec.scale_box)
+
+
+def test_real_and_formula_stage_counts_for_the_regimes():
+    """Report both (the formula counts SM100's bytes); pin the real ones the docs quote."""
+    got = {}
+    for fmt in FORMATS:
+        a, b = PROBLEM_FORMATS[fmt]
+        for name in ("decode", "small_prefill", "large_prefill", "not_swapped"):
+            got[fmt, name] = (hs.max_pipeline_stages(a, b, CONFIGS[name]),
+                              hs.formula_pipeline_stages(a, b, CONFIGS[name]))
+    assert got["nvfp4", "decode"] == (10, 10)
+    assert got["nvfp4", "small_prefill"] == (8, 8)
+    assert got["nvfp4", "large_prefill"] == (6, 7), "both CTAs of a pair hold the whole token tile here"
+    assert got["mxfp8", "decode"][0] >= 12
+    assert all(real >= 4 for real, _ in got.values())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("config", ["decode", "small_prefill", "not_swapped", "wide", "not_swapped_wide"])
+def test_tensor_map_arguments_are_valid(fmt, config):
+    spec = spec_of(fmt, CONFIGS[config])
+    p = _problem(fmt, n=512, k=4 * spec.k_slice, group_sizes=[9, 0, 200], expert_ids=[1, 0, 3])
+    shapes, addresses = _shapes_and_fake_addresses(p)
+    maps = hs.tensor_map_args(spec, shapes, addresses)
+    assert [m.name for m in maps] == ["a", "b", "a_scales", "b_scales"]
+    for m in maps:
+        m.check()
+    assert math_prod(maps[0].box) == math_prod(spec.token_box)
+    assert maps[1].dims == (p.b.shape[2] * p.b.itemsize, p.n, p.num_experts)
+    # scale views cover the arrays exactly
+    for m, arr in ((maps[2], p.a_scales), (maps[3], p.b_scales)):
+        assert math_prod(m.dims) == arr.size
+
+
+def math_prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def test_max_tiles_bound_covers_the_walk():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        sizes = rng.integers(0, 300, rng.integers(1, 9))
+        ids = np.where(rng.random(sizes.size) < 0.2, -1, rng.integers(0, 4, sizes.size))
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        for config in (CONFIGS["decode"], CONFIGS["wide"], CONFIGS["not_swapped"]):
+            spec = spec_of("nvfp4", config)
+            n = int(rng.integers(1, 1000))
+            walk = schedule.total_tiles(offsets, ids, n, spec.tile_shape)
+            assert hs.max_tiles_bound(spec, int(sizes.sum()), sizes.size, n) >= walk
+
+
+# =============================================================================================
+# can_implement and config errors
+# =============================================================================================
+def test_can_implement_accepts_dispatch_configs_and_reports_why_not():
+    p = _problem("nvfp4", n=256, k=512, group_sizes=[4, 0, 9], expert_ids=[0, -1, 1])
+    ok, why = hs.can_implement(p, hs.StreamConfig(True, 8, 1))
+    assert ok and why == ""
+    decided = grouped_matmul_nvfp4_dispatch(n=256, k=512, num_active_experts=3, estimated_total_m=13)
+    assert hs.check_can_implement(p, decided).stages == decided.num_pipeline_stages
+
+
+def test_k_not_a_multiple_of_the_slice_is_rejected_with_the_padding_to_use():
+    p = _problem("nvfp4", n=128, k=384, group_sizes=[4], expert_ids=[0])
+    with pytest.raises(ValueError, match=r"K=384 is not a multiple of this kernel's 256-element K slice.*pad K to 512"):
+        hs.check_can_implement(p, hs.StreamConfig(True, 8, 1))
+    fp8 = _problem("mxfp8", n=128, k=384, group_sizes=[4], expert_ids=[0])
+    assert hs.can_implement(fp8, hs.StreamConfig(True, 8, 1))[0], "128-element slices for FP8"
+    fp8_bad = _problem("w4a8", n=128, k=160, group_sizes=[4], expert_ids=[0])
+    ok, why = hs.can_implement(fp8_bad, hs.StreamConfig(True, 8, 1))
+    assert not ok and "128-element K slice" in why and "pad K to 256" in why
+
+
+def test_too_many_stages_are_rejected_and_the_cap_is_opt_in():
+    p = _problem("nvfp4", n=256, k=512, group_sizes=[40], expert_ids=[0])
+    with pytest.raises(ValueError, match=r"7 pipeline stages do not fit the H200.*at most 6 stages.*formula.*says 7"):
+        hs.check_can_implement(p, hs.StreamConfig(True, 128, 2, 7))
+    decided = grouped_matmul_nvfp4_dispatch(n=4096, k=7168, num_active_experts=8, estimated_total_m=8000)
+    assert decided.num_pipeline_stages == 7 and decided.mma_bn == 128
+    assert not hs.can_implement(p, decided)[0]
+    capped = hs.h200_stream_config(p, decided)
+    assert capped.num_pipeline_stages == 6 and hs.check_can_implement(p, capped).stages == 6
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group=2 requires ab_swapped"),
+    (dict(ab_swapped=True, mma_bn=24, cta_group=1), ValueError, "mma_bn=24 is illegal"),
+    (dict(ab_swapped=True, mma_bn=32, cta_group=2), ValueError, "mma_bn=32 is illegal with cta_group=2"),
+    (dict(ab_swapped=True, mma_bn=8, cta_group=1, num_pipeline_stages=0), ValueError, "num_pipeline_stages"),
+    (dict(ab_swapped=True, mma_bn=8, cta_group=1, num_pipeline_stages=2.0), TypeError, "must be an int"),
+    (dict(ab_swapped=1, mma_bn=8, cta_group=1), TypeError, "ab_swapped must be a bool"),
+])
+def test_stream_config_rejects_illegal_knobs(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hs.StreamConfig(**kwargs)
+
+
+def test_config_for_other_formats_and_bad_types_are_rejected():
+    p = _problem("mxfp4", n=128, k=512, group_sizes=[4], expert_ids=[0])
+    nvfp4_config = grouped_matmul_nvfp4_dispatch(n=128, k=512, num_active_experts=1, estimated_total_m=4)
+    with pytest.raises(ValueError, match="decided for a_format='nvfp4'"):
+        hs.check_can_implement(p, nvfp4_config)
+    with pytest.raises(TypeError, match="GroupedProblem or DeviceProblem"):
+        hs.check_can_implement("problem", hs.StreamConfig(True, 8, 1))
+    with pytest.raises(TypeError, match="lacks"):
+        hs.check_can_implement(p, object())
+    with pytest.raises(ValueError, match="stages must be a positive int"):
+        hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 0)
+    with pytest.raises(ValueError, match="unsupported operand formats"):
+        hs.StreamSpec("nvfp4", "mxfp4", True, 8, 1, 2)
+
+
+@pytest.mark.skipif(launch.gpu_compute_capability() is not None, reason="checks the no-GPU error")
+def test_running_without_a_gpu_is_a_clear_error():
+    p = _problem("nvfp4", n=128, k=256, group_sizes=[4], expert_ids=[0])
+    with pytest.raises(launch.NoSuitableGPUError, match="needs an sm_90 GPU"):
+        hs.grouped_matmul_h200(p, hs.StreamConfig(True, 8, 1))
+
+
+# =============================================================================================
+# Launch helper (host side)
+# =============================================================================================
+def _fake_kernel(cluster=1, dynamic=1000, static=2048):
+    overload = type("Overload", (), {"shared_mem_per_block": static})()
+    return launch.CompiledKernel(overload, threads=160, dynamic_smem_bytes=dynamic, cluster_size=cluster, name="k")
+
+
+def test_check_launch_rejects_bad_grids_clusters_and_shared_memory():
+    launch.check_launch(_fake_kernel(2), 4, smem_limit=H200_SMEM_PER_SM)
+    with pytest.raises(ValueError, match="not a multiple of the cluster size 2"):
+        launch.check_launch(_fake_kernel(2), 5, smem_limit=H200_SMEM_PER_SM)
+    with pytest.raises(ValueError, match="positive int"):
+        launch.check_launch(_fake_kernel(), 0, smem_limit=H200_SMEM_PER_SM)
+    with pytest.raises(ValueError, match="cluster size 9"):
+        launch.check_launch(_fake_kernel(9), 9, smem_limit=H200_SMEM_PER_SM)
+    with pytest.raises(ValueError, match="B dynamic"):
+        launch.check_launch(_fake_kernel(dynamic=H200_SMEM_PER_SM), 1, smem_limit=H200_SMEM_PER_SM)
+
+
+def test_cluster_launches_count_the_grid_in_clusters():
+    assert launch.launch_config_fields(_fake_kernel(2), 132)["grid"] == (66, 1, 1)
+    assert launch.launch_config_fields(_fake_kernel(2), 132)["cluster"] == (2, 1, 1)
+    assert launch.launch_config_fields(_fake_kernel(1), 132) == {
+        "grid": (132, 1, 1), "block": (160, 1, 1), "shmem_size": 1000}
+
+
+def test_device_problem_shape_checks():
+    p = _problem("nvfp4", n=256, k=512, group_sizes=[4, 6], expert_ids=[0, 1])
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(launch.DeviceProblem)}
+    launch._check_device_shapes(launch.DeviceProblem(**fields))
+    bad = dict(fields, b_scales=p.b_scales[:, :1])
+    with pytest.raises(ValueError, match="b_scales must have shape"):
+        launch._check_device_shapes(launch.DeviceProblem(**bad))
+    with pytest.raises(ValueError, match="expert_ids must have shape"):
+        launch._check_device_shapes(launch.DeviceProblem(**dict(fields, expert_ids=p.expert_ids[:1])))
+    with pytest.raises(TypeError, match="lacks"):
+        launch.to_device(object())
+
+
+def test_tensor_map_buffer_rejects_wrong_sizes():
+    with pytest.raises(ValueError, match="tensor map 1 has 64 bytes"):
+        launch.device_tensor_maps([np.zeros(128, np.uint8), np.zeros(64, np.uint8)])
+
+
+# =============================================================================================
+# Offline compile + SASS (sm_90a, nvJitLink), two worker processes
+# =============================================================================================
+COMPILE_MATRIX = [   # every format, and each regime's config with at least one format (JIT time: ~4 s each)
+    ("nvfp4", "decode"), ("nvfp4", "small_prefill"), ("nvfp4", "large_prefill"), ("nvfp4", "not_swapped"),
+    ("nvfp4", "wide"), ("mxfp4", "decode"), ("mxfp8", "decode"), ("mxfp8", "not_swapped"),
+    ("mxfp8_e5m2", "small_prefill"), ("w4a8", "decode"), ("w4a8", "wide_cg1"),
+]
+COMPILE_WORKERS = 2
+
+
+def _compile_one(case):
+    """Worker: compile one spec offline; return its SASS facts (runs in a fresh process)."""
+    fmt, config = case
+    spec = spec_of(fmt, CONFIGS[config])
+    cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+                                  launch_bounds=(spec.threads, 1))
+    sass = offline.disassemble(cubin)
+    instructions = offline.sass_instructions(sass)
+    ops = collections.Counter(ins.split()[0] for ins in instructions)
+    # registers of the consumer region: before the producer's setmaxnreg.dec (its branch comes last)
+    split = next((i for i, ins in enumerate(instructions) if ins.startswith("USETMAXREG.DEALLOC")), len(instructions))
+    consumer_regs = max((int(r) for ins in instructions[:split] for r in re.findall(r"\bR(\d+)\b", ins)), default=0)
+    return dict(case=case, ops=dict(ops), local=offline.uses_local_memory(sass),
+                resources=offline.resource_usage(cubin), consumer_registers=consumer_regs + 1, spec=spec)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(COMPILE_WORKERS, mp_context=ctx) as pool:
+        results = list(pool.map(_compile_one, COMPILE_MATRIX))
+    table = ["format      config          stages  threads  regs(entry/consumer)  smem static+dynamic"]
+    for r in results:
+        spec = r["spec"]
+        table.append(f"{r['case'][0]:11} {r['case'][1]:15} {spec.stages:6}  {spec.threads:7}  "
+                     f"{r['resources'].registers:5}/{r['consumer_registers']:<14} "
+                     f"{r['resources'].shared_bytes}+{spec.smem.dynamic_bytes}")
+    print("\n" + "\n".join(table))
+    return {r["case"]: r for r in results}
+
+
+@pytest.mark.parametrize("case", COMPILE_MATRIX, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_compiles_for_sm90a_with_the_promised_sass(compiled, case):
+    r = compiled[case]
+    ops, spec = r["ops"], r["spec"]
+
+    def count(prefix):
+        return sum(n for op, n in ops.items() if op.startswith(prefix))
+
+    assert count("HMMA.16816.F32.BF16") >= 1, "bf16 mma.sync"
+    assert count("UTMALDG") >= 3, "TMA loads of data and scales"
+    assert count("SYNCS.ARRIVE.TRANS64") >= 1 and count("SYNCS.PHASECHK.TRANS64") >= 2, "mbarrier expect_tx / waits"
+    assert count("SYNCS.EXCH.64") >= 2 * spec.stages, "full and empty mbarrier per stage"
+    assert count("HFMA2.BF16") + count("HMUL2.BF16") >= 1, "scale multiply in bf16x2"
+    assert all(op == "HMMA.16816.F32.BF16" for op in ops if op.startswith("HMMA")), \
+        "only bf16 MMAs (an e4m3 mma.sync would be emulated through fp16 on sm_90a)"
+    assert not r["local"], "no local memory (LDL/STL): accumulators and fragments stay in registers"
+    if spec.cta_group == 2:
+        assert count("UTMALDG.2D.MULTICAST") >= 1 and count("UCGABAR_WAIT") >= 1
+    if spec.uses_setmaxnreg:
+        assert count("USETMAXREG") == 2
+    assert r["consumer_registers"] <= (hs.CONSUMER_WARPGROUP_REGISTERS if spec.uses_setmaxnreg else 255)
+    assert r["resources"].shared_bytes == spec.smem.static_bytes, "static shared memory as budgeted"
+
+
+# =============================================================================================
+# GPU: numerics on the H200
+# =============================================================================================
+GPU_SHAPES = {"n512_k7168": (512, 7168), "n4096_k2048": (4096, 2048)}
+# ragged: an empty group, a -1 slot, a 1-token group, sizes not multiples of any tile, one > 256
+GPU_GROUP_SIZES = [5, 0, 1, 37, 3, 70, 129, 300]
+GPU_EXPERT_IDS = [0, 4, 1, -1, 2, 5, 3, 6]
+GPU_NUM_EXPERTS = 8
+MAX = AUTO_STAGES
+
+GPU_CASES = [
+    # (format, shape, ab_swapped, mma_bn, cta_group, stages, num_ctas)
+    ("nvfp4", "n512_k7168", True, 8, 1, MAX, None),
+    ("mxfp4", "n512_k7168", True, 8, 1, 2, None),
+    ("mxfp8", "n4096_k2048", True, 8, 1, MAX, None),
+    ("mxfp8_e5m2", "n512_k7168", True, 8, 1, 2, None),
+    ("w4a8", "n4096_k2048", True, 8, 1, MAX, None),
+    ("nvfp4", "n4096_k2048", True, 16, 1, MAX, None),
+    ("nvfp4", "n512_k7168", True, 32, 1, 2, 1),
+    ("nvfp4", "n512_k7168", True, 64, 2, MAX, None),
+    ("nvfp4", "n4096_k2048", True, 128, 2, 2, 2),
+    ("nvfp4", "n512_k7168", True, 128, 2, MAX, None),
+    ("nvfp4", "n4096_k2048", False, 128, 1, MAX, None),
+    ("nvfp4", "n512_k7168", False, 8, 1, 2, None),
+    ("nvfp4", "n4096_k2048", True, 256, 1, 2, None),
+    ("nvfp4", "n512_k7168", True, 256, 2, MAX, None),
+    ("nvfp4", "n4096_k2048", False, 256, 1, MAX, None),
+    ("mxfp4", "n4096_k2048", True, 64, 2, 2, None),
+    ("mxfp4", "n512_k7168", False, 128, 1, MAX, None),
+    ("mxfp8", "n512_k7168", True, 128, 2, MAX, 2),
+    ("mxfp8", "n4096_k2048", False, 64, 1, 2, None),
+    ("mxfp8_e5m2", "n4096_k2048", True, 64, 2, MAX, None),
+    ("mxfp8_e5m2", "n512_k7168", True, 256, 2, 2, None),
+    ("w4a8", "n512_k7168", True, 128, 2, MAX, None),
+    ("w4a8", "n4096_k2048", False, 128, 1, 2, 1),
+    ("w4a8", "n512_k7168", True, 256, 1, MAX, None),
+]
+
+
+_GPU_PROBLEMS: dict = {}
+
+
+def gpu_problem(fmt: str, shape: str):
+    """Synthetic problem (random codes, realistic scales) and its reference, cached per test session."""
+    key = (fmt, shape)
+    if key not in _GPU_PROBLEMS:
+        n, k = GPU_SHAPES[shape]
+        p = _problem(fmt, n=n, k=k, group_sizes=GPU_GROUP_SIZES, expert_ids=GPU_EXPERT_IDS,
+                     num_experts=GPU_NUM_EXPERTS, seed=zlib.crc32(f"{fmt}/{shape}".encode()))
+        _GPU_PROBLEMS[key] = (p, reference_grouped_matmul(p))
+    return _GPU_PROBLEMS[key]
+
+
+def _slot_of_tokens(problem) -> np.ndarray:
+    return np.repeat(np.arange(problem.num_active_experts), problem.group_sizes)
+
+
+def diagnose(problem, spec: hs.StreamSpec, out: np.ndarray, ref: np.ndarray) -> str:
+    """Where the output is wrong and which known failure modes fit, for the test log."""
+    o = np.asarray(out).astype(np.float64)
+    r = np.asarray(ref).astype(np.float64)
+    written = problem.written_rows()
+    lines = [f"spec {spec}; tile {spec.tile_shape}"]
+    poison = is_poison(out)
+    unwritten = np.flatnonzero(written & poison.any(axis=1))
+    clobbered = np.flatnonzero(~written & ~poison.all(axis=1))
+    slot_of = _slot_of_tokens(problem)
+    if unwritten.size:
+        lines.append(f"{unwritten.size} written rows still hold poison, first tokens {unwritten[:8].tolist()} "
+                     f"(slots {sorted(set(slot_of[unwritten].tolist()))}): tiles never stored / masked too much")
+    if clobbered.size:
+        lines.append(f"{clobbered.size} rows of skipped slots were written, first {clobbered[:8].tolist()}: "
+                     "the epilogue mask or the tile walk lets -1 slots through")
+    scale = np.max(np.abs(r[written])) if written.any() else 1.0
+    with np.errstate(invalid="ignore"):
+        bad = written[:, None] & ~poison & ((np.abs(o - r) > 1e-2 * scale) | np.isnan(o))
+    if bad.any():
+        tokens, cols = np.nonzero(bad)
+        lines.append(f"{bad.sum()} wrong elements; first (token, col): "
+                     f"{list(zip(tokens[:6].tolist(), cols[:6].tolist()))}; "
+                     f"values {o[tokens[:3], cols[:3]].tolist()} vs ref {r[tokens[:3], cols[:3]].tolist()}")
+        for g in sorted(set(slot_of[tokens].tolist())):
+            lines.append(f"  slot {g} (expert {problem.expert_ids[g]}, {problem.group_sizes[g]} tokens): "
+                         f"{int(bad[slot_of == g].sum())} wrong")
+        shape = spec.tile_shape
+        token_in_tile = (tokens - problem.a_offsets[slot_of[tokens]]) % shape.tokens
+        col_in_tile = cols % shape.weight_rows
+        if spec.cta_group == 2 and np.all(col_in_tile >= shape.cta_weight_rows):
+            lines.append("  only weight rows of rank 1's half are wrong: the peer CTA of the pair (its weight "
+                         "box row, its empty-barrier arrivals, its epilogue row offset)")
+        if spec.cta_group == 2 and np.all(token_in_tile >= shape.cta_tokens):
+            lines.append("  only the second half of each token tile is wrong: the multicast from the peer")
+        if np.isnan(o[bad]).any():
+            lines.append("  NaN outputs: a NaN scale byte read from the wrong place, or stale shared memory")
+        if np.all(o[bad] == 0):
+            lines.append("  wrong values are 0: a box read outside its tensor (zero fill) or the wrong stage")
+        good = (np.abs(r) > 0.1 * scale) & written[:, None] & ~poison
+        ratio = o[good] / r[good]
+        if ratio.size:
+            med = float(np.median(ratio))
+            if med > 0 and abs(np.log2(med) - round(np.log2(med))) < 0.01 and round(np.log2(med)) != 0:
+                lines.append(f"  out / ref = 2**{round(np.log2(med))} almost everywhere: a power of two is "
+                             f"missing (epilogue 2**{spec.epilogue_log2}, scale pre-bias or element offset)")
+            lines.append(f"  median out/ref {med:.4g}, correlation {np.corrcoef(o[good], r[good])[0, 1]:.4f}")
+        lines.extend(_transpose_hint(o, r, problem, spec))
+        lines.extend(_variant_hints(problem, out, int(slot_of[tokens[0]])))
+    return "\n".join(lines)
+
+
+def slot_output(problem, slot: int, a_operand=None, b_operand=None) -> np.ndarray:
+    """bf16 rows of one slot computed from (possibly altered) linear-scale operands."""
+    expert = int(problem.expert_ids[slot])
+    lo, hi = int(problem.a_offsets[slot]), int(problem.a_offsets[slot + 1])
+    qa = problem.a_operand() if a_operand is None else a_operand
+    qb = problem.b_operand(expert) if b_operand is None else b_operand
+    acc = dequantize(qa).astype(np.float64)[lo:hi] @ dequantize(qb).astype(np.float64).T
+    return (acc * np.float64(problem.expert_scales[expert])).astype(np.float32).astype(BF16)
+
+
+def _without_subnormal_elements(q: BlockScaled) -> BlockScaled:
+    codes = q.element_codes().copy()
+    if q.fmt.packed:
+        codes[(codes & 0x7) == 1] = 0                     # E2M1 +-0.5
+        return dataclasses.replace(q, data=pack_fp4(codes))
+    exponent_mask = 0x78 if q.fmt.element == "e4m3" else 0x7C
+    codes[(codes & exponent_mask) == 0] = 0               # FP8 subnormals
+    return dataclasses.replace(q, data=codes.view(q.fmt.element_dtype))
+
+
+def _neighbour_block_scales(q: BlockScaled) -> BlockScaled:
+    cols = np.arange(q.scales.shape[-1]) ^ 1              # blocks 2i <-> 2i+1
+    return dataclasses.replace(q, scales=np.ascontiguousarray(q.scales[..., cols]))
+
+
+def _variant_hints(problem, out, slot: int) -> list[str]:
+    """Which altered computation reproduces the kernel's rows of ``slot`` (expensive: on failure only)."""
+    got = np.asarray(out)[int(problem.a_offsets[slot]):int(problem.a_offsets[slot + 1])]
+    expert = int(problem.expert_ids[slot])
+    qa, qb = problem.a_operand(), problem.b_operand(expert)
+    unpadded = dataclasses.replace(qa, scales=unswizzle_scales(problem.a_scales, cols=qa.scales.shape[-1])[
+        :problem.total_tokens])
+    variants = {
+        "bf16 subnormals flushed (E2M1 +-0.5 / FP8 subnormals lost in fma.bf16x2 or the MMA)":
+            (_without_subnormal_elements(qa), _without_subnormal_elements(qb)),
+        "weight scales of the neighbouring block (scale byte / group-to-block selection)":
+            (qa, _neighbour_block_scales(qb)),
+        "token scales of the neighbouring block": (_neighbour_block_scales(qa), qb),
+        "token scales read without the per-group padding (a_scale_offsets ignored)": (unpadded, qb),
+    }
+    hints = []
+    for what, (a_op, b_op) in variants.items():
+        try:
+            alt = slot_output(problem, slot, a_op, b_op)
+        except ValueError:
+            continue
+        max_rel, rms_rel = relative_errors(got, alt)
+        if max_rel <= 1e-2 and rms_rel <= 4e-3:
+            hints.append(f"  slot {slot} matches the variant: {what}")
+    return hints or [f"  slot {slot} matches none of the scale / subnormal variants"]
+
+
+def _transpose_hint(o, r, problem, spec):
+    """Does a tile look transposed (C written as [row, token] inside a square corner)?"""
+    n = min(8, problem.n)
+    for g in range(problem.num_active_experts):
+        lo = int(problem.a_offsets[g])
+        if problem.expert_ids[g] >= 0 and problem.group_sizes[g] >= n:
+            block_o, block_r = o[lo:lo + n, :n], r[lo:lo + n, :n]
+            if not np.allclose(block_o, block_r, rtol=1e-2) and np.allclose(block_o, block_r.T, rtol=1e-2):
+                return [f"  slot {g}: the first {n}x{n} corner matches the transposed reference: the epilogue "
+                        "swaps token and weight-row indices"]
+            break
+    return []
+
+
+def test_diagnostic_variants_recognise_their_own_failure_mode():
+    """The GPU diagnostics are only useful if a real failure of each kind is named: feed them the
+    output the wrong computation would give."""
+    problem = _problem("nvfp4", n=128, k=512, group_sizes=[6, 3], expert_ids=[1, 0])
+    slot = 0
+    fake = reference_grouped_matmul(problem)
+    fake[:6] = slot_output(problem, slot, b_operand=_neighbour_block_scales(problem.b_operand(1)))
+    assert any("weight scales of the neighbouring block" in h for h in _variant_hints(problem, fake, slot))
+    fake[:6] = slot_output(problem, slot, _without_subnormal_elements(problem.a_operand()),
+                           _without_subnormal_elements(problem.b_operand(1)))
+    assert any("subnormals flushed" in h for h in _variant_hints(problem, fake, slot))
+    text = diagnose(problem, spec_of("nvfp4", CONFIGS["decode"]), fake, reference_grouped_matmul(problem))
+    assert "wrong elements" in text and "slot 0" in text
+
+
+def _gpu_case_id(case):
+    fmt, shape, sw, bn, cg, stages, ctas = case
+    return f"{fmt}-{shape}-{'swap' if sw else 'noswap'}{bn}-cg{cg}-st{'max' if stages == MAX else stages}" + (
+        f"-ctas{ctas * cg}" if ctas else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_case_id)
+def test_gpu_matches_the_reference(case):
+    fmt, shape, sw, bn, cg, stages, pairs = case
+    problem, ref = gpu_problem(fmt, shape)
+    config = hs.StreamConfig(sw, bn, cg, stages)
+    spec = hs.check_can_implement(problem, config)
+    out = hs.grouped_matmul_h200(problem, config, num_ctas=None if pairs is None else pairs * cg)
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_launch_reruns_identically_and_keeps_skipped_rows():
+    from numba import cuda
+
+    problem, ref = gpu_problem("nvfp4", "n512_k7168")
+    config = hs.StreamConfig(True, 8, 1)
+    device_problem = launch.to_device(problem)
+    sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
+    device_out = cuda.to_device(sentinel)
+    prepared = hs.prepare(device_problem, config, device_out)
+    prepared()
+    first = device_out.copy_to_host()
+    for _ in range(3):
+        prepared()
+    again = device_out.copy_to_host()
+    np.testing.assert_array_equal(first, again)
+    skipped = ~problem.written_rows()
+    assert np.all(first[skipped] == 0x1234), "rows of -1 slots are never written"
+    out = first.view(BF16)
+    poisoned = np.where(skipped[:, None], ref.view(np.uint16), first).view(BF16)
+    assert check_acceptance(problem, poisoned, ref).passed, diagnose(problem, prepared.spec, out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_quantized_real_data_decode(fmt):
+    """Real quantization (outlier channels, per-expert spreads) rather than random codes."""
+    rng = np.random.default_rng(11)
+    sizes, ids = [3, 1, 0, 6], [2, 0, 1, -1]
+    weights = random_weights(rng, 3, 256, 1024)
+    acts = random_activations(rng, int(np.sum(sizes)), 1024)
+    problem = build_problem(acts, weights, sizes, ids, fmt=fmt)
+    config = hs.StreamConfig(True, 8, 1)
+    spec = hs.check_can_implement(problem, config)
+    out = hs.grouped_matmul_h200(problem, config)
+    ref = reference_grouped_matmul(problem)
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_kernel_resources():
+    """The JIT overload that runs: no local memory, dynamic shared memory as budgeted."""
+    spec = spec_of("nvfp4", CONFIGS["large_prefill"])
+    kernel = hs.compiled_kernel(spec)
+    assert kernel.local_bytes == 0
+    assert kernel.dynamic_smem_bytes == spec.smem.dynamic_bytes
+    assert kernel.dynamic_smem_bytes + kernel.static_smem_bytes <= launch.device_smem_optin_limit()
+
+
+def test_gpu_case_list_covers_every_format_and_knob():
+    assert {c[0] for c in GPU_CASES} == set(FORMATS)
+    assert {(c[2], c[4]) for c in GPU_CASES} >= {(True, 1), (True, 2), (False, 1)}
+    assert {c[3] for c in GPU_CASES} == {8, 16, 32, 64, 128, 256}
+    assert {c[5] for c in GPU_CASES} >= {2, MAX}
+    assert len({(c[0], c[2], c[3], c[4], c[5]) for c in GPU_CASES}) <= 26, "JIT time: keep the spec count small"
+    # every case is legal, and the ragged routing has what the brief asks for
+    sizes = np.array(GPU_GROUP_SIZES)
+    assert 0 in sizes and 1 in sizes and -1 in GPU_EXPERT_IDS and sizes.max() > 256
+    for fmt, shape, sw, bn, cg, stages, _ in GPU_CASES:
+        n, k = GPU_SHAPES[shape]
+        assert k % spec_of(fmt, hs.StreamConfig(sw, bn, cg)).k_slice == 0
+        a, b = PROBLEM_FORMATS[fmt]
+        assert stages == MAX or stages <= hs.max_pipeline_stages(a, b, hs.StreamConfig(sw, bn, cg))
+
+
+def test_formats_module_constants_agree_with_quant():
+    for element, offset in hs.ELEMENT_LOG2_OFFSET.items():
+        dtype = {"e2m1": ml_dtypes.float4_e2m1fn, "e4m3": ml_dtypes.float8_e4m3fn,
+                 "e5m2": ml_dtypes.float8_e5m2}[element]
+        one = np.array([1.0], np.float32).astype(dtype).view(np.uint8)[0]
+        if element == "e2m1":
+            bits = hs.e2m1_pair_bits(np.uint32(one), 0) & 0xFFFF
+        else:
+            bits = hs.fp8_pair_bits(np.uint32(one), np.uint32(0), 0, element == "e5m2", True) & 0xFFFF
+        assert bf16_value(bits) == 2.0 ** -offset, element
+    for name in FORMATS:
+        for fmt_name in PROBLEM_FORMATS[name]:
+            assert get_format(fmt_name).scale_dtype in hs.SCALE_LOG2_PREBIAS
