@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from . import dispatch as dsp
+from .ablate import add_ablate_parser
 from .bench import add_bench_parser
 from .problem import PROBLEM_FORMATS, make_routing, random_problem, resolve_formats
 
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_demo)
 
     add_bench_parser(sub)
+    add_ablate_parser(sub)
     return parser
 
 
