@@ -577,3 +577,159 @@ def scale_layout_picture(ax: Axes, rows: int = SF_ATOM_ROWS, cols: int = SF_ATOM
     ax.set_yticks(range(0, lines, 4))
     ax.set_ylabel("16-byte line = TMEM lane (byte offset // 16)")
     return image
+
+
+# ----------------------------------------------------------------------------------------------
+# Timelines (Gantt charts) and tile walks
+# ----------------------------------------------------------------------------------------------
+CTA_CMAP = "tab10"             # qualitative: one colour per CTA (or CTA pair) of a tile walk
+TILE_PAIR_CMAP = "tab20"       # pairs of (dark, light) shades: one pair per tile of a timeline
+MASKED_HATCH = "////"          # tile area the MMA computes but the store masks
+MASKED_EDGE_ALPHA = 0.8
+
+
+def cta_color(index: int):
+    """Colour of CTA (or CTA pair) ``index`` of a tile walk (cycles through ``CTA_CMAP``)."""
+    cmap = mpl.colormaps[CTA_CMAP]
+    return cmap(int(index) % cmap.N)
+
+
+def tile_shades(tile: int) -> tuple:
+    """(dark, light) shades of one hue for tile ``tile`` of a timeline: dark for work on the
+    tile's data (MMA, epilogue), light for its data in flight or waiting."""
+    cmap = mpl.colormaps[TILE_PAIR_CMAP]
+    pairs = cmap.N // 2
+    first = 2 * (int(tile) % pairs)
+    return cmap(first), cmap(first + 1)
+
+
+def timeline(ax: Axes, rows: Sequence[tuple[str, Sequence[Segment]]], *, height: float = 0.7,
+             label_fontsize: float = 7.0, min_label_fraction: float = 0.02) -> dict[str, int]:
+    """A Gantt chart: one row per ``(label, segments)``, the first row on top; each ``Segment``
+    is one busy interval ``[start, start + length)`` drawn as a bar. A segment's label is written
+    inside it when the segment spans at least ``min_label_fraction`` of the whole time range.
+    Returns the y coordinate of each row, by row label."""
+    if not rows:
+        raise ValueError("rows must hold at least one (label, segments) row")
+    labels = [label for label, _ in rows]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"row labels must be distinct, got {labels}")
+    segments = [s for _, row in rows for s in row]
+    if any(s.length < 0 for s in segments):
+        raise ValueError("segments must have non-negative lengths")
+    x_lo = min((s.start for s in segments), default=0.0)
+    x_hi = max((s.start + s.length for s in segments), default=1.0)
+    span = max(x_hi - x_lo, 1e-12)
+    y_of = {}
+    for i, (label, row) in enumerate(rows):
+        y = len(rows) - 1 - i
+        y_of[label] = y
+        for s in row:
+            ax.barh(y, s.length, left=s.start, height=height, color=s.color, edgecolor="white", linewidth=0.5,
+                    hatch=s.hatch)
+            if s.label and s.length / span >= min_label_fraction:
+                ax.text(s.start + s.length / 2, y, s.label, ha="center", va="center", fontsize=label_fontsize,
+                        color=_text_color_on(s.color), clip_on=True)
+    ax.set_yticks(list(y_of.values()), labels)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlim(x_lo - 0.01 * span, x_hi + 0.01 * span)
+    ax.grid(axis="y", visible=False)
+    return y_of
+
+
+def tile_walk_picture(ax: Axes, cta_works, a_offsets, expert_ids, n: int, shape, *,
+                      annotate: bool = True, legend: bool = True, slot_label_size: float = 7.5) -> None:
+    """The output ``C`` (x: weight rows = output columns n, y: tokens, token 0 on top) covered tile
+    by tile as a persistent grid walks it.
+
+    ``cta_works``: ``gbs.schedule.assign_tiles(...)``'s list of each CTA's ``CtaWork``; ``shape``:
+    the walk's ``TileShape``. Each CTA's part of a tile is filled with the colour of its CTA (one
+    CTA per tile) or of its pair (``cta_group = 2``: rank 1's half a shade darker, a white line
+    between the halves) and labelled with the tile's position in the walk (tiles only a few tokens
+    tall alternate their labels left and right of centre). What a tile's MMA covers past the
+    group's last token or past N (masked at the store) is hatched in the same colour. Skipped
+    slots (expert id -1) are a grey band; empty slots a dashed line. Slot labels sit to the right
+    of the axes; ``legend`` puts the CTA colours under it.
+    """
+    from .schedule import TileShape
+
+    if not isinstance(shape, TileShape):
+        raise TypeError(f"shape must be a gbs.schedule.TileShape, got {type(shape).__name__}")
+    a_offsets = np.asarray(a_offsets, dtype=np.int64)
+    expert_ids = np.asarray(expert_ids, dtype=np.int64)
+    if a_offsets.ndim != 1 or a_offsets.size != expert_ids.size + 1:
+        raise ValueError(f"need a_offsets of length len(expert_ids) + 1, got {a_offsets.shape} and "
+                         f"{expert_ids.shape}")
+    if len(cta_works) % shape.cta_group:
+        raise ValueError(f"cta_works lists {len(cta_works)} CTAs, not whole groups of {shape.cta_group}")
+    total_tokens = int(a_offsets[-1])
+    y_span = total_tokens + 0.5 * shape.tokens
+    thin = 0.06 * y_span            # tiles thinner than this get a label off centre
+    group = shape.cta_group
+    cta_rows = shape.cta_weight_rows
+    row_hi = -(-n // shape.weight_rows) * shape.weight_rows   # nominal extent of the last row block
+    for g, expert in enumerate(expert_ids):
+        lo, hi = int(a_offsets[g]), int(a_offsets[g + 1])
+        if expert < 0 and hi > lo:
+            ax.add_patch(Rectangle((0, lo), row_hi, hi - lo, facecolor=PADDING_COLOR, edgecolor="none", zorder=1))
+            ax.text(n / 2, (lo + hi) / 2, f"slot {g}: expert -1, no tiles, rows not written", ha="center",
+                    va="center", fontsize=8, color="black", zorder=6,
+                    bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.7", alpha=0.9))
+    slot_of_token = np.searchsorted(a_offsets, np.arange(max(total_tokens, 1)), side="right") - 1
+    for cta, works in enumerate(cta_works):
+        for w in works:
+            owner = cta // group
+            color = cta_color(owner) if w.rank == 0 else darken(cta_color(owner), 0.8)
+            nominal_lo = w.tile.row_start + w.rank * cta_rows
+            nominal_tokens_end = w.token_start + shape.tokens
+            if w.row_end > w.row_start:
+                ax.add_patch(Rectangle((w.row_start, w.token_start), w.row_end - w.row_start,
+                                       w.token_end - w.token_start, facecolor=color, edgecolor="white",
+                                       lw=1.5 if group > 1 else 1.0, zorder=2))
+            masked = [(nominal_lo, w.token_end, cta_rows, nominal_tokens_end - w.token_end),   # past the group
+                      (max(n, nominal_lo), w.token_start, nominal_lo + cta_rows - max(n, nominal_lo),
+                       w.token_end - w.token_start)]                                           # past N
+            for x0, y0, width, height in masked:
+                if width > 0 and height > 0:
+                    ax.add_patch(Rectangle((x0, y0), width, height, fill=False, hatch=MASKED_HATCH,
+                                           edgecolor=mcolors.to_rgba(color, MASKED_EDGE_ALPHA), lw=0.0, zorder=3))
+            if annotate and w.rank == 0:
+                left, right = w.tile.row_start, min(w.tile.row_end, w.tile.row_start + shape.weight_rows)
+                x_mid = (left + right) / 2
+                if w.token_end - w.token_start < thin:
+                    side = 1 if slot_of_token[w.token_start] % 2 else -1
+                    x_mid += side * (right - left) / 4
+                ax.text(x_mid, (w.token_start + w.token_end) / 2, str(w.tile.index), ha="center", va="center",
+                        fontsize=7.5, fontweight="bold", color=_text_color_on(color), zorder=5,
+                        bbox=dict(boxstyle="round,pad=0.12", fc=color, ec="white", lw=0.5))
+    # slot boundaries, and the slots' labels right of the axes, pushed apart where slots are thin
+    min_gap = 0.045 * y_span
+    label_y = -np.inf
+    for g, expert in enumerate(expert_ids):
+        lo, hi = int(a_offsets[g]), int(a_offsets[g + 1])
+        ax.axhline(lo, color="black", lw=1.6 if hi == lo else 0.9, ls="--" if hi == lo else "-", zorder=4)
+        label_y = max((lo + hi) / 2, label_y + min_gap)
+        text = (f"slot {g}: empty" if hi == lo else
+                f"slot {g}: skip, {hi - lo} tok" if expert < 0 else f"slot {g}: e{expert}, {hi - lo} tok")
+        ax.annotate(text, xy=(1.0, (lo + hi) / 2), xycoords=("axes fraction", "data"),
+                    xytext=(1.02, label_y), textcoords=("axes fraction", "data"), ha="left", va="center",
+                    fontsize=slot_label_size, color=NOTE_COLOR if hi == lo or expert < 0 else "black",
+                    arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=0))
+    ax.axhline(total_tokens, color="black", lw=0.9, zorder=4)
+    ax.axvline(n, color="black", lw=1.2, zorder=4)
+    for edge in range(shape.weight_rows, row_hi, shape.weight_rows):
+        ax.axvline(edge, color="0.5", lw=0.6, ls=":", zorder=4)
+    ax.set_xlim(0, row_hi)
+    ax.set_ylim(y_span, 0)
+    ax.set_xlabel("weight row = output column n of C")
+    ax.set_ylabel("token = row of a and of C")
+    ax.grid(False)
+    if legend:
+        owners = len(cta_works) // group
+        name = "pair" if group > 1 else "CTA"
+        handles = [Patch(color=cta_color(i), label=f"{name} {i}") for i in range(owners)]
+        handles.append(Patch(facecolor="white", edgecolor="0.3", hatch=MASKED_HATCH, label="masked at the store"))
+        if np.any(expert_ids < 0):
+            handles.append(Patch(color=PADDING_COLOR, label="skipped slot"))
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=min(len(handles), 6),
+                  fontsize=8, handlelength=1.5, columnspacing=1.0)
