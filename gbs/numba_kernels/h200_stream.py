@@ -99,11 +99,16 @@ CONSUMER_WARPS_LARGE_N = 8     # mma_bn >= 64: 8 warps, 2-D warp grid (see ``con
 WARPGROUP_WARPS = 4
 # With 8 consumer warps a lone producer warp would make 9 warps, and ptxas caps every thread at 168
 # registers (3 warps on one SM sub-partition): the 64-128 fp32 accumulators then spill. Instead the
-# producer gets a whole warpgroup (warp 0 issues, warps 1-3 idle) and setmaxnreg moves registers:
-# 4 x 32 x 64 + 8 x 32 x 224 = 65536. The producer's tile walk needs ~63 registers (48 spills); the
-# mma_bn = 256 consumers (128 accumulators) use up to 218.
-PRODUCER_WARPGROUP_REGISTERS = 64
-CONSUMER_WARPGROUP_REGISTERS = 224
+# producer gets a whole warpgroup (warp 0 issues, warps 1-3 idle) and setmaxnreg moves registers
+# between warpgroups. It only redistributes the CTA's launch allocation (384 threads x 168), so
+# 4 x 32 x 72 + 8 x 32 x 216 = 64512 exactly (more and setmaxnreg.inc would wait forever). The
+# producer's tile walk spills below ~64; the mma_bn = 256 consumers (128 accumulators) fit in 216.
+LAUNCH_BOUND_REGISTERS = 168   # ptxas's per-thread allocation for launch bounds (384, 1)
+PRODUCER_WARPGROUP_REGISTERS = 72
+CONSUMER_WARPGROUP_REGISTERS = 216
+# A wait on an mbarrier that exceeds this traps (the launch fails) instead of hanging the GPU: a
+# correct pipeline waits microseconds; a wrong expect_tx count or phase would wait forever.
+WAIT_TIMEOUT_NS = 10_000_000_000
 DATA_ALIGN = 1024              # TMA destinations with 128B / 64B swizzle: 1024-byte aligned
 DYNAMIC_SMEM_ALIGN = 1024      # the dynamic shared array is declared 1024-aligned (checked at run time)
 # sm_90 reserves 1 KiB of shared memory per block and the cubin counts it as static, with the
@@ -639,6 +644,29 @@ def _ue4m3_scale_intrinsic(log2_multiplier: int):
     return ue4m3x4_to_bf16x2
 
 
+def _bounded_wait(name, scope_suffix):
+    text = ("{\n .reg .pred done, again;\n .reg .u64 start, now;\n"
+            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
+            " @done bra wait_done;\n"
+            " mov.u64 start, %globaltimer;\n"
+            " wait_retry:\n"
+            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
+            " @done bra wait_done;\n"
+            " mov.u64 now, %globaltimer;\n"
+            " sub.u64 now, now, start;\n"
+            f" setp.lt.u64 again, now, {WAIT_TIMEOUT_NS};\n"
+            " @again bra wait_retry;\n"
+            " trap;\n"
+            " wait_done:\n}")
+    scope = scope_suffix.lstrip(".") or "acquire.cta"
+    return cm.ptx_intrinsic(name, text, [("mbar", "u32"), ("parity", "u32")], doc=(
+        f"Block until phase ``parity`` of the mbarrier at ``mbar`` completes ({scope}); ``trap`` after "
+        f"{WAIT_TIMEOUT_NS // 10 ** 9} s of %globaltimer, so a deadlock becomes a launch error."))
+
+
+wait_parity_or_trap = _bounded_wait("wait_parity_or_trap", "")
+wait_parity_cluster_or_trap = _bounded_wait("wait_parity_cluster_or_trap", ".acquire.cluster")
+
 trap_if_nonzero = cm.ptx_intrinsic(
     "trap_if_nonzero", "{\n .reg .pred p;\n setp.ne.u32 p, $0, 0;\n @p trap;\n}", [("value", "u32")],
     doc="Abort the kernel (``trap``: the launch fails with an error) if ``value`` is nonzero.")
@@ -869,10 +897,10 @@ def make_kernel_function(spec: StreamSpec):
                     for s in range(k_slices):
                         full = np.uint32(bar0 + MBARRIER_BYTES * stage)
                         empty = np.uint32(full + MBARRIER_BYTES * stages)
-                        if cta_group > 1:
-                            mb.mbarrier_wait_parity_acquire_cluster(empty, phase ^ 1)
+                        if cta_group > 1:   # the peer's consumers released it too (cluster acquire)
+                            wait_parity_cluster_or_trap(empty, phase ^ 1)
                         else:
-                            mb.mbarrier_wait_parity(empty, phase ^ 1)
+                            wait_parity_or_trap(empty, phase ^ 1)
                         mb.mbarrier_arrive_expect_tx(full, tx_bytes)
                         dst = np.uint32(base + stage * stage_bytes)
                         sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
@@ -956,7 +984,7 @@ def make_kernel_function(spec: StreamSpec):
                             acc[4 * (mi * n_tiles + nj) + i] = float32(0.0)
                 for s in range(k_slices):
                     full = bar0 + MBARRIER_BYTES * stage
-                    mb.mbarrier_wait_parity(full, phase)
+                    wait_parity_or_trap(full, phase)
                     st = np.uint32(base + stage * stage_bytes)
                     for i in range(m_rows):
                         row = np.uint32(m_sf_row0 + m_row_base + 8 * i)
