@@ -273,7 +273,8 @@ def test_thread_view_of_a_k_slice_matches_the_dequantized_operand(fmt, config, w
         for gi in range(side.groups):
             gl = int(hs.rotated_group(gi, q))
             col = q * side.thread_bytes + gl * side.group_bytes
-            address = row * side.row_bytes + (col ^ xor)          # the kernel's formula
+            # the kernel's formula, against the swizzle written from the address bits
+            address = row * side.row_bytes + hs.group_column(q, gl, side.thread_bytes, side.group_bytes, xor)
             np.testing.assert_array_equal(address, hs.swizzled_offset(row, col, side.row_bytes, side.swizzle_mask))
             words = np.stack([image[a:a + side.group_bytes] for a in address]).view(np.uint32)
             scale_halves = register_halves(thread_scale_bits(side, scale_words, q, gi, gl))
@@ -306,9 +307,9 @@ def test_shared_memory_loads_are_bank_conflict_free(fmt, config):
                 row = base + g + 8 * i
                 for gi in range(side.groups):
                     gl = hs.rotated_group(gi, q).astype(np.int64)
-                    address = row * side.row_bytes + (
-                        (q * side.thread_bytes + gl * side.group_bytes) ^ hs.swizzle_xor(base + g, side.row_bytes,
-                                                                                          side.swizzle_mask))
+                    xor = hs.swizzle_xor(base + g, side.row_bytes, side.swizzle_mask)
+                    address = row * side.row_bytes + hs.group_column(q, gl, side.thread_bytes, side.group_bytes,
+                                                                     xor).astype(np.int64)
                     if side.group_bytes == 4:
                         banks = (address // 4) % 32
                         assert len(set(banks)) == 32, f"{side.role} rows {base}+{8 * i}, step {gi}: {banks}"
@@ -660,6 +661,18 @@ def test_compiles_for_sm90a_with_the_promised_sass(compiled, case):
         assert count("USETMAXREG") == 0
     assert count("BPT.TRAP") >= 3, "bounded mbarrier waits (and the alignment check) trap instead of hanging"
     assert r["resources"].shared_bytes == spec.smem.static_bytes, "static shared memory as budgeted"
+
+
+def test_resident_ctas_per_sm():
+    decode = spec_of("nvfp4", CONFIGS["decode"])
+    assert hs.resident_ctas_per_sm(decode, 96) == 1, "the deepest ring fills the SM"
+    five = dataclasses.replace(decode, stages=5)
+    assert five.smem.total_bytes * 2 <= hs.SM90_SMEM_PER_SM
+    assert hs.resident_ctas_per_sm(five, 96) == 2, "two shallower rings share the SM"
+    assert hs.resident_ctas_per_sm(dataclasses.replace(decode, stages=2), 96) == 4
+    assert hs.resident_ctas_per_sm(dataclasses.replace(decode, stages=2), 200) == 2, "register-bound"
+    wide = spec_of("nvfp4", CONFIGS["large_prefill"], stages=2)
+    assert hs.resident_ctas_per_sm(wide, hs.LAUNCH_BOUND_REGISTERS) == 1, "384 x 168 registers per CTA"
 
 
 def test_setmaxnreg_split_fits_the_launch_allocation():

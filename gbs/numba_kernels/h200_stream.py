@@ -53,6 +53,17 @@ elements ``(j, j + 4)`` in one bf16x2 register (two shifts and masks per registe
 pairing. Threads visit their groups in an order rotated by their quad index, so the 32 lanes of a
 shared-memory load hit 32 different banks (TMA 128B / 64B swizzle does the rest).
 
+Cost, from the SASS (ptxas 13.5, decode config nvfp4 swapped mma_bn 8): one 8-element group of a
+consumer warp (32 weight rows x 8 elements = 512 B of FP4 weights, plus the 8 tokens) is a loop body
+of ~125 instructions: 5 LDS, 20 registers decoded at ~3.2 integer ops each (mask, one IMAD that
+spreads magnitude and sign, mask; see ``e2m1_pair_bits``), 20 HMUL2.BF16 for the scales, 5 PRMT
+(NVFP4 block-scale selection), 4 HMMA: ~5 integer lane-ops per weight byte. The integer (ALU) pipe
+is the bound: ~55 ALU instructions at half rate ~ 110 cycles per 512 B per SM sub-partition, about
+the 4 B/cycle each must sustain at 4.3 TB/s, so any stall shows. The next group's words are loaded
+while the current one decodes (4-warp configs); a ring of at most half the shared memory lets two
+CTAs share an SM (``resident_ctas_per_sm``). 1/5 of the decode work is the tokens, decoded again by
+each of the 4 consumer warps.
+
 Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
 are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned
 device arrays (TMA); the pipeline's real shared-memory bytes within the H200's 227 KiB per block.
@@ -116,6 +127,10 @@ DYNAMIC_SMEM_ALIGN = 1024      # the dynamic shared array is declared 1024-align
 # legality check counts static + dynamic against H200_SMEM_PER_SM (227 KiB): conservative by 1 KiB
 # if the driver leaves the reserved KiB out of that limit.
 SM90_RESERVED_SMEM = 1024
+SM90_SMEM_PER_SM = 233472      # 228 KiB per SM for all resident blocks (their reserved KiB included)
+SM90_THREADS_PER_SM = 2048
+SM90_REGISTERS_PER_SM = 65536
+REGISTER_ALLOC_STEP = 8        # registers are allocated per thread in multiples of 8
 SCALE_ALIGN = 128              # scale atoms: plain TMA boxes, 128-byte aligned
 MBARRIER_BYTES = 8
 SWIZZLE_MASK = {128: 7, 64: 3}   # row bytes -> the XOR mask of TMA 128B / 64B swizzle (16-B chunks)
@@ -377,6 +392,13 @@ class StreamSpec:
         return WARP_SIZE * (self.producer_warps + self.consumer_warps)
 
     @property
+    def prefetch_groups(self) -> bool:
+        """Small-N configs (one consumer warp per SM sub-partition, nothing else to hide latency
+        with) load the next 8-element group's words while decoding the current one, and their N
+        rows with the group; the 8-warp configs keep registers for their accumulators instead."""
+        return self.consumer_warps == CONSUMER_WARPS_SMALL_N
+
+    @property
     def warp_tile(self) -> tuple[int, int]:
         """(rows, cols) of the MMA tile one consumer warp owns."""
         wm, wn = self.warp_grid
@@ -552,6 +574,11 @@ def swizzle_xor(row, row_bytes, mask):
     ``row`` of a 1024-byte aligned tile with ``row_bytes``-byte rows (16-byte chunk bits 4.. XOR
     address bits 7..): the same for rows 8 apart, so a thread computes it once."""
     return ((row * row_bytes) >> 7 & mask) << 4
+
+
+def group_column(q, gl, thread_bytes, group_bytes, xor):
+    """Swizzled in-row byte offset of local group ``gl`` of quad lane ``q`` (32-bit arithmetic)."""
+    return np.uint32(np.uint32(np.uint32(q * thread_bytes) + np.uint32(gl * group_bytes)) ^ np.uint32(xor))
 
 
 def swizzled_offset(row, col, row_bytes, mask):
@@ -818,6 +845,8 @@ def make_kernel_function(spec: StreamSpec):
     rotated = _device(rotated_group)
     swizzle = _device(swizzle_xor)
     word_column = _device(scale_word_column)
+    column = _device(group_column)
+    prefetch = spec.prefetch_groups
     token_band_of = _device(token_scale_band)
     weight_band_of = _device(weight_scale_band)
 
@@ -951,8 +980,6 @@ def make_kernel_function(spec: StreamSpec):
             n_xor = np.uint32(swizzle(n_row_base, n_row_bytes, n_mask))
             m_row_addr = np.uint32(m_data_off + m_row_base * m_row_bytes)   # stage-relative
             n_row_addr = np.uint32(n_data_off + n_row_base * n_row_bytes)
-            m_col0 = np.uint32(q * m_thread_bytes)
-            n_col0 = np.uint32(q * n_thread_bytes)
             m_col = word_column(q, m_blocks)
             n_col = word_column(q, n_blocks)
             acc = cuda.local.array(num_acc, float32)
@@ -960,6 +987,9 @@ def make_kernel_function(spec: StreamSpec):
             n_sc = cuda.local.array(n_pair_words, np.uint32)
             m_gs = cuda.local.array(m_rows, np.uint32)
             m_w = cuda.local.array(m_pair_words, np.uint32)
+            m_nw = cuda.local.array(m_pair_words, np.uint32)   # the next group's words (prefetch)
+            n_w = cuda.local.array(n_pair_words, np.uint32)
+            n_nw = cuda.local.array(n_pair_words, np.uint32)
             a_frag = cuda.local.array(a_frag_words, np.uint32)
             stage = np.int64(0)
             phase = np.int64(0)
@@ -994,13 +1024,33 @@ def make_kernel_function(spec: StreamSpec):
                         row = np.uint32(n_sf_row0 + n_row_base + 8 * j)
                         address = np.uint32(st + n_sf_off + sf_offset(row, n_col, atoms))
                         n_sc[2 * j], n_sc[2 * j + 1] = n_load_scales(address, q)
-                    for gi in range(groups):
-                        gl = rotated(gi, q)
-                        # 32-bit address arithmetic (numba widens to int64 unless told)
-                        m_off = np.uint32(st + m_row_addr + np.uint32(np.uint32(m_col0 + gl * m_group_bytes) ^ m_xor))
-                        n_off = np.uint32(st + n_row_addr + np.uint32(np.uint32(n_col0 + gl * n_group_bytes) ^ n_xor))
+                    # group 0's words; each group then loads the next one's before decoding (prefetch)
+                    gl = rotated(0, q)
+                    m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes, m_xor))
+                    n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes, n_xor))
+                    for i in range(m_rows):
+                        m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
+                    if prefetch:
+                        for j in range(n_rows):
+                            n_w[2 * j], n_w[2 * j + 1] = n_load(n_off + 8 * j * n_row_bytes)
+                    for gi in range(np.int32(groups)):   # 32-bit loop counter
+                        if prefetch:   # (the last group prefetches group 0 again: unused, no branch)
+                            gl_next = rotated((gi + 1) & (groups - 1), q)
+                            m_next = np.uint32(st + m_row_addr + column(q, gl_next, m_thread_bytes, m_group_bytes,
+                                                                        m_xor))
+                            n_next = np.uint32(st + n_row_addr + column(q, gl_next, n_thread_bytes, n_group_bytes,
+                                                                        n_xor))
+                            for i in range(m_rows):
+                                m_nw[2 * i], m_nw[2 * i + 1] = m_load(m_next + 8 * i * m_row_bytes)
+                            for j in range(n_rows):
+                                n_nw[2 * j], n_nw[2 * j + 1] = n_load(n_next + 8 * j * n_row_bytes)
+                        elif not prefetch and gi > 0:
+                            gl = rotated(gi, q)
+                            m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes, m_xor))
+                            n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes, n_xor))
+                            for i in range(m_rows):
+                                m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
                         for i in range(m_rows):
-                            m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
                             m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], gl, gi)
                         for step in range(2):
                             for mi in range(m_tiles):
@@ -1011,8 +1061,10 @@ def make_kernel_function(spec: StreamSpec):
                                             m_decode(m_w[2 * i], m_w[2 * i + 1], 2 * step + h), m_gs[i],
                                             NEG_ZERO_BF16X2)
                             for nj in range(n_tiles):
-                                # N rows just in time (reloaded for the second step): fewer live registers
-                                n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
+                                if prefetch:
+                                    n_w0, n_w1 = n_w[2 * nj], n_w[2 * nj + 1]
+                                else:   # N rows just in time (reloaded for step 1): fewer live registers
+                                    n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
                                 n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], gl, gi)
                                 b0 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step), n_scale, NEG_ZERO_BF16X2)
                                 b1 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step + 1), n_scale, NEG_ZERO_BF16X2)
@@ -1022,6 +1074,12 @@ def make_kernel_function(spec: StreamSpec):
                                         (a_frag[4 * mi], a_frag[4 * mi + 1], a_frag[4 * mi + 2], a_frag[4 * mi + 3]),
                                         (b0, b1), (acc[c], acc[c + 1], acc[c + 2], acc[c + 3]))
                                     acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d
+                        if prefetch:
+                            gl = gl_next
+                            for i in range(m_pair_words):
+                                m_w[i] = m_nw[i]
+                            for j in range(n_pair_words):
+                                n_w[j] = n_nw[j]
                     cuda.syncwarp()
                     if lane == 0:
                         empty = bar0 + MBARRIER_BYTES * (stages + stage)
@@ -1229,10 +1287,22 @@ def compiled_kernel(spec: StreamSpec) -> launch.CompiledKernel:
                                  name=f"grouped_matmul_h200_stream[{spec}]")
 
 
-def default_num_ctas(spec: StreamSpec, max_tiles: int) -> int:
-    """One CTA per SM (the ring fills shared memory), never more pairs than tiles."""
+def resident_ctas_per_sm(spec: StreamSpec, registers_per_thread: int) -> int:
+    """CTAs of ``spec`` one SM holds at once: shared memory (228 KiB per SM, each CTA's reserved
+    KiB included), threads (2048) and registers (65536, allocated per warp in steps of 8 per
+    thread). A ring shallow enough for two CTAs gives each SM sub-partition two independent
+    pipelines to hide latency with (the 4-warp configs have one consumer warp per sub-partition)."""
+    by_smem = SM90_SMEM_PER_SM // spec.smem.total_bytes
+    by_threads = SM90_THREADS_PER_SM // spec.threads
+    by_registers = SM90_REGISTERS_PER_SM // (spec.threads * _align(registers_per_thread, REGISTER_ALLOC_STEP))
+    return max(1, min(by_smem, by_threads, by_registers))
+
+
+def default_num_ctas(spec: StreamSpec, max_tiles: int, registers_per_thread: int) -> int:
+    """Persistent grid: every resident CTA slot of every SM, never more pairs than tiles."""
     sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    pairs = max(1, min(sm_count // spec.cta_group, max_tiles))
+    slots = sm_count * resident_ctas_per_sm(spec, registers_per_thread)
+    pairs = max(1, min(slots // spec.cta_group, max_tiles))
     return pairs * spec.cta_group
 
 
@@ -1274,7 +1344,8 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     ``StreamLaunch`` that launches with no host copies or syncs (for the benchmark).
 
     ``out``: a device array of bf16 bits, (total_tokens, N) (default: a new uninitialised one; rows of
-    skipped slots are never written). ``num_ctas``: persistent grid size, a multiple of ``cta_group``.
+    skipped slots are never written). ``num_ctas``: persistent grid size, a multiple of ``cta_group``
+    (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM).
     """
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
@@ -1288,14 +1359,14 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     for name, arr in problem_device.arrays().items():
         if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
+    kernel = compiled_kernel(spec)
     if num_ctas is None:
-        num_ctas = default_num_ctas(spec, max_tiles)
+        num_ctas = default_num_ctas(spec, max_tiles, kernel.registers)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
     arrays = problem_device.arrays()
     map_args = tensor_map_args(spec, {k: tuple(v.shape) for k, v in arrays.items()},
                                {k: launch.device_address(v) for k, v in arrays.items()})
     maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
-    kernel = compiled_kernel(spec)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
             np.int64(problem_device.k // spec.k_slice), np.int64(max_tiles))

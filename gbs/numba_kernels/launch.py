@@ -38,7 +38,6 @@ from gbs.quant import BlockFormat, get_format
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
-DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024     # what a kernel gets without the opt-in attribute
 MAX_PORTABLE_CLUSTER_SIZE = 8
 TMA_ADDRESS_ALIGN = 16                     # TMA global addresses and row strides: 16-byte multiples
 
@@ -281,8 +280,10 @@ def compile_kernel(pyfunc: Callable, signature, *, threads: int, dynamic_smem_by
     if not 1 <= threads <= MAX_THREADS_PER_BLOCK or threads % 32:
         raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS_PER_BLOCK}], got {threads}")
     overload = cuda.jit(pyfunc, launch_bounds=(threads, 1)).compile(tuple(signature))
-    if dynamic_smem_bytes > DEFAULT_DYNAMIC_SMEM_LIMIT:
-        set_max_dynamic_shared_memory(overload, dynamic_smem_bytes)
+    # Always opt in: the 48 KiB default caps static + dynamic, so a kernel with exactly 48 KiB of
+    # dynamic shared memory and any static bytes already needs it (seen on the H200: a launch with
+    # 49152 B dynamic + 2048 B static failed with CUDA_ERROR_INVALID_VALUE).
+    set_max_dynamic_shared_memory(overload, dynamic_smem_bytes)
     return CompiledKernel(overload, threads, int(dynamic_smem_bytes), int(cluster_size),
                           name or getattr(pyfunc, "__name__", "kernel"))
 
