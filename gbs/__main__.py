@@ -9,6 +9,7 @@ import numpy as np
 
 from . import dispatch as dsp
 from .ablate import add_ablate_parser
+from .api import BACKENDS
 from .bench import add_bench_parser
 from .problem import PROBLEM_FORMATS, make_routing, random_problem, resolve_formats
 
@@ -74,8 +75,8 @@ def cmd_demo(args) -> int:
     from .reference import check_acceptance, reference_grouped_matmul, relative_errors
 
     backend = select_backend(args.backend)
-    print(f"gbs demo: backend {backend!r} (auto picks the SIMT GPU kernel when a CUDA GPU is present, "
-          f"else the exact CPU reference)")
+    print(f"gbs demo: backend {backend!r} (auto picks the H200 kernel on sm_90, the tcgen05 kernel on sm_100, "
+          f"the SIMT kernel on other CUDA GPUs, else the exact CPU reference)")
     formats = sorted(PROBLEM_FORMATS) if args.format == "all" else [args.format]
     for fmt in formats:
         if fmt == "mxfp8_e5m2":
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Show the dispatch of each regime, run the grouped matmul on the best "
                                    "backend of this machine on a routed MoE batch and check it.")
     m.add_argument("--format", default="nvfp4", choices=sorted(PROBLEM_FORMATS) + ["all"])
-    m.add_argument("--backend", default="auto", choices=["auto", "simt", "reference"])
+    m.add_argument("--backend", default="auto", choices=list(BACKENDS))
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
 

@@ -4,6 +4,10 @@ Backends, best first where the hardware allows:
 
 * ``"sm100"``: the tcgen05 kernel (Blackwell B200/GB200, compute capability 10.0; assembled and
   emulated in CI, never run here: no such GPU exists in this project's machines);
+* ``"h200_stream"``: the H200 (Hopper, sm_90a) kernel: TMA ring of ``num_pipeline_stages`` K slices,
+  software block scales, ``mma.sync`` bf16 (chosen by ``"auto"`` on compute capability 9.0). The
+  SM100 decision is mapped onto it: same ``ab_swapped`` / ``mma_bn`` / ``cta_group``, stages capped
+  at what fits the H200's shared memory with this kernel's real stage bytes;
 * ``"simt"``: the plain Numba CUDA kernel (any CUDA GPU, or Numba's simulator with
   ``NUMBA_ENABLE_CUDASIM=1``);
 * ``"reference"``: the exact CPU reference (``gbs.reference``), always available.
@@ -20,8 +24,9 @@ from .dispatch import KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
 from .reference import reference_grouped_matmul
 
-BACKENDS = ("auto", "sm100", "simt", "reference")
+BACKENDS = ("auto", "sm100", "h200_stream", "simt", "reference")
 SM100_COMPUTE_CAPABILITY = (10, 0)
+H200_COMPUTE_CAPABILITY = (9, 0)
 
 
 def gpu_available() -> bool:
@@ -59,7 +64,8 @@ def select_backend(backend: str = "auto") -> str:
     if backend == "auto":
         if not gpu_available():
             return "reference"
-        return "sm100" if _compute_capability() == SM100_COMPUTE_CAPABILITY else "simt"
+        return {SM100_COMPUTE_CAPABILITY: "sm100", H200_COMPUTE_CAPABILITY: "h200_stream"}.get(
+            _compute_capability(), "simt")
     return backend
 
 
@@ -86,6 +92,10 @@ def grouped_matmul(problem: GroupedProblem, config: KernelConfig | None = None, 
 
     if problem.a_format.name in _ROUTE_AS:   # decided on the E4M3 route: hand the kernel only the knobs
         config = TileConfig.of(config)
+    if chosen == "h200_stream":   # raises, naming the hardware it needs, without an sm_90 GPU
+        from .numba_kernels import h200_stream
+
+        return h200_stream.grouped_matmul_h200(problem, h200_stream.h200_stream_config(problem, config), out=out)
     if chosen == "sm100":   # raises, naming the hardware it needs, on anything but compute capability 10.0
         from .numba_kernels import sm100
 
