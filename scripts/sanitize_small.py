@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Small cases of every GPU kernel variant, for compute-sanitizer (memcheck / racecheck) on a GPU.
+
+    compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py
+
+Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
+not multiples of the tile), output poisoned before the launch, checked against the reference.
+Exit status 1 if any case fails the acceptance check.
+"""
+import sys
+
+import numpy as np
+
+from gbs.numba_kernels import h200_stream, simt
+from gbs.numba_kernels.h200_stream import StreamConfig
+from gbs.problem import build_problem, random_activations, random_weights
+from gbs.reference import check_acceptance
+from gbs.schedule import TileConfig
+
+N, K = 200, 512
+GROUP_SIZES = [3, 0, 1, 9, 5]
+EXPERT_IDS = [2, 0, 1, -1, 3]
+# (ab_swapped, mma_bn, cta_group, stages): decode, small prefill pair, not swapped, wide N
+STREAM_CONFIGS = [(True, 8, 1, 2), (True, 64, 2, 3), (False, 128, 1, 2), (True, 256, 1, 2)]
+FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+
+
+def problem_for(fmt, seed):
+    rng = np.random.default_rng(seed)
+    return build_problem(random_activations(rng, sum(GROUP_SIZES), K), random_weights(rng, 4, N, K),
+                         GROUP_SIZES, EXPERT_IDS, fmt=fmt)
+
+
+def main() -> int:
+    failures = 0
+    for seed, fmt in enumerate(FORMATS):
+        p = problem_for(fmt, seed)
+        cases = [("h200_stream", c, lambda c=c: h200_stream.grouped_matmul_h200(p, StreamConfig(*c)))
+                 for c in STREAM_CONFIGS]
+        cases.append(("simt", (True, 8, 1), lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
+        for name, knobs, run in cases:
+            verdict = check_acceptance(p, run())
+            failures += not verdict.passed
+            print(f"{fmt:6} {name:12} {str(knobs):24} {verdict}", flush=True)
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
