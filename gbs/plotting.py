@@ -733,3 +733,42 @@ def tile_walk_picture(ax: Axes, cta_works, a_offsets, expert_ids, n: int, shape,
             handles.append(Patch(color=PADDING_COLOR, label="skipped slot"))
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=min(len(handles), 6),
                   fontsize=8, handlelength=1.5, columnspacing=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Knob sets of the ablation sweep
+# ----------------------------------------------------------------------------------------------
+# Colours of the knob sets no regime (nor the default config) uses, in the order of ``_legal_knob_sets``;
+# none near the regime colours (blue, orange, red), the default grey or the override purple.
+KNOB_SET_PALETTE = ("#393b79", "#2ca02c", "#98df8a", "#8c564b", "#c49c94", "#17becf", "#9edae5", "#bcbd22",
+                    "#e377c2", "#a55194", "#5254a3")
+
+
+def _legal_knob_sets() -> list[tuple[bool, int, int]]:
+    """Every legal (ab_swapped, mma_bn, cta_group) in a fixed order: CTA group, mma_bn, swapped first."""
+    from .dispatch import CTA_GROUPS, LEGAL_MMA_BN
+
+    return [(swapped, mma_bn, cta_group) for cta_group in CTA_GROUPS for mma_bn in LEGAL_MMA_BN[cta_group]
+            for swapped in (True, False) if cta_group == 1 or swapped]
+
+
+def knob_set_colors(knob_sets) -> dict:
+    """A colour for each knob set (anything with ``ab_swapped``, ``mma_bn`` and ``cta_group``, such
+    as ``gbs.schedule.TileConfig``), keyed by the objects passed. A regime's knob set wears its
+    ``REGIME_COLORS`` entry and the default config grey (as ``config_color``); every other legal
+    knob set has a colour of its own from ``KNOB_SET_PALETTE``, fixed by its place among all legal
+    knob sets, so it keeps that colour in every figure whatever else is drawn beside it."""
+    reserved = set(REGIME_CONFIGS.values()) | {DEFAULT_CONFIG}
+    others = [knobs for knobs in _legal_knob_sets() if knobs not in reserved]
+    if len(others) > len(KNOB_SET_PALETTE):
+        raise ValueError(f"KNOB_SET_PALETTE has {len(KNOB_SET_PALETTE)} colours for {len(others)} knob sets")
+    colors = {}
+    for knob_set in knob_sets:
+        knobs = _config_knobs(knob_set)
+        if knobs in reserved:
+            colors[knob_set] = config_color(knob_set)
+        elif knobs in others:
+            colors[knob_set] = KNOB_SET_PALETTE[others.index(knobs)]
+        else:
+            raise ValueError(f"{knobs} is not a legal (ab_swapped, mma_bn, cta_group); legal: {_legal_knob_sets()}")
+    return colors
