@@ -803,6 +803,8 @@ LM_FD_STEP = 1e-4           # forward-difference step in log-parameter space
 LM_TOLERANCE = 1e-10        # stop when the cost improves by less than this (relative)
 LM_INITIAL_DAMPING = 1e-2
 IDENTIFIABLE_GRADIENT = 1e-8  # a Jacobian column below this (log/log) leaves the parameter untouched
+LM_MAX_FACTOR = 1e3         # a fitted parameter stays within this factor of its start: a weakly constrained
+                            # one must not run to 0 or inf (HardwareParams rejects both)
 
 
 def calibrate(cases: Sequence, measured_us, hw: HardwareParams, *,
@@ -811,7 +813,8 @@ def calibrate(cases: Sequence, measured_us, hw: HardwareParams, *,
     (ProblemShape, config) case) in the least-squares sense on log time.
 
     Levenberg-Marquardt on ``log(parameter)`` (parameters stay positive), forward-difference
-    Jacobian. Parameters that no case is sensitive to are reported in ``unidentified``.
+    Jacobian, each parameter kept within ``LM_MAX_FACTOR`` of its start. Parameters that no case is
+    sensitive to are reported in ``unidentified``.
     """
     cases, measured = _checked_cases(cases, measured_us)
     free = tuple(free)
@@ -829,6 +832,7 @@ def calibrate(cases: Sequence, measured_us, hw: HardwareParams, *,
         return np.log([model_config(shape, config, trial).time_us for shape, config in cases]) - log_measured
 
     x = np.log(starts)
+    lower, upper = x - np.log(LM_MAX_FACTOR), x + np.log(LM_MAX_FACTOR)
     r = residuals(x)
     cost = float(r @ r)
     damping = LM_INITIAL_DAMPING
@@ -849,7 +853,7 @@ def calibrate(cases: Sequence, measured_us, hw: HardwareParams, *,
         while damping < 1e12:
             system = normal + damping * np.diag(np.where(active, np.diag(normal), 1.0))
             delta = -np.linalg.solve(system, gradient)
-            trial_x = x + delta
+            trial_x = np.clip(x + delta, lower, upper)
             trial_r = residuals(trial_x)
             trial_cost = float(trial_r @ trial_r)
             if trial_cost < cost:
