@@ -183,10 +183,12 @@ def _make_stager(format_name: str, threads: int):
     decode_scale = cuda.jit(device=True)(SCALE_DECODERS[fmt.scale_dtype])
     sf_offset = cuda.jit(device=True)(scale_byte_offset)
 
+    # ``tid`` comes in as an argument: Numba's simulator swaps the ``cuda`` module of device
+    # functions per thread without a lock, and a device function reading ``cuda.threadIdx`` there
+    # sometimes saw another thread's index (left shared-memory entries unstaged, seen as NaN).
     @cuda.jit(device=True)
     def stage(words, scales, first_row, num_rows, scale_row_shift, scale_col_groups, k0, num_blocks,
-              values, block_scales):
-        tid = cuda.threadIdx.x
+              values, block_scales, tid):
         words_per_row = num_blocks * block_size // per_word
         first_word = k0 // per_word
         # Consecutive threads read consecutive words of a row: coalesced along K.
@@ -254,9 +256,9 @@ def make_kernel_function(spec: SimtKernelSpec):
                     for k0 in range(0, k, K_CHUNK):
                         num_blocks = min(K_CHUNK, k - k0) // block
                         stage_a(a_words, a_scales, sub_token, num_tokens, a_scale_row_shift, scale_col_groups,
-                                k0, num_blocks, a_vals, a_sf)
+                                k0, num_blocks, a_vals, a_sf, tid)
                         stage_b(b_words_e, b_scales_e, sub_row, num_rows, 0, scale_col_groups,
-                                k0, num_blocks, b_vals, b_sf)
+                                k0, num_blocks, b_vals, b_sf, tid)
                         cuda.syncthreads()
                         for j in range(OUTPUTS_PER_THREAD):
                             idx = tid + j * threads
