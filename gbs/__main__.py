@@ -11,7 +11,7 @@ from . import dispatch as dsp
 from .ablate import add_ablate_parser
 from .api import BACKENDS
 from .bench import add_bench_parser
-from .problem import PROBLEM_FORMATS, make_routing, random_problem, resolve_formats
+from .problem import PROBLEM_FORMATS, problem_from_inputs, random_inputs, resolve_formats
 
 # The demo's shapes (workloads.md): DeepSeek-V3 up / down projections and Kimi K2.5's TP-8 up-projection.
 DEMO_DISPATCH_SHAPES = {"deepseek_up": (4096, 7168), "deepseek_down": (7168, 2048), "kimi_up": (512, 7168)}
@@ -87,14 +87,14 @@ def cmd_demo(args) -> int:
     n, k = DEMO_RUN_SHAPE
     print(f"\n== A routed MoE batch on the Kimi up-projection (N={n}, K={k}): {DEMO_RUN_TOKENS} tokens, "
           f"top-{DEMO_RUN_TOP_K} of {DEMO_RUN_EXPERTS} experts, plus one empty slot and one -1 slot ==")
-    plan = make_routing(num_experts=DEMO_RUN_EXPERTS, total_tokens=DEMO_RUN_TOKENS, routing="topk",
-                        top_k=DEMO_RUN_TOP_K, num_empty=1, num_skipped=1, seed=args.seed)
-    print(f"  tokens per slot: {plan.group_sizes.tolist()}")
-    print(f"  expert ids:      {plan.expert_ids.tolist()}")
+    inputs = random_inputs(n=n, k=k, num_experts=DEMO_RUN_EXPERTS, total_tokens=DEMO_RUN_TOKENS,
+                           routing="topk", top_k=DEMO_RUN_TOP_K, num_empty=1, num_skipped=1, seed=args.seed)
+    print(f"  tokens per slot: {inputs.routing.group_sizes.tolist()}")
+    print(f"  expert ids:      {inputs.routing.expert_ids.tolist()}")
+    exact = inputs.unquantized_product()
     for fmt in formats:
         t0 = time.perf_counter()
-        p = random_problem(fmt, n=n, k=k, num_experts=DEMO_RUN_EXPERTS, total_tokens=DEMO_RUN_TOKENS,
-                           routing="topk", top_k=DEMO_RUN_TOP_K, num_empty=1, num_skipped=1, seed=args.seed)
+        p = problem_from_inputs(inputs, fmt)
         cfg = dispatch_for(p)
         t1 = time.perf_counter()
         out = grouped_matmul(p, cfg, backend=backend)
@@ -111,29 +111,12 @@ def cmd_demo(args) -> int:
             "float64 reference vs a float32-accumulated one"
         print(f"    check ({what}): {verdict}")
         if backend == "reference":
-            exact = _unquantized_product(p, args.seed)
             written = p.written_rows()
             max_rel, rms_rel = relative_errors(out[written], exact[written])
             print(f"    quantization error of {fmt} vs the unquantized float32 matmul: "
                   f"rms {rms_rel:.2%}, max {max_rel:.2%} (a property of the format, not a kernel check)")
     print("\nverified" if ok else "\nFAILED")
     return 0 if ok else 1
-
-
-def _unquantized_product(p, seed):
-    """The float32 matmul of the activations and weights ``random_problem`` quantized."""
-    from .problem import random_activations, random_weights
-
-    rng = np.random.default_rng(seed + 1)
-    used = np.unique(p.expert_ids[p.expert_ids >= 0])
-    weights = random_weights(rng, used.size, p.n, p.k)
-    acts = random_activations(rng, p.total_tokens, p.k)
-    out = np.zeros((p.total_tokens, p.n), np.float32)
-    for g in p.active_slots():
-        e = int(p.expert_ids[g])
-        lo, hi = int(p.a_offsets[g]), int(p.a_offsets[g + 1])
-        out[lo:hi] = acts[lo:hi] @ weights[int(np.searchsorted(used, e))].T
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

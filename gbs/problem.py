@@ -346,21 +346,60 @@ def random_weights(rng: np.random.Generator, num_experts: int, n: int, k: int) -
     return (rng.standard_normal((num_experts, n, k)) * spread).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class RandomInputs:
+    """The float32 tensors behind a ``random_problem``, before quantization."""
+
+    routing: Routing
+    num_experts: int
+    experts: np.ndarray       # the experts the routing uses (sorted); only they get weights
+    weights: np.ndarray       # float32 (len(experts), N, K), row i belongs to experts[i]
+    activations: np.ndarray   # float32 (sum(group_sizes), K)
+
+    def unquantized_product(self) -> np.ndarray:
+        """float32 ``C`` of the unquantized tensors on the rows a grouped matmul writes (others 0)."""
+        sizes, ids = self.routing.group_sizes, self.routing.expert_ids
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        out = np.zeros((self.activations.shape[0], self.weights.shape[1]), np.float32)
+        for g, e in enumerate(ids):
+            if e >= 0 and sizes[g] > 0:
+                w = self.weights[int(np.searchsorted(self.experts, e))]
+                out[offsets[g]:offsets[g + 1]] = self.activations[offsets[g]:offsets[g + 1]] @ w.T
+        return out
+
+
+def random_inputs(*, n: int, k: int, num_experts: int, total_tokens: int, num_active_experts: int | None = None,
+                  routing: str = "uniform", top_k: int = 8, num_empty: int = 0, num_skipped: int = 0,
+                  seed: int = 0) -> RandomInputs:
+    """Routing from ``make_routing``, normal activations with outlier channels, per-expert weight
+    spreads for the experts the routing uses."""
+    plan = make_routing(num_experts=num_experts, total_tokens=total_tokens, num_active_experts=num_active_experts,
+                        routing=routing, top_k=top_k, num_empty=num_empty, num_skipped=num_skipped, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    used = np.unique(plan.expert_ids[plan.expert_ids >= 0])
+    weights = random_weights(rng, used.size, n, k)
+    activations = random_activations(rng, int(plan.group_sizes.sum()), k)
+    return RandomInputs(plan, num_experts, used, weights, activations)
+
+
+def problem_from_inputs(inputs: RandomInputs, fmt: str = "nvfp4", scale_mode: str = "rceil") -> GroupedProblem:
+    """Quantize ``inputs`` into a ``GroupedProblem``; experts without weights get zero bytes."""
+    _, b_format = resolve_formats(fmt)
+    weights = scatter_experts(quantize(inputs.weights, b_format, scale_mode), inputs.experts, inputs.num_experts)
+    return build_problem(inputs.activations, weights, inputs.routing.group_sizes, inputs.routing.expert_ids,
+                         fmt=fmt, scale_mode=scale_mode)
+
+
 def random_problem(fmt: str = "nvfp4", *, n: int, k: int, num_experts: int, total_tokens: int,
                    num_active_experts: int | None = None, routing: str = "uniform", top_k: int = 8,
                    num_empty: int = 0, num_skipped: int = 0, scale_mode: str = "rceil",
                    seed: int = 0) -> GroupedProblem:
-    """A reproducible random problem: routing from ``make_routing``, normal activations with
-    outlier channels, per-expert weight spreads. Only the experts the routing uses get random
-    weights (the rest are zero bytes), so large expert counts stay cheap to quantize."""
-    plan = make_routing(num_experts=num_experts, total_tokens=total_tokens, num_active_experts=num_active_experts,
-                        routing=routing, top_k=top_k, num_empty=num_empty, num_skipped=num_skipped, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    _, b_format = resolve_formats(fmt)
-    used = np.unique(plan.expert_ids[plan.expert_ids >= 0])
-    weights = scatter_experts(quantize(random_weights(rng, used.size, n, k), b_format, scale_mode), used, num_experts)
-    activations = random_activations(rng, int(plan.group_sizes.sum()), k)
-    return build_problem(activations, weights, plan.group_sizes, plan.expert_ids, fmt=fmt, scale_mode=scale_mode)
+    """A reproducible random problem (``random_inputs`` quantized). Only the experts the routing
+    uses get random weights (the rest are zero bytes), so large expert counts stay cheap to quantize."""
+    inputs = random_inputs(n=n, k=k, num_experts=num_experts, total_tokens=total_tokens,
+                           num_active_experts=num_active_experts, routing=routing, top_k=top_k,
+                           num_empty=num_empty, num_skipped=num_skipped, seed=seed)
+    return problem_from_inputs(inputs, fmt, scale_mode)
 
 
 def scatter_experts(q: BlockScaled, experts: np.ndarray, num_experts: int) -> BlockScaled:

@@ -247,3 +247,19 @@ def test_relative_errors():
     assert max_rel == pytest.approx(0.005)
     assert max_rel <= MAX_REL_TOL
     assert relative_errors(np.array([np.nan, 0, 0]), r)[0] == float("inf")
+
+
+def test_random_problem_is_its_inputs_quantized_and_the_float_product_is_close():
+    from gbs.problem import problem_from_inputs, random_inputs
+    kw = dict(n=48, k=256, num_experts=6, total_tokens=20, num_active_experts=3, routing="ragged",
+              num_empty=1, num_skipped=1, seed=9)
+    inputs = random_inputs(**kw)
+    p = problem_from_inputs(inputs, "mxfp8")
+    same = random_problem("mxfp8", **kw)
+    np.testing.assert_array_equal(p.b.view(np.uint8), same.b.view(np.uint8))
+    np.testing.assert_array_equal(p.a.view(np.uint8), same.a.view(np.uint8))
+    written = p.written_rows()
+    exact = inputs.unquantized_product()
+    _, rms_rel = relative_errors(reference_grouped_matmul(p)[written], exact[written])
+    assert 0 < rms_rel < 0.06          # MXFP8's quantization error, nothing more
+    assert np.all(exact[~written] == 0)
