@@ -9,6 +9,7 @@ Start with ``python -m gbs demo``; the public pieces:
 * ``gbs.grouped_matmul``: run the grouped matmul on the best backend available.
 """
 from .api import grouped_matmul
+from .interop import DeviceGroupedProblem, device_problem
 from .problem import GroupedProblem, build_problem, random_problem
 from .quant import BlockScaled, dequantize, quantize
 

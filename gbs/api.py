@@ -1,4 +1,15 @@
-"""The public entry point: ``grouped_matmul(problem, config=None, backend="auto")``.
+"""The public entry point: ``grouped_matmul(problem, config=None, backend="auto", out=None, *, stream=None)``.
+
+``problem`` is either
+
+* a ``gbs.problem.GroupedProblem`` (numpy arrays on the host): every backend takes it; GPU backends
+  copy it to the device and the result back, synchronously, and return a bf16 numpy array; or
+* a ``gbs.interop.DeviceGroupedProblem`` (``gbs.device_problem(...)``: PyTorch / CuPy / Numba /
+  ``__cuda_array_interface__`` / DLPack arrays already on the GPU): run on the caller's memory with no
+  copies, enqueued on the caller's stream (asynchronous), the output returned as the same kind of
+  array as the problem's ``a`` (a ``torch.bfloat16`` tensor for torch; ``uint16`` bf16 bits for CuPy
+  and Numba). Only ``"h200_stream"`` takes device problems so far; the others say so, and
+  ``gbs.interop.to_host`` is the explicit copy. See ``gbs.interop`` for what is accepted and checked.
 
 Backends, best first where the hardware allows:
 
@@ -12,13 +23,16 @@ Backends, best first where the hardware allows:
   ``NUMBA_ENABLE_CUDASIM=1``);
 * ``"reference"``: the exact CPU reference (``gbs.reference``), always available.
 
-``config`` is a ``gbs.dispatch.KernelConfig``; by default the dispatch picks it from the problem
-(``grouped_matmul_block_scaled_sm100_dispatch``), so that every backend is steered by the same
+``config`` is a ``gbs.dispatch.KernelConfig``; by default the dispatch picks it from the problem's
+host metadata (formats, N, K, ``num_active_experts``, ``estimated_total_m``: no device reads) with
+``grouped_matmul_block_scaled_sm100_dispatch``, so that every backend is steered by the same
 decision (the reference ignores it).
+
+``out``: rows of skipped (``-1``) slots keep its contents. Host problems: a bf16 numpy array,
+default the poison sentinel of ``gbs.reference.poison_output``. Device problems: a device array
+(module docstring of ``gbs.interop``), default a new uninitialised one.
 """
 from __future__ import annotations
-
-import numpy as np
 
 from .dispatch import KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
@@ -41,8 +55,9 @@ def gpu_available() -> bool:
 _ROUTE_AS = {"mxfp8_e5m2": "mxfp8"}
 
 
-def dispatch_for(problem: GroupedProblem) -> KernelConfig:
-    """The SM100 dispatch decision for a problem (its formats, N, K and token estimate).
+def dispatch_for(problem) -> KernelConfig:
+    """The SM100 dispatch decision for a problem (its formats, N, K and token estimate: host values
+    of a ``GroupedProblem`` or a device problem).
 
     MXFP8 E5M2 problems take the MXFP8 (E4M3) decision (upstream routes no E5M2)."""
     a_name, b_name = problem.a_format.name, problem.b_format.name
@@ -69,15 +84,11 @@ def select_backend(backend: str = "auto") -> str:
     return backend
 
 
-def grouped_matmul(problem: GroupedProblem, config: KernelConfig | None = None, backend: str = "auto",
-                   out: np.ndarray | None = None) -> np.ndarray:
-    """Run the grouped 1D-1D block-scaled matmul; returns ``C`` (bf16, (total_tokens, N)).
-
-    Rows of skipped slots keep the contents of ``out`` (default: the poison sentinel of
-    ``gbs.reference.poison_output``).
-    """
-    if not isinstance(problem, GroupedProblem):
-        raise TypeError(f"problem must be a GroupedProblem, got {type(problem).__name__}")
+def resolve_config(problem, config: KernelConfig | None = None):
+    """The knobs a kernel backend runs ``problem`` (a ``GroupedProblem`` or a device problem) with:
+    ``config`` (a ``KernelConfig`` decided for the problem's formats) or the dispatch's decision; for
+    problems decided on another format's route (E5M2) only its tile knobs (``schedule.TileConfig``,
+    auto stages). TypeError / ValueError saying what is wrong."""
     config = dispatch_for(problem) if config is None else config
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig from gbs.dispatch, got {type(config).__name__}")
@@ -85,21 +96,46 @@ def grouped_matmul(problem: GroupedProblem, config: KernelConfig | None = None, 
     if (config.a_format, config.b_format) != problem_route:
         raise ValueError(f"config was decided for {config.a_format} x {config.b_format}, "
                          f"the problem is {problem.a_format.name} x {problem.b_format.name}")
+    if problem.a_format.name in _ROUTE_AS:   # decided on the E4M3 route: hand the kernel only the knobs
+        from .schedule import TileConfig
+
+        return TileConfig.of(config)
+    return config
+
+
+def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "auto", out=None, *,
+                   stream=None):
+    """Run the grouped 1D-1D block-scaled matmul; returns ``C`` (bf16, (total_tokens, N)).
+
+    ``problem``: a ``GroupedProblem`` (returns a bf16 numpy array) or a
+    ``gbs.interop.DeviceGroupedProblem`` (returns a device array of the kind of its ``a``, enqueued
+    on ``stream``, default the caller's current stream; see ``gbs.interop``). Rows of skipped slots
+    keep the contents of ``out`` (host default: the poison sentinel of
+    ``gbs.reference.poison_output``; device default: uninitialised).
+    """
+    if not isinstance(problem, GroupedProblem):
+        from .interop import DeviceGroupedProblem, prepare
+
+        if not isinstance(problem, DeviceGroupedProblem):
+            raise TypeError(f"problem must be a GroupedProblem (host arrays) or a DeviceGroupedProblem "
+                            f"(device arrays, gbs.device_problem), got {type(problem).__name__}")
+        prepared = prepare(problem, config, out, stream=stream, backend=backend)
+        prepared()
+        return prepared.out
+    if stream is not None:
+        raise ValueError("stream applies to device problems only: host problems run synchronously")
+    knobs = resolve_config(problem, config)
     chosen = select_backend(backend)
     if chosen == "reference":
         return reference_grouped_matmul(problem, out)
-    from .schedule import TileConfig
-
-    if problem.a_format.name in _ROUTE_AS:   # decided on the E4M3 route: hand the kernel only the knobs
-        config = TileConfig.of(config)
     if chosen == "h200_stream":   # raises, naming the hardware it needs, without an sm_90 GPU
         from .numba_kernels import h200_stream
 
-        return h200_stream.grouped_matmul_h200(problem, h200_stream.h200_stream_config(problem, config), out=out)
+        return h200_stream.grouped_matmul_h200(problem, h200_stream.h200_stream_config(problem, knobs), out=out)
     if chosen == "sm100":   # raises, naming the hardware it needs, on anything but compute capability 10.0
         from .numba_kernels import sm100
 
-        return sm100.grouped_matmul_sm100(problem, config, out=out)
+        return sm100.grouped_matmul_sm100(problem, knobs, out=out)
     from .numba_kernels import simt
 
-    return simt.grouped_matmul_simt(problem, config, out=out)
+    return simt.grouped_matmul_simt(problem, knobs, out=out)

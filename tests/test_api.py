@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from gbs import grouped_matmul
-from gbs.api import dispatch_for, select_backend
+from gbs.api import dispatch_for, resolve_config, select_backend
 from gbs.dispatch import grouped_matmul_nvfp4_dispatch
 from gbs.problem import PROBLEM_FORMATS, random_problem
 from gbs.reference import check_acceptance, is_poison
@@ -43,3 +43,20 @@ def test_sm100_backend_says_what_hardware_it_needs():
     p = random_problem("nvfp4", n=64, k=256, num_experts=3, total_tokens=8, num_active_experts=2, seed=1)
     with pytest.raises(RuntimeError, match=r"compute capability 10\.0.*use backend"):
         grouped_matmul(p, backend="sm100")
+
+
+def test_resolve_config_checks_and_maps_the_e5m2_route():
+    from gbs.schedule import TileConfig
+
+    p = random_problem("mxfp8_e5m2", n=40, k=128, num_experts=3, total_tokens=8, num_active_experts=2, seed=2)
+    knobs = resolve_config(p)
+    assert isinstance(knobs, TileConfig) and knobs == TileConfig.of(dispatch_for(p))
+    q = random_problem("nvfp4", n=40, k=128, num_experts=3, total_tokens=8, num_active_experts=2, seed=2)
+    assert resolve_config(q) == dispatch_for(q)
+    with pytest.raises(ValueError, match="decided for mxfp8 x mxfp8"):
+        resolve_config(q, dispatch_for(p))
+
+
+def test_problem_type_error_names_both_problem_kinds():
+    with pytest.raises(TypeError, match=r"GroupedProblem \(host arrays\) or a DeviceGroupedProblem"):
+        grouped_matmul({"a": np.zeros(3)}, backend="reference")
