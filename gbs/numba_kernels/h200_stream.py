@@ -78,11 +78,12 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 from numba import cuda, float32
+from numba.cuda.cudadrv.driver import device_memset
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
 
 from gbs import schedule
-from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, KernelConfig, pipeline_smem_terms
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, KernelConfig, pipeline_smem_terms, require_int
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import PROBLEM_FORMATS, GroupedProblem
@@ -151,6 +152,21 @@ BF16_EXPONENT_MAX = 254        # largest biased exponent of a finite bf16
 BF16_EXPONENT_SHIFT = 7
 BF16_QUIET_NAN_BIT = 0x40
 NEG_ZERO_BF16X2 = 0x80008000   # fma addend: x * s + (-0) == x * s exactly, also for x * s == +0
+BF16_BYTES = 2
+# Decoded tokens (``StreamSpec.predecoded_tokens``): two slots, used by alternate stages. A slot is
+# rewritten two stages later, after every consumer warp passed the next stage's barrier, which it
+# reaches only when done reading: one named barrier per stage is the whole protocol.
+DECODED_TOKEN_SLOTS = 2
+CONSUMER_BARRIER = 1           # named barrier id of the consumer warps (0 is __syncthreads)
+# Split-K (``choose_k_splits``): a tile's K slices are cut into ``k_splits`` runs taken by different
+# CTAs when there are too few tiles to fill the GPU (Kimi decode: 32 tiles for 132 SMs). Each run
+# adds its fp32 partial tile into a zeroed workspace (``red.global.add.f32``) and bumps the tile's
+# counter; the last one takes the sums back with ``atom.exch`` of 0 (leaving the workspace zeroed
+# for the next launch), rounds to bf16, stores C and resets the counter.
+MIN_SLICES_PER_SPLIT = 2       # a run shorter than this is mostly pipeline fill and epilogue
+SPLIT_FLAG_WORDS = 1           # shared word after the mbarriers: "this CTA closes the tile"
+FRAGMENT_WORDS = 4             # one group's B fragments of one token row: (b0, b1) of both k16 steps
+FRAGMENT_BYTES = 4 * FRAGMENT_WORDS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,7 +290,9 @@ class OperandSide:
 
 @dataclass(frozen=True)
 class StreamSmemLayout:
-    """Byte offsets inside one ring stage, the stage size, and the kernel's shared-memory totals."""
+    """Byte offsets inside one ring stage, the stage size, the decoded-token slots after the ring
+    (``decoded_token_slot_bytes`` each, ``DECODED_TOKEN_SLOTS`` of them; 0 when tokens are decoded
+    in registers) and the kernel's shared-memory totals."""
 
     m_data: int
     n_data: int
@@ -282,14 +300,21 @@ class StreamSmemLayout:
     n_scales: int
     stage_bytes: int
     stages: int
+    decoded_token_slot_bytes: int = 0
 
     @property
-    def dynamic_bytes(self) -> int:
+    def decoded_tokens(self) -> int:
+        """Offset of the first decoded-token slot (right after the ring, 1024-byte aligned)."""
         return self.stages * self.stage_bytes
 
     @property
+    def dynamic_bytes(self) -> int:
+        return self.decoded_tokens + DECODED_TOKEN_SLOTS * self.decoded_token_slot_bytes
+
+    @property
     def barrier_bytes(self) -> int:
-        return 2 * self.stages * MBARRIER_BYTES
+        """The full / empty mbarriers and the split-K flag word."""
+        return (2 * self.stages + SPLIT_FLAG_WORDS) * MBARRIER_BYTES
 
     @property
     def static_bytes(self) -> int:
@@ -315,6 +340,7 @@ class StreamSpec:
     mma_bn: int
     cta_group: int
     stages: int
+    split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -392,6 +418,14 @@ class StreamSpec:
         return WARP_SIZE * (self.producer_warps + self.consumer_warps)
 
     @property
+    def predecoded_tokens(self) -> bool:
+        """Swapped small-N configs (4 consumer warps, the decode regime) decode each stage's token
+        slice ONCE, cooperatively, into bf16 in shared memory (``decoded_token_offset``), instead of
+        once per consumer warp in registers: the warps then read ready MMA B fragments (one 16-byte
+        load per token row and group). Wider token tiles (8 warps) would need up to 128 KiB."""
+        return self.ab_swapped and self.consumer_warps == CONSUMER_WARPS_SMALL_N
+
+    @property
     def prefetch_groups(self) -> bool:
         """Small-N configs (one consumer warp per SM sub-partition, nothing else to hide latency
         with) load the next 8-element group's words while decoding the current one, and their N
@@ -418,7 +452,8 @@ class StreamSpec:
         m_scales = _align(n_data + n.data_bytes, SCALE_ALIGN)
         n_scales = _align(m_scales + m.scale_bytes, SCALE_ALIGN)
         stage = _align(n_scales + n.scale_bytes, DATA_ALIGN)
-        return StreamSmemLayout(m_data, n_data, m_scales, n_scales, stage, self.stages)
+        slot = n.rows * self.k_slice * BF16_BYTES if self.predecoded_tokens else 0
+        return StreamSmemLayout(m_data, n_data, m_scales, n_scales, stage, self.stages, slot)
 
     @property
     def tx_bytes(self) -> int:
@@ -581,6 +616,17 @@ def group_column(q, gl, thread_bytes, group_bytes, xor):
     return np.uint32(np.uint32(np.uint32(q * thread_bytes) + np.uint32(gl * group_bytes)) ^ np.uint32(xor))
 
 
+def decoded_token_offset(row, q, gl, groups):
+    """Byte offset, in a decoded-token slot, of the 4 B-fragment words of token ``row``, quad lane
+    ``q`` and local group ``gl`` (rows of ``QUAD * groups`` 16-byte chunks). Odd rows flip the
+    chunk index (bit 2 with 8 groups, bit 0 with 4) so that the 8 lanes of one phase of a 16-byte
+    load (rows g, g + 1 x quad lanes 0..3, each at its rotated group) hit 8 different 16-byte bank
+    groups (32-bit)."""
+    flip = np.uint32(ROTATION_RUN if groups > ROTATION_RUN else 1)
+    chunk = np.uint32(np.uint32(q * groups) + np.uint32(gl)) ^ np.uint32(np.uint32(row & 1) * flip)
+    return np.uint32(np.uint32(row * (QUAD * groups * FRAGMENT_BYTES)) + chunk * np.uint32(FRAGMENT_BYTES))
+
+
 def swizzled_offset(row, col, row_bytes, mask):
     """Byte offset of byte ``col`` (< row_bytes) of row ``row`` in such a swizzled tile."""
     return row * row_bytes + (col ^ swizzle_xor(row, row_bytes, mask))
@@ -645,6 +691,29 @@ def ld_shared_v2_u32(typingctx, smem):
     return _U32X2(smem), codegen
 
 
+_U32X4 = types.UniTuple(types.uint32, 4)
+
+
+@intrinsic
+def ld_shared_v4_u32(typingctx, smem):
+    """Four 32-bit words from the 16-byte aligned shared-window address ``smem``."""
+    text = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
+
+    def codegen(context, builder, sig, args):
+        address = context.cast(builder, args[0], sig.args[0], types.uint32)
+        words = asm(builder, ir.LiteralStructType([I32] * 4), [I32], text, "=r,=r,=r,=r,r", [address],
+                    memory=False)
+        return struct_to_tuple(context, builder, sig.return_type, words, 4)
+
+    return _U32X4(smem), codegen
+
+
+st_shared_v4_u32 = cm.ptx_intrinsic(
+    "st_shared_v4_u32", "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
+    [("smem", "u32"), ("w0", "u32"), ("w1", "u32"), ("w2", "u32"), ("w3", "u32")],
+    doc="Store four 32-bit words at the 16-byte aligned shared-window address ``smem``.")
+
+
 def _ue4m3_scale_intrinsic(log2_multiplier: int):
     """Intrinsic: four UE4M3 scale bytes (a u32, byte i = block i) -> two bf16x2 words
     ``(s0, s1), (s2, s3)`` of ``s * 2**log2_multiplier`` (exact: E4M3 -> f16 -> f32 in hardware,
@@ -698,16 +767,6 @@ trap_if_nonzero = cm.ptx_intrinsic(
     "trap_if_nonzero", "{\n .reg .pred p;\n setp.ne.u32 p, $0, 0;\n @p trap;\n}", [("value", "u32")],
     doc="Abort the kernel (``trap``: the launch fails with an error) if ``value`` is nonzero.")
 
-store_global_u16_if = cm.ptx_intrinsic(
-    "store_global_u16_if",
-    "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n @p st.global.u16 [$0], $1;\n}",
-    [("address", "u64"), ("value", "u16"), ("predicate", "u32")],
-    doc="""Store the 16-bit ``value`` at the global address ``address`` if ``predicate`` is nonzero.
-
-A predicated store inside the asm keeps the epilogue free of branches, so NVVM unrolls it (and the
-accumulator array stays in registers).""")
-
-
 @intrinsic
 def f32_to_bf16_bits(typingctx, value):
     """bf16 bits (u16) of an f32, rounded to nearest even in hardware; NaN stays NaN, overflow -> Inf."""
@@ -725,7 +784,8 @@ def kernel_signature():
     """Argument types of every kernel of the family (the offline compile uses the same)."""
     u32_1d = types.Array(types.uint32, 1, "C")
     return (types.uint64, u32_1d, u32_1d, types.Array(types.int32, 1, "C"), types.Array(types.float32, 1, "C"),
-            types.Array(types.uint16, 2, "C"), types.int64, types.int64, types.int64)
+            types.Array(types.uint16, 2, "C"), types.int64, types.int64, types.int64,
+            types.Array(types.float32, 2, "C"), u32_1d, types.int64, types.int64)
 
 
 def _device(func):
@@ -824,9 +884,20 @@ def make_kernel_function(spec: StreamSpec):
     m_tiles, n_tiles = warp_rows // MMA_M, warp_cols // MMA_N
     m_rows, n_rows = 2 * m_tiles, n_tiles            # rows each thread reads per side
     num_acc = m_tiles * n_tiles * 4
+    predecode = spec.predecoded_tokens
+    split_k = spec.split_k
     # local-array sizes must be plain constants in numba
-    m_pair_words, n_pair_words, a_frag_words = 2 * m_rows, 2 * n_rows, 4 * m_tiles
+    n_row_words = FRAGMENT_WORDS if predecode else 2   # words a thread holds per N row and group
+    m_pair_words, n_pair_words, a_frag_words = 2 * m_rows, n_row_words * n_rows, 4 * m_tiles
+    m_buffer_words, n_buffer_words = 2 * m_pair_words, 2 * n_pair_words   # two groups' words
+    group_unroll = 2 if spec.prefetch_groups else 1
     groups = m_side.groups
+    consumer_threads = WARP_SIZE * spec.consumer_warps
+    decoded_off = lay.decoded_tokens
+    decoded_slot_bytes = lay.decoded_token_slot_bytes
+    n_groups = n_side.groups
+    decode_items = n_side.rows * QUAD * n_groups // consumer_threads   # (row, quad lane, group) per thread
+    decoded_offset = _device(decoded_token_offset)
     m_load, m_decode, m_load_scales, m_group_scale = _make_side_reader(m_side, spec.pairing)
     n_load, n_decode, n_load_scales, n_group_scale = _make_side_reader(n_side, spec.pairing)
     m_blocks, n_blocks = m_side.blocks_per_thread, n_side.blocks_per_thread
@@ -841,6 +912,7 @@ def make_kernel_function(spec: StreamSpec):
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_WARPGROUP_REGISTERS)
     empty_count = consumers * cta_group
     num_barriers = 2 * stages
+    barrier_words = num_barriers + SPLIT_FLAG_WORDS   # a plain constant for cuda.shared.array
     sf_offset = _device(scale_byte_offset)
     rotated = _device(rotated_group)
     swizzle = _device(swizzle_xor)
@@ -863,6 +935,16 @@ def make_kernel_function(spec: StreamSpec):
         return slot, expert, t0, t1, r0, r1, slot, tile - (m_blk + n_blk * token_blocks)
 
     @_device
+    def acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo):
+        """(token, weight row) of the thread's accumulator ``i`` of MMA tile (mi, nj): mma.sync's
+        accumulator i sits at row g + 8 (i // 2), column 2 q + i % 2 of the 16 x 8 tile."""
+        m_row = m_row_base + MMA_M * mi + 8 * (i // 2)
+        n_col = n_col_base + MMA_N * nj + i % 2
+        if swapped:
+            return t0 + n_col, row_lo + m_row
+        return t0 + m_row, r0 + n_col
+
+    @_device
     def cta_position():
         """(rank in the pair, pair index, number of pairs) of this CTA."""
         rank = np.int64(0)
@@ -880,9 +962,10 @@ def make_kernel_function(spec: StreamSpec):
             cuda.syncthreads()
 
     def grouped_matmul_h200_stream(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
-                                   out, n, k_slices, max_tiles):
+                                   out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                                   slices_per_split):
         dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
-        bars = cuda.shared.array(num_barriers, dtype=np.uint64)
+        bars = cuda.shared.array(barrier_words, dtype=np.uint64)
         warp = cm.warp_index()
         # Each role's branch starts with setmaxnreg (ptxas budgets the code it dominates) and
         # computes everything it needs after it, so nothing stays live across the re-allocation.
@@ -914,16 +997,20 @@ def make_kernel_function(spec: StreamSpec):
                 phase = np.int64(0)
                 cursor_slot = np.int64(0)
                 cursor_first = np.int64(0)
-                for tile in range(pair, max_tiles, num_pairs):
+                for work in range(pair, max_tiles * k_splits, num_pairs):
+                    tile = work
+                    if split_k:
+                        tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
                     slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
                         tile, cursor_slot, cursor_first, a_offsets, expert_ids, n)
                     if slot < 0:
                         break
+                    s_begin = (work - tile * k_splits) * slices_per_split
                     group_start = np.int64(a_offsets[slot])
                     token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t0)
                     w_row0 = r0 + rank * TILE_M_ROWS if swapped else r0
                     w_band = weight_band_of(expert, weight_bands_per_expert, w_row0)
-                    for s in range(k_slices):
+                    for s in range(s_begin, min(s_begin + slices_per_split, k_slices)):
                         full = np.uint32(bar0 + MBARRIER_BYTES * stage)
                         empty = np.uint32(full + MBARRIER_BYTES * stages)
                         if cta_group > 1:   # the peer's consumers released it too (cluster acquire)
@@ -986,20 +1073,24 @@ def make_kernel_function(spec: StreamSpec):
             m_sc = cuda.local.array(m_pair_words, np.uint32)
             n_sc = cuda.local.array(n_pair_words, np.uint32)
             m_gs = cuda.local.array(m_rows, np.uint32)
-            m_w = cuda.local.array(m_pair_words, np.uint32)
-            m_nw = cuda.local.array(m_pair_words, np.uint32)   # the next group's words (prefetch)
-            n_w = cuda.local.array(n_pair_words, np.uint32)
-            n_nw = cuda.local.array(n_pair_words, np.uint32)
+            m_w = cuda.local.array(m_buffer_words, np.uint32)   # two groups' words (see the group loop)
+            n_w = cuda.local.array(n_buffer_words, np.uint32)
             a_frag = cuda.local.array(a_frag_words, np.uint32)
+            consumer_tid = cw * WARP_SIZE + lane
+            decoded_slot = np.uint32(0)   # which decoded-token slot this stage uses (alternates)
             stage = np.int64(0)
             phase = np.int64(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
-            for tile in range(pair, max_tiles, num_pairs):
+            for work in range(pair, max_tiles * k_splits, num_pairs):
+                tile = work
+                if split_k:
+                    tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
                 slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
                     tile, cursor_slot, cursor_first, a_offsets, expert_ids, n)
                 if slot < 0:
                     break
+                s_begin = (work - tile * k_splits) * slices_per_split
                 group_start = np.int64(a_offsets[slot])
                 token_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
                 if swapped:
@@ -1012,7 +1103,7 @@ def make_kernel_function(spec: StreamSpec):
                     for nj in range(n_tiles):
                         for i in range(4):
                             acc[4 * (mi * n_tiles + nj) + i] = float32(0.0)
-                for s in range(k_slices):
+                for _ in range(min(slices_per_split, k_slices - s_begin)):   # this run's K slices
                     full = bar0 + MBARRIER_BYTES * stage
                     wait_parity_or_trap(full, phase)
                     st = np.uint32(base + stage * stage_bytes)
@@ -1020,66 +1111,112 @@ def make_kernel_function(spec: StreamSpec):
                         row = np.uint32(m_sf_row0 + m_row_base + 8 * i)
                         address = np.uint32(st + m_sf_off + sf_offset(row, m_col, atoms))
                         m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
-                    for j in range(n_rows):
-                        row = np.uint32(n_sf_row0 + n_row_base + 8 * j)
-                        address = np.uint32(st + n_sf_off + sf_offset(row, n_col, atoms))
-                        n_sc[2 * j], n_sc[2 * j + 1] = n_load_scales(address, q)
+                    if predecode:
+                        # this stage's token slice -> bf16 B fragments (scaled) in a decoded slot
+                        dslot = np.uint32(base + decoded_off + decoded_slot * decoded_slot_bytes)
+                        for it in range(decode_items):
+                            item = consumer_tid + it * consumer_threads
+                            d_gl = item % n_groups
+                            d_q = (item // n_groups) % QUAD
+                            d_row = item // (QUAD * n_groups)
+                            address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
+                                                                          word_column(d_q, n_blocks), atoms))
+                            d_s0, d_s1 = n_load_scales(address, d_q)
+                            d_scale = n_group_scale(d_s0, d_s1, d_gl, d_gl)
+                            d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
+                            d_w0, d_w1 = n_load(np.uint32(st + n_data_off + d_row * n_row_bytes
+                                                          + column(d_q, d_gl, n_thread_bytes, n_group_bytes, d_xor)))
+                            st_shared_v4_u32(dslot + decoded_offset(d_row, d_q, d_gl, n_groups),
+                                             fma_bf16x2(n_decode(d_w0, d_w1, 0), d_scale, NEG_ZERO_BF16X2),
+                                             fma_bf16x2(n_decode(d_w0, d_w1, 1), d_scale, NEG_ZERO_BF16X2),
+                                             fma_bf16x2(n_decode(d_w0, d_w1, 2), d_scale, NEG_ZERO_BF16X2),
+                                             fma_bf16x2(n_decode(d_w0, d_w1, 3), d_scale, NEG_ZERO_BF16X2))
+                        cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                    else:
+                        for j in range(n_rows):
+                            row = np.uint32(n_sf_row0 + n_row_base + 8 * j)
+                            address = np.uint32(st + n_sf_off + sf_offset(row, n_col, atoms))
+                            n_sc[2 * j], n_sc[2 * j + 1] = n_load_scales(address, q)
                     # group 0's words; each group then loads the next one's before decoding (prefetch)
                     gl = rotated(0, q)
                     m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes, m_xor))
                     n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes, n_xor))
                     for i in range(m_rows):
                         m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
-                    if prefetch:
+                    if predecode:
+                        for j in range(n_rows):
+                            (n_w[4 * j], n_w[4 * j + 1], n_w[4 * j + 2], n_w[4 * j + 3]) = ld_shared_v4_u32(
+                                dslot + decoded_offset(n_row_base + 8 * j, q, gl, n_groups))
+                    elif prefetch:
                         for j in range(n_rows):
                             n_w[2 * j], n_w[2 * j + 1] = n_load(n_off + 8 * j * n_row_bytes)
-                    for gi in range(np.int32(groups)):   # 32-bit loop counter
-                        if prefetch:   # (the last group prefetches group 0 again: unused, no branch)
-                            gl_next = rotated((gi + 1) & (groups - 1), q)
-                            m_next = np.uint32(st + m_row_addr + column(q, gl_next, m_thread_bytes, m_group_bytes,
-                                                                        m_xor))
-                            n_next = np.uint32(st + n_row_addr + column(q, gl_next, n_thread_bytes, n_group_bytes,
-                                                                        n_xor))
+                    # Prefetching configs take groups in pairs whose halves alternate the word buffers
+                    # (once ``half`` is unrolled a prefetch lands in the other half's registers: no
+                    # copies); the 8-warp configs, short of registers, one at a time.
+                    for pair_gi in range(np.int32(groups // group_unroll)):   # 32-bit loop counter
+                        for half in range(group_unroll):
+                            gi = group_unroll * pair_gi + half
+                            if group_unroll == 1:   # literal offsets (computed ones cost the 8-warp
+                                cur_m, cur_n, nxt_m, nxt_n = 0, 0, 0, 0   # configs spills at 216 regs)
+                            else:
+                                cur_m, cur_n = half * m_pair_words, half * n_pair_words
+                                nxt_m, nxt_n = (1 - half) * m_pair_words, (1 - half) * n_pair_words
+                            if prefetch:   # (the last group prefetches group 0 again: unused, no branch)
+                                gl_next = rotated((gi + 1) & (groups - 1), q)
+                                m_next = np.uint32(st + m_row_addr + column(q, gl_next, m_thread_bytes,
+                                                                            m_group_bytes, m_xor))
+                                n_next = np.uint32(st + n_row_addr + column(q, gl_next, n_thread_bytes,
+                                                                            n_group_bytes, n_xor))
+                                for i in range(m_rows):
+                                    m_w[nxt_m + 2 * i], m_w[nxt_m + 2 * i + 1] = m_load(m_next + 8 * i * m_row_bytes)
+                                for j in range(n_rows):
+                                    if predecode:
+                                        (n_w[nxt_n + 4 * j], n_w[nxt_n + 4 * j + 1], n_w[nxt_n + 4 * j + 2],
+                                         n_w[nxt_n + 4 * j + 3]) = ld_shared_v4_u32(
+                                            dslot + decoded_offset(n_row_base + 8 * j, q, gl_next, n_groups))
+                                    else:
+                                        n_w[nxt_n + 2 * j], n_w[nxt_n + 2 * j + 1] = n_load(
+                                            n_next + 8 * j * n_row_bytes)
+                            elif gi > 0:
+                                gl = rotated(gi, q)
+                                m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes,
+                                                                           m_xor))
+                                n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes,
+                                                                           n_xor))
+                                for i in range(m_rows):
+                                    m_w[cur_m + 2 * i], m_w[cur_m + 2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
                             for i in range(m_rows):
-                                m_nw[2 * i], m_nw[2 * i + 1] = m_load(m_next + 8 * i * m_row_bytes)
-                            for j in range(n_rows):
-                                n_nw[2 * j], n_nw[2 * j + 1] = n_load(n_next + 8 * j * n_row_bytes)
-                        elif not prefetch and gi > 0:
-                            gl = rotated(gi, q)
-                            m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes, m_xor))
-                            n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes, n_xor))
-                            for i in range(m_rows):
-                                m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
-                        for i in range(m_rows):
-                            m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], gl, gi)
-                        for step in range(2):
-                            for mi in range(m_tiles):
-                                for h in range(2):        # k 2q.. (h = 0) and k 2q+8.. (h = 1)
-                                    for rr in range(2):   # rows g (rr = 0) and g + 8 (rr = 1)
-                                        i = 2 * mi + rr
-                                        a_frag[4 * mi + 2 * h + rr] = fma_bf16x2(
-                                            m_decode(m_w[2 * i], m_w[2 * i + 1], 2 * step + h), m_gs[i],
-                                            NEG_ZERO_BF16X2)
-                            for nj in range(n_tiles):
-                                if prefetch:
-                                    n_w0, n_w1 = n_w[2 * nj], n_w[2 * nj + 1]
-                                else:   # N rows just in time (reloaded for step 1): fewer live registers
-                                    n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
-                                n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], gl, gi)
-                                b0 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step), n_scale, NEG_ZERO_BF16X2)
-                                b1 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step + 1), n_scale, NEG_ZERO_BF16X2)
+                                m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], gl, gi)
+                            for step in range(2):
                                 for mi in range(m_tiles):
-                                    c = 4 * (mi * n_tiles + nj)
-                                    d = hp.mma_bf16_m16n8k16(
-                                        (a_frag[4 * mi], a_frag[4 * mi + 1], a_frag[4 * mi + 2], a_frag[4 * mi + 3]),
-                                        (b0, b1), (acc[c], acc[c + 1], acc[c + 2], acc[c + 3]))
-                                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d
-                        if prefetch:
-                            gl = gl_next
-                            for i in range(m_pair_words):
-                                m_w[i] = m_nw[i]
-                            for j in range(n_pair_words):
-                                n_w[j] = n_nw[j]
+                                    for h in range(2):        # k 2q.. (h = 0) and k 2q+8.. (h = 1)
+                                        for rr in range(2):   # rows g (rr = 0) and g + 8 (rr = 1)
+                                            i = 2 * mi + rr
+                                            a_frag[4 * mi + 2 * h + rr] = fma_bf16x2(
+                                                m_decode(m_w[cur_m + 2 * i], m_w[cur_m + 2 * i + 1], 2 * step + h),
+                                                m_gs[i], NEG_ZERO_BF16X2)
+                                for nj in range(n_tiles):
+                                    if predecode:
+                                        b0 = n_w[cur_n + 4 * nj + 2 * step]
+                                        b1 = n_w[cur_n + 4 * nj + 2 * step + 1]
+                                    else:
+                                        if prefetch:
+                                            n_w0, n_w1 = n_w[cur_n + 2 * nj], n_w[cur_n + 2 * nj + 1]
+                                        else:   # N rows just in time (reloaded for step 1): fewer live registers
+                                            n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
+                                        n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], gl, gi)
+                                        b0 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step), n_scale, NEG_ZERO_BF16X2)
+                                        b1 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step + 1), n_scale,
+                                                        NEG_ZERO_BF16X2)
+                                    for mi in range(m_tiles):
+                                        c = 4 * (mi * n_tiles + nj)
+                                        d = hp.mma_bf16_m16n8k16(
+                                            (a_frag[4 * mi], a_frag[4 * mi + 1], a_frag[4 * mi + 2],
+                                             a_frag[4 * mi + 3]),
+                                            (b0, b1), (acc[c], acc[c + 1], acc[c + 2], acc[c + 3]))
+                                        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d
+                            if prefetch:
+                                gl = gl_next
                     cuda.syncwarp()
                     if lane == 0:
                         empty = bar0 + MBARRIER_BYTES * (stages + stage)
@@ -1088,6 +1225,7 @@ def make_kernel_function(spec: StreamSpec):
                                 mb.mbarrier_arrive_remote_cluster(cl.mapa_shared_cluster(empty, peer))
                         else:
                             mb.mbarrier_arrive(empty)
+                    decoded_slot ^= np.uint32(1)
                     stage += 1
                     if stage == stages:
                         stage = 0
@@ -1095,20 +1233,41 @@ def make_kernel_function(spec: StreamSpec):
                 # epilogue: C[token, row] = bf16(acc * 2**epilogue_log2 * expert_scales[e])
                 out_scale = expert_scales[expert] * epilogue_scale
                 row_lo, row_hi = cta_output_rows(r0, r1, rank, cta_group, tile_rows)
-                for mi in range(m_tiles):
-                    for nj in range(n_tiles):
-                        for i in range(4):   # mma.sync accumulator i: row g + 8 (i // 2), col 2 q + i % 2
-                            m_row = m_row_base + MMA_M * mi + 8 * (i // 2)
-                            n_col_i = n_col_base + MMA_N * nj + i % 2
-                            if swapped:
-                                token = t0 + n_col_i
-                                row = row_lo + m_row
-                            else:
-                                token = t0 + m_row
-                                row = r0 + n_col_i
-                            value = f32_to_bf16_bits(acc[4 * (mi * n_tiles + nj) + i] * out_scale)
-                            store_global_u16_if(out_address + (token * n + row) * 2, value,
-                                                np.uint32((token < t1) & (row < row_hi)))
+                if not split_k:
+                    for mi in range(m_tiles):
+                        for nj in range(n_tiles):
+                            for i in range(4):
+                                token, row = acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo)
+                                value = f32_to_bf16_bits(acc[4 * (mi * n_tiles + nj) + i] * out_scale)
+                                cm.store_global_u16_if(out_address + (token * n + row) * 2, value,
+                                                       np.uint32((token < t1) & (row < row_hi)))
+                else:   # add this run's partial tile; the tile's last run stores the sum
+                    sums_address = np.int64(cm.generic_address(split_sums))
+                    for mi in range(m_tiles):
+                        for nj in range(n_tiles):
+                            for i in range(4):
+                                token, row = acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo)
+                                cm.red_add_f32_if(sums_address + (token * n + row) * 4,
+                                                  acc[4 * (mi * n_tiles + nj) + i] * out_scale,
+                                                  np.uint32((token < t1) & (row < row_hi)))
+                    cuda.threadfence()
+                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                    if consumer_tid == 0:
+                        runs_done = cuda.atomic.add(split_counters, tile * cta_group + rank, np.uint32(1))
+                        bars[num_barriers] = np.uint64(runs_done == k_splits - 1)
+                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                    if bars[num_barriers] != 0:   # every run's sums are in: take, round, store
+                        cuda.threadfence()
+                        for mi in range(m_tiles):
+                            for nj in range(n_tiles):
+                                for i in range(4):
+                                    token, row = acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo)
+                                    valid = np.uint32((token < t1) & (row < row_hi))
+                                    total = cm.take_f32_if(sums_address + (token * n + row) * 4, valid)
+                                    cm.store_global_u16_if(out_address + (token * n + row) * 2,
+                                                           f32_to_bf16_bits(total), valid)
+                        if consumer_tid == 0:
+                            split_counters[tile * cta_group + rank] = np.uint32(0)
         if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
             cl.cluster_arrive_release()
             cl.cluster_wait_acquire()
@@ -1125,6 +1284,11 @@ def _problem_formats(problem) -> tuple[str, str]:
 
 def _spec_for(formats: tuple[str, str], config: StreamConfig, stages: int) -> StreamSpec:
     return StreamSpec(formats[0], formats[1], config.ab_swapped, config.mma_bn, config.cta_group, stages)
+
+
+def split_spec(spec: StreamSpec, k_splits: int) -> StreamSpec:
+    """``spec`` built for ``k_splits`` runs per tile (the split-K epilogue only when > 1)."""
+    return dataclasses.replace(spec, split_k=k_splits > 1)
 
 
 def max_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
@@ -1306,16 +1470,39 @@ def default_num_ctas(spec: StreamSpec, max_tiles: int, registers_per_thread: int
     return pairs * spec.cta_group
 
 
+def choose_k_splits(max_tiles: int, k_slices: int, pair_slots: int) -> tuple[int, int]:
+    """(k_splits, slices_per_split) for a grid of ``pair_slots`` resident CTA pairs: no split while
+    the tiles fill the slots; otherwise about one run per free slot, each at least
+    ``MIN_SLICES_PER_SPLIT`` K slices long, the runs as even as the slice count allows (none empty)."""
+    for name, value in (("max_tiles", max_tiles), ("k_slices", k_slices), ("pair_slots", pair_slots)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    wanted = max(1, min(pair_slots // max_tiles, k_slices // MIN_SLICES_PER_SPLIT))
+    return split_runs(k_slices, wanted)
+
+
+def split_runs(k_slices: int, k_splits: int) -> tuple[int, int]:
+    """(k_splits, slices_per_split) closest to ``k_splits`` runs of ``k_slices`` with none empty."""
+    if not 1 <= k_splits <= k_slices:
+        raise ValueError(f"k_splits must be in [1, {k_slices}] (the K slices), got {k_splits}")
+    per_split = -(-k_slices // k_splits)
+    return -(-k_slices // per_split), per_split
+
+
 @dataclass
 class StreamLaunch:
     """A prepared launch: ``launch()`` (or calling the object) enqueues the kernel, no host copies or
-    syncs. ``out`` is the device output (uint16 bf16 bits, (total_tokens, N))."""
+    syncs. ``out`` is the device output (uint16 bf16 bits, (total_tokens, N)). With ``k_splits > 1``
+    the launch owns a zeroed fp32 workspace and tile counters that every launch leaves zeroed."""
 
     spec: StreamSpec
     out: object
     num_ctas: int
     max_tiles: int
     _launch: launch.PreparedLaunch | None
+    k_splits: int = 1
+    split_sums: object = None       # the split-K workspace (fp32, (total_tokens, N)) and tile counters
+    split_counters: object = None
 
     def __call__(self, stream=None) -> None:
         if self._launch is not None:   # no tiles (no tokens): nothing to run
@@ -1339,13 +1526,14 @@ def _device_out(problem: launch.DeviceProblem, out):
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            stream=0) -> StreamLaunch:
+            k_splits: int | None = None, stream=0) -> StreamLaunch:
     """Compile (cached), build the tensor maps and marshal the arguments once; returns a
     ``StreamLaunch`` that launches with no host copies or syncs (for the benchmark).
 
     ``out``: a device array of bf16 bits, (total_tokens, N) (default: a new uninitialised one; rows of
     skipped slots are never written). ``num_ctas``: persistent grid size, a multiple of ``cta_group``
-    (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM).
+    (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM). ``k_splits``: split-K runs
+    per tile (default: ``choose_k_splits`` for that grid; 1 = no split).
     """
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
@@ -1363,20 +1551,37 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     if num_ctas is None:
         num_ctas = default_num_ctas(spec, max_tiles, kernel.registers)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
+    k_slices = problem_device.k // spec.k_slice
+    if k_splits is None:
+        k_splits, slices_per_split = choose_k_splits(max_tiles, k_slices, num_ctas // spec.cta_group)
+    else:
+        k_splits, slices_per_split = split_runs(k_slices, require_int("k_splits", k_splits, 1))
+    if k_splits > 1:
+        spec = split_spec(spec, k_splits)
+        kernel = compiled_kernel(spec)
+        # zeroed once here (a device memset); every launch leaves them zeroed (MIN_SLICES_PER_SPLIT)
+        split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32)
+        split_counters = cuda.device_array(max_tiles * spec.cta_group, np.uint32)
+        for arr in (split_sums, split_counters):
+            device_memset(arr, 0, arr.nbytes)
+    else:
+        split_sums = cuda.device_array((1, 1), np.float32)
+        split_counters = cuda.device_array(1, np.uint32)
     arrays = problem_device.arrays()
     map_args = tensor_map_args(spec, {k: tuple(v.shape) for k, v in arrays.items()},
                                {k: launch.device_address(v) for k, v in arrays.items()})
     maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
-            np.int64(problem_device.k // spec.k_slice), np.int64(max_tiles))
+            np.int64(k_slices), np.int64(max_tiles), split_sums, split_counters, np.int64(k_splits),
+            np.int64(slices_per_split))
     prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream,
-                                     keepalive=(maps, problem_device))
-    return StreamLaunch(spec, device_out, num_ctas, max_tiles, prepared)
+                                     keepalive=(maps, problem_device, split_sums, split_counters))
+    return StreamLaunch(spec, device_out, num_ctas, max_tiles, prepared, k_splits, split_sums, split_counters)
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None) -> np.ndarray:
+                        num_ctas: int | None = None, k_splits: int | None = None) -> np.ndarray:
     """Run the H200 streaming kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)).
 
     ``out``: if given (bf16, C-contiguous), rows of skipped slots keep its contents and it is written
@@ -1393,7 +1598,7 @@ def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None 
     device_problem = launch.to_device(problem)
     bits = out.view(np.uint16)
     device_out = cuda.to_device(bits)
-    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas)
+    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas, k_splits=k_splits)
     prepared()
     device_out.copy_to_host(bits)
     return out

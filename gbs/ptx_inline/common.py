@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba.cuda import nvvmutils, types
 from numba.cuda.extending import intrinsic
 
-from ._llvm import I16, I32, I64, VOID, asm, special_register_u32, void_intrinsic
+from ._llvm import F32, I16, I32, I64, VOID, asm, special_register_u32, void_intrinsic
 
 WARP_SIZE = 32
 _LOG2_WARP_SIZE = 5
@@ -148,15 +148,16 @@ OPERAND_KINDS = {
     "u32": (types.uint32, I32, "r"),
     "s32": (types.int32, I32, "r"),
     "u64": (types.uint64, I64, "l"),
+    "f32": (types.float32, F32, "f"),
 }
 
 
 def ptx_intrinsic(name: str, text: str, operands, *, result: str | None = None, memory: bool = True,
                   doc: str):
-    """An intrinsic emitting ``text`` with integer operands, e.g. ``[("mbar", "u32"), ("count", "u32")]``.
+    """An intrinsic emitting ``text`` with fixed-kind operands, e.g. ``[("mbar", "u32"), ("count", "u32")]``.
 
-    Each argument may be any Numba integer; it is converted to the operand's kind (``u16``,
-    ``u32``, ``s32``, ``u64``, see ``OPERAND_KINDS``) before the asm. In ``text`` the result, if
+    Each argument may be any Numba integer (any float for ``f32``); it is converted to the operand's
+    kind (``u16``, ``u32``, ``s32``, ``u64``, ``f32``, see ``OPERAND_KINDS``) before the asm. In ``text`` the result, if
     any, is ``$0`` and the operands follow in order (LLVM numbers outputs first). ``memory``
     adds the ``~{memory}`` clobber (keep it for anything that touches memory or orders it).
     """
@@ -181,9 +182,11 @@ def ptx_intrinsic(name: str, text: str, operands, *, result: str | None = None, 
         return out if result else context.get_dummy_value()
 
     def typer(*arg_types):
-        for arg, ty in zip(names, arg_types):
-            if not isinstance(ty, types.Integer):
-                raise TypeError(f"{name}: argument {arg!r} must be an integer, got {ty}")
+        for arg, ty, kind in zip(names, arg_types, kinds):
+            want = types.Float if kind == "f32" else types.Integer
+            if not isinstance(ty, want):
+                raise TypeError(f"{name}: argument {arg!r} must be {'a float' if kind == 'f32' else 'an integer'}, "
+                                f"got {ty}")
         return ret_nb(*arg_types), codegen
 
     # numba-cuda 0.30.4 types but does not lower a *args intrinsic: spell the parameters out.
@@ -209,3 +212,29 @@ named_barrier_arrive = ptx_intrinsic(
 
 Same operand rules as ``named_barrier_sync``; arriving and waiting warps must use the same
 ``nthreads``.""")
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicated global stores and reductions: branch-free epilogue bodies (NVVM unrolls them fully,
+# so accumulator arrays stay in registers; an ``if`` around each access would stop the unrolling
+# of large tiles and send the accumulators to local memory)
+# ---------------------------------------------------------------------------------------------
+store_global_u16_if = ptx_intrinsic(
+    "store_global_u16_if",
+    "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n @p st.global.u16 [$0], $1;\n}",
+    [("address", "u64"), ("value", "u16"), ("predicate", "u32")],
+    doc="Store the 16-bit ``value`` at the global address ``address`` if ``predicate`` is nonzero.")
+
+red_add_f32_if = ptx_intrinsic(
+    "red_add_f32_if",
+    "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n @p red.global.add.f32 [$0], $1;\n}",
+    [("address", "u64"), ("value", "f32"), ("predicate", "u32")],
+    doc="Atomically add ``value`` to the f32 at global ``address`` (no result) if ``predicate`` is nonzero.")
+
+take_f32_if = ptx_intrinsic(
+    "take_f32_if",
+    "{\n .reg .pred p;\n .reg .b32 old;\n setp.ne.u32 p, $2, 0;\n mov.b32 old, 0;\n"
+    " @p atom.global.exch.b32 old, [$1], 0;\n mov.b32 $0, old;\n}",
+    [("address", "u64"), ("predicate", "u32")], result="f32",
+    doc="""If ``predicate`` is nonzero, atomically replace the f32 at global ``address`` by +0 and return
+its old value (read at L2: sees every earlier ``red`` once ordered by a fence); else return +0.""")

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Time the H200 streaming kernel over explicit knob sets, including the H200-only ones the dispatch
+does not have (split-K runs, grid size), on the benchmark's shapes; for tuning the H200 mapping.
+
+    python3 scripts/h200_stream_sweep.py --csv $OUT/sweep.csv \\
+        nvfp4:decode_up:T:8:1:2:auto  nvfp4:kimi_decode:T:8:1:2:1  nvfp4:kimi_decode:T:8:1:2:7
+
+Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
+or ``auto``; a point may add ``:num_ctas``). Cases are ``gbs.bench.BENCH_CASES``. Timing is the
+benchmark's (``gbs.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
+and the streaming-read ceiling is measured in the same run. Needs an sm_90 GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gbs import bench
+from gbs.numba_kernels import h200_stream
+from gbs.numba_kernels.launch import to_device
+
+
+def parse_point(text: str):
+    parts = text.split(":")
+    if len(parts) not in (7, 8):
+        raise ValueError(f"point {text!r}: want format:case:T|F:mma_bn:cta_group:stages:k_splits[:num_ctas]")
+    fmt, case, swapped, bn, cg, stages, splits = parts[:7]
+    if case not in bench.BENCH_CASES or swapped not in ("T", "F"):
+        raise ValueError(f"point {text!r}: case in {sorted(bench.BENCH_CASES)}, ab_swapped T or F")
+    config = h200_stream.StreamConfig(swapped == "T", int(bn), int(cg), int(stages))
+    k_splits = None if splits == "auto" else int(splits)
+    num_ctas = int(parts[7]) if len(parts) == 8 else None
+    return fmt, bench.BENCH_CASES[case], config, k_splits, num_ctas
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("points", nargs="+")
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--budget-s", type=float, default=1.0, help="timed seconds per point")
+    args = parser.parse_args(argv)
+    points = [parse_point(p) for p in args.points]
+    read_tbps, _ = bench.measure_read_bandwidth()
+    l2 = bench.device_l2_bytes()
+    print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now)")
+    env = bench.environment_fields()
+    rows, problems = [], {}
+    for text, (fmt, case, config, k_splits, num_ctas) in zip(args.points, points):
+        key = (fmt, case.name)
+        if key not in problems:
+            problems[key] = case.problem(fmt)
+        problem = problems[key]
+        copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
+        try:
+            launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
+                        for _ in range(copies)]
+            timing = bench.time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
+        except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
+            print(f"{text:44} {type(err).__name__}: {err}", flush=True)
+            rows.append(dict(point=text, status="fail", note=f"{type(err).__name__}: {err}"))
+            continue
+        first = launches[0]
+        gbps = bench.useful_bytes(problem) / (timing.median_us * 1e3)
+        tflops = bench.useful_flops(problem) / (timing.median_us * 1e6)
+        row = dict(point=text, status="ok", format=fmt, case=case.name, ab_swapped=config.ab_swapped,
+                   mma_bn=config.mma_bn, cta_group=config.cta_group, stages=first.spec.stages,
+                   k_splits=first.k_splits, num_ctas=first.num_ctas, median_us=timing.median_us,
+                   p10_us=timing.p10_us, p90_us=timing.p90_us, gbps=gbps, tflops=tflops,
+                   read_ceiling_fraction=gbps / (read_tbps * 1e3), read_ceiling_tbps=read_tbps, **env)
+        rows.append(row)
+        print(f"{text:44} {timing.median_us:9.1f} us  {gbps:7.0f} GB/s  {100 * row['read_ceiling_fraction']:5.1f} %"
+              f"  {tflops:6.1f} TFLOP/s  ctas {first.num_ctas} splits {first.k_splits}", flush=True)
+    if args.csv:
+        bench.write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
