@@ -1462,11 +1462,16 @@ def resident_ctas_per_sm(spec: StreamSpec, registers_per_thread: int) -> int:
     return max(1, min(by_smem, by_threads, by_registers))
 
 
-def default_num_ctas(spec: StreamSpec, max_tiles: int, registers_per_thread: int) -> int:
-    """Persistent grid: every resident CTA slot of every SM, never more pairs than tiles."""
+def resident_pairs(spec: StreamSpec, registers_per_thread: int) -> int:
+    """CTA pairs (single CTAs when ``cta_group`` is 1) the whole GPU holds at once."""
     sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    slots = sm_count * resident_ctas_per_sm(spec, registers_per_thread)
-    pairs = max(1, min(slots // spec.cta_group, max_tiles))
+    return max(1, sm_count * resident_ctas_per_sm(spec, registers_per_thread) // spec.cta_group)
+
+
+def default_num_ctas(spec: StreamSpec, work_items: int, registers_per_thread: int) -> int:
+    """Persistent grid: every resident CTA slot of every SM, never more pairs than work items
+    (tiles, times the split-K runs)."""
+    pairs = max(1, min(resident_pairs(spec, registers_per_thread), work_items))
     return pairs * spec.cta_group
 
 
@@ -1548,17 +1553,18 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
         if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
     kernel = compiled_kernel(spec)
-    if num_ctas is None:
-        num_ctas = default_num_ctas(spec, max_tiles, kernel.registers)
-    num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
     k_slices = problem_device.k // spec.k_slice
     if k_splits is None:
-        k_splits, slices_per_split = choose_k_splits(max_tiles, k_slices, num_ctas // spec.cta_group)
+        k_splits, slices_per_split = choose_k_splits(max_tiles, k_slices,
+                                                     resident_pairs(spec, kernel.registers))
     else:
         k_splits, slices_per_split = split_runs(k_slices, require_int("k_splits", k_splits, 1))
     if k_splits > 1:
         spec = split_spec(spec, k_splits)
         kernel = compiled_kernel(spec)
+    if num_ctas is None:   # the runs are the work items
+        num_ctas = default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
+    num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
         # zeroed once here (a device memset); every launch leaves them zeroed (MIN_SLICES_PER_SPLIT)
         split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32)
         split_counters = cuda.device_array(max_tiles * spec.cta_group, np.uint32)
