@@ -1565,6 +1565,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     if num_ctas is None:   # the runs are the work items
         num_ctas = default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
+    if k_splits > 1:
         # zeroed once here (a device memset); every launch leaves them zeroed (MIN_SLICES_PER_SPLIT)
         split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32)
         split_counters = cuda.device_array(max_tiles * spec.cta_group, np.uint32)
