@@ -103,6 +103,18 @@ def resolve_config(problem, config: KernelConfig | None = None):
     return config
 
 
+def h200_stream_knobs(problem, config: KernelConfig | None = None):
+    """The ``h200_stream`` knobs for ``problem``: a given ``config`` as is (its stages capped at what
+    fits the H200, ``h200_stream.h200_stream_config``); without one, the dispatch's SM100 decision
+    mapped onto the H200 (``h200_stream.h200_plan``: measured retunes of the small-N tiles and rings)."""
+    from .numba_kernels import h200_stream
+
+    knobs = resolve_config(problem, config)
+    if config is None:
+        return h200_stream.h200_plan(problem, knobs)
+    return h200_stream.h200_stream_config(problem, knobs)
+
+
 def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "auto", out=None, *,
                    stream=None):
     """Run the grouped 1D-1D block-scaled matmul; returns ``C`` (bf16, (total_tokens, N)).
@@ -131,7 +143,7 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
     if chosen == "h200_stream":   # raises, naming the hardware it needs, without an sm_90 GPU
         from .numba_kernels import h200_stream
 
-        return h200_stream.grouped_matmul_h200(problem, h200_stream.h200_stream_config(problem, knobs), out=out)
+        return h200_stream.grouped_matmul_h200(problem, h200_stream_knobs(problem, config), out=out)
     if chosen == "sm100":   # raises, naming the hardware it needs, on anything but compute capability 10.0
         from .numba_kernels import sm100
 

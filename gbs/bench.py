@@ -416,21 +416,33 @@ def _load_simt():
     return prepare
 
 
-def _load_h200_stream():
+def _load_h200_stream(plan: bool):
+    """``h200_stream`` as ``gbs.grouped_matmul`` runs it (``plan``: the decision mapped onto the H200,
+    ``h200_stream.h200_plan``), or with the SM100 decision's own knobs (stages capped to fit)."""
     from .numba_kernels import h200_stream
     from .numba_kernels.launch import to_device
 
-    prepare_device = h200_stream.prepare
+    knobs_for = h200_stream.h200_plan if plan else h200_stream.h200_stream_config
 
     def prepare(problem: GroupedProblem, config):
-        return prepare_device(to_device(problem), config)
+        return h200_stream.prepare(to_device(problem), knobs_for(problem, config))
 
     return prepare
 
 
+def launch_knobs(launcher) -> str:
+    """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid)."""
+    spec = getattr(launcher, "spec", None)
+    if spec is None:
+        return ""
+    return (f"{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
+            f"splits{launcher.k_splits} ctas{launcher.num_ctas}")
+
+
 # Backend name -> loader returning ``prepare(problem, config) -> launch()``; a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
-BACKEND_LOADERS = {"simt": _load_simt, "h200_stream": _load_h200_stream}
+BACKEND_LOADERS = {"simt": _load_simt, "h200_stream": functools.partial(_load_h200_stream, True),
+                   "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False)}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 
@@ -473,6 +485,7 @@ class Measurement:
     status: str = STATUS_OK    # STATUS_OK | STATUS_SKIPPED | STATUS_FAIL
     note: str = ""
     input_sets: int = 0        # rotated input copies
+    knobs: str = ""            # what our kernel ran (``launch_knobs``)
 
 
 @dataclass(frozen=True)
@@ -523,7 +536,7 @@ def build_rows(fmt: str, case: BenchCase, config, measurements: list[Measurement
         row.update({
             "ab_swapped": config.ab_swapped if ours else None, "mma_bn": config.mma_bn if ours else None,
             "cta_group": config.cta_group if ours else None,
-            "stages": config.num_pipeline_stages if ours else None,
+            "stages": config.num_pipeline_stages if ours else None, "ran_knobs": m.knobs,
             "earlier_figure": f"{earlier[0]:g} {earlier[1]}" if earlier else "",
             "read_ceiling_tbps": ceilings.read_tbps, "bf16_peak_tflops": ceilings.bf16_tflops,
             "bf16_peak_source": ceilings.bf16_source, "fp8_peak_tflops": ceilings.fp8_tflops,
@@ -620,6 +633,7 @@ def _our_measurement(name: str, prepare, problem: GroupedProblem, config, budget
     copies = rotation_count(sum(problem.nbytes().values()), l2)
     try:
         launchers = [prepare(problem, config) for _ in range(copies)]
+        base["knobs"] = launch_knobs(launchers[0])
         timing = time_launches(lambda i: launchers[i](), num_inputs=copies, budget_s=budget_s)
     except (NotImplementedError, ValueError, TypeError) as err:   # this config / format is not supported
         return Measurement(**base, status=STATUS_SKIPPED, note=f"{type(err).__name__}: {err}")

@@ -584,16 +584,15 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
     dispatch's from host metadata unless given), the backend, the checks, the output, the stream,
     the tensor maps, the compile. Call the result to enqueue the kernel; call it again to rerun on
     the same arrays (their current contents)."""
-    from .api import resolve_config
+    from .api import h200_stream_knobs
 
     if not isinstance(problem, DeviceGroupedProblem):
         raise TypeError(f"problem must be a DeviceGroupedProblem (gbs.interop.device_problem), "
                         f"got {type(problem).__name__}")
-    knobs = resolve_config(problem, config)
+    stream_config = h200_stream_knobs(problem, config)
     check_device_backend(backend)
     from .numba_kernels import h200_stream, launch
 
-    stream_config = h200_stream.h200_stream_config(problem, knobs)
     h200_stream.check_can_implement(problem.launch_view(), stream_config)   # before any device work
     handle = problem.stream_for(stream)
     dlpack_stream = handle or DLPACK_LEGACY_DEFAULT_STREAM

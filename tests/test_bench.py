@@ -22,6 +22,7 @@ import pytest
 from gbs import bench, peers
 from gbs.api import dispatch_for, gpu_available
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
+from gbs.numba_kernels import h200_stream as hs
 from gbs.problem import PROBLEM_FORMATS
 from gbs.quant import decode_elements, unswizzle_scales
 
@@ -105,8 +106,8 @@ def test_quick_and_full_selections():
     assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
     assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
-    assert bench.select_methods() == ("simt", "h200_stream", "torch_bf16", "torch_fp8_rowwise",
-                                      "triton_dot_scaled", "copy")
+    assert bench.select_methods() == ("simt", "h200_stream", "h200_stream_sm100_knobs", "torch_bf16",
+                                      "torch_fp8_rowwise", "triton_dot_scaled", "copy")
 
 
 def test_every_case_dispatches_to_the_regime_its_name_says():
@@ -405,3 +406,12 @@ def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
     assert all(float(r["median_us"]) > 0 and float(r["gbps"]) > 0 for r in simt)
     assert all(r["gpu"] != "none" and float(r["read_ceiling_tbps"]) > 1.0 for r in rows)
     assert out.rstrip().splitlines()[-1].startswith("tiny")   # the table comes last
+
+
+def test_launch_knobs_names_what_ran():
+    class FakeLaunch:
+        spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2)
+        k_splits, num_ctas = 4, 144
+
+    assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144"
+    assert bench.launch_knobs(object()) == ""

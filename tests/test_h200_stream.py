@@ -363,11 +363,13 @@ def test_predecoded_tokens_only_where_they_fit():
 
 @pytest.mark.parametrize("max_tiles, k_slices, pair_slots, want", [
     (2048, 28, 396, (1, 28)),    # DeepSeek decode: the tiles fill the GPU, no split
-    (36, 28, 396, (10, 3)),      # Kimi 8 x 1 at bn8: 11 slots per tile -> runs of 3 slices (the last 1)
+    (36, 28, 396, (4, 7)),       # Kimi 8 x 1 at bn8: 11 slots per tile, but runs of >= 6 slices
     (36, 28, 132, (3, 10)),      # 3 runs of 10, 10, 8 slices
     (16, 28, 66, (4, 7)),        # pairs (cta_group 2)
     (1, 1, 132, (1, 1)),         # one slice cannot be split
-    (5, 7, 132, (3, 3)),         # 3 runs of 3, 3, 1
+    (5, 7, 132, (1, 7)),         # 7 slices: one run of >= 6
+    (2, 28, 132, (4, 7)),        # 66 slots per tile, capped by the slice count: 4 runs of 7
+    (10, 56, 396, (8, 7)),       # MXFP8 Kimi (56 slices): 39 slots per tile, 9 runs wanted: 8 of 7 (none empty)
 ])
 def test_choose_k_splits(max_tiles, k_slices, pair_slots, want):
     got = hs.choose_k_splits(max_tiles, k_slices, pair_slots)
@@ -386,6 +388,26 @@ def test_split_runs_and_its_errors():
             hs.split_runs(28, bad)
     with pytest.raises(ValueError, match="max_tiles"):
         hs.choose_k_splits(0, 28, 132)
+
+
+@pytest.mark.parametrize("fmt, total_tokens, slots, decided, want", [
+    ("nvfp4", 256, 64, hs.StreamConfig(True, 8, 1, 6), hs.StreamConfig(True, 8, 1, 2)),      # decode
+    ("nvfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2)),        # Kimi
+    ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),   # small prefill
+    ("mxfp8", 4096, 64, hs.StreamConfig(True, 64, 2, 9), hs.StreamConfig(True, 64, 2, hs.AUTO_STAGES)),
+    ("mxfp8", 256, 64, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(False, 128, 1, hs.AUTO_STAGES)),
+])
+def test_h200_plan(fmt, total_tokens, slots, decided, want):
+    """Small token tiles are cut to the tokens per expert, without a pair, on a 2-stage ring; the
+    rest keep the decision's tile knobs with the deepest ring that fits."""
+    problem = _problem(fmt, n=512, k=1024, group_sizes=[total_tokens // slots] * slots,
+                       expert_ids=list(range(slots)), num_experts=slots)
+    plan = hs.h200_plan(problem, decided)
+    a, b = PROBLEM_FORMATS[fmt]
+    deepest = hs.max_pipeline_stages(a, b, want)
+    stages = deepest if want.num_pipeline_stages == hs.AUTO_STAGES else want.num_pipeline_stages
+    assert plan == dataclasses.replace(want, num_pipeline_stages=stages)
+    hs.check_can_implement(problem, plan)
 
 
 def test_split_spec_is_its_own_kernel():

@@ -163,7 +163,7 @@ CONSUMER_BARRIER = 1           # named barrier id of the consumer warps (0 is __
 # adds its fp32 partial tile into a zeroed workspace (``red.global.add.f32``) and bumps the tile's
 # counter; the last one takes the sums back with ``atom.exch`` of 0 (leaving the workspace zeroed
 # for the next launch), rounds to bf16, stores C and resets the counter.
-MIN_SLICES_PER_SPLIT = 2       # a run shorter than this is mostly pipeline fill and epilogue
+MIN_SLICES_PER_SPLIT = 6       # shorter runs are mostly pipeline fill and epilogue (see h200_plan's notes)
 SPLIT_FLAG_WORDS = 1           # shared word after the mbarriers: "this CTA closes the tile"
 FRAGMENT_WORDS = 4             # one group's B fragments of one token row: (b0, b1) of both k16 steps
 FRAGMENT_BYTES = 4 * FRAGMENT_WORDS
@@ -1380,6 +1380,37 @@ def h200_stream_config(problem, config) -> StreamConfig:
     stages = stream_config.num_pipeline_stages
     stages = real_max if stages == AUTO_STAGES else min(stages, real_max)
     return dataclasses.replace(stream_config, num_pipeline_stages=max(stages, 1))
+
+
+# The H200 mapping of an SM100 decision (``h200_plan``): measured on the H200 with this kernel
+# (``scripts/h200_stream_sweep.py``, 2026-11-29, commit 7d43acb; notes/h200/README.md, run 8):
+# * Token tiles of at most 32 columns run on 4 consumer warps with the decoded-token slots; wider
+#   ones on 8 warps whose register budget allows one CTA per SM. When an expert has at most
+#   ``H200_SMALL_N_MAX_TOKENS`` tokens on average, the tile is cut to the tokens (8 or 16 columns),
+#   without the 2-CTA pair: NVFP4 4096 x 7168, 32 x 32 tokens: swapped bn16 cg1 579.6 us, the SM100
+#   decision (bn64 cg2, 6 stages) 867.4 us; Kimi 512 x 7168, 8 x 1: bn8 cg1 38.1 us, bn64 cg2 115.5 us.
+# * Those 4-warp configs take ``H200_SMALL_N_STAGES`` stages, so that three CTAs share an SM (their
+#   occupancy hides the decode's latency better than a deep ring): NVFP4 4096 x 7168, 64 x 4:
+#   2 stages 409.6 us, 3: 410.4, 4: 428.0, the SM100 decision's 6: 511.7.
+# * Split-K runs (``choose_k_splits``) fill the GPU when tiles are few: Kimi NVFP4 bn8 4 runs of 7
+#   slices 21.0 us, 7 of 4: 22.3, 10 of 3: 25.5, unsplit 38.2 (hence ``MIN_SLICES_PER_SPLIT``).
+H200_SMALL_N_MAX_TOKENS = 32
+H200_SMALL_N_MMA_BN = (8, 16)   # token tile widths the small-N mapping chooses from
+H200_SMALL_N_STAGES = 2
+
+
+def h200_plan(problem, decision) -> StreamConfig:
+    """The knobs this kernel runs an SM100 ``decision`` (a ``KernelConfig`` / ``TileConfig``) with
+    when the caller did not choose them (``gbs.grouped_matmul`` with ``config=None``), from host
+    metadata only (works for device problems): see the measurements above. Not-swapped decisions and
+    swapped ones whose experts average more than ``H200_SMALL_N_MAX_TOKENS`` tokens keep their tile
+    knobs, with the deepest ring that fits (``h200_stream_config``)."""
+    stream_config = StreamConfig.of(decision)
+    tokens_per_expert = -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
+    if not stream_config.ab_swapped or tokens_per_expert > H200_SMALL_N_MAX_TOKENS:
+        return h200_stream_config(problem, dataclasses.replace(stream_config, num_pipeline_stages=AUTO_STAGES))
+    mma_bn = next((bn for bn in H200_SMALL_N_MMA_BN if bn >= tokens_per_expert), H200_SMALL_N_MMA_BN[-1])
+    return h200_stream_config(problem, StreamConfig(True, mma_bn, 1, H200_SMALL_N_STAGES))
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
