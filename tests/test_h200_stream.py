@@ -536,7 +536,7 @@ def test_real_and_formula_stage_counts_for_the_regimes():
             got[fmt, name] = (hs.max_pipeline_stages(a, b, CONFIGS[name]),
                               hs.formula_pipeline_stages(a, b, CONFIGS[name]))
     assert got["nvfp4", "decode"] == (10, 10)
-    assert got["nvfp4", "small_prefill"] == (8, 8)
+    assert got["nvfp4", "small_prefill"] == (7, 8), "the shared routing copy (4 KiB) costs the 8th stage"
     assert got["nvfp4", "large_prefill"] == (6, 7), "both CTAs of a pair hold the whole token tile here"
     assert got["mxfp8", "decode"][0] >= 12
     assert all(real >= 4 for real, _ in got.values())

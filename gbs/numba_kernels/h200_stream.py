@@ -163,6 +163,11 @@ CONSUMER_BARRIER = 1           # named barrier id of the consumer warps (0 is __
 # adds its fp32 partial tile into a zeroed workspace (``red.global.add.f32``) and bumps the tile's
 # counter; the last one takes the sums back with ``atom.exch`` of 0 (leaving the workspace zeroed
 # for the next launch), rounds to bf16, stores C and resets the counter.
+# The routing (a_offsets, expert_ids) is copied into shared memory at launch when it has at most
+# this many slots: the tile walk then reads shared memory instead of one dependent global load per
+# slot it steps over (ncu on Kimi: long-scoreboard stalls first; the producer's first walk alone
+# delayed the first TMA by microseconds). Larger routings are walked in global memory.
+ROUTING_SMEM_SLOTS = 512
 MIN_SLICES_PER_SPLIT = 6       # shorter runs are mostly pipeline fill and epilogue (see h200_plan's notes)
 SPLIT_FLAG_WORDS = 1           # shared word after the mbarriers: "this CTA closes the tile"
 FRAGMENT_WORDS = 4             # one group's B fragments of one token row: (b0, b1) of both k16 steps
@@ -317,9 +322,16 @@ class StreamSmemLayout:
         return (2 * self.stages + SPLIT_FLAG_WORDS) * MBARRIER_BYTES
 
     @property
+    def routing_bytes(self) -> int:
+        """The shared copy of the routing: a_offsets (u32) and expert_ids (s32) of up to
+        ``ROUTING_SMEM_SLOTS`` slots."""
+        return 4 * (ROUTING_SMEM_SLOTS + 1) + 4 * ROUTING_SMEM_SLOTS
+
+    @property
     def static_bytes(self) -> int:
-        """What the cubin reports as static: the reserved KiB plus the mbarriers, padded."""
-        return SM90_RESERVED_SMEM + _align(self.barrier_bytes, DYNAMIC_SMEM_ALIGN)
+        """What the cubin reports as static: the reserved KiB, the mbarriers and the routing copy,
+        padded to the dynamic array's alignment."""
+        return SM90_RESERVED_SMEM + _align(self.barrier_bytes + self.routing_bytes, DYNAMIC_SMEM_ALIGN)
 
     @property
     def total_bytes(self) -> int:
@@ -912,7 +924,8 @@ def make_kernel_function(spec: StreamSpec):
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_WARPGROUP_REGISTERS)
     empty_count = consumers * cta_group
     num_barriers = 2 * stages
-    barrier_words = num_barriers + SPLIT_FLAG_WORDS   # a plain constant for cuda.shared.array
+    barrier_words = num_barriers + SPLIT_FLAG_WORDS   # plain constants for cuda.shared.array
+    routing_offset_words = ROUTING_SMEM_SLOTS + 1
     sf_offset = _device(scale_byte_offset)
     rotated = _device(rotated_group)
     swizzle = _device(swizzle_xor)
@@ -945,6 +958,14 @@ def make_kernel_function(spec: StreamSpec):
         return t0 + m_row, r0 + n_col
 
     @_device
+    def routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
+        """The routing the tile walk reads: the shared copy when it holds every slot, else global."""
+        num_slots = expert_ids.shape[0]
+        if num_slots <= ROUTING_SMEM_SLOTS:
+            return shared_offsets[:num_slots + 1], shared_expert_ids[:num_slots]
+        return a_offsets[:], expert_ids[:]
+
+    @_device
     def cta_position():
         """(rank in the pair, pair index, number of pairs) of this CTA."""
         rank = np.int64(0)
@@ -966,6 +987,14 @@ def make_kernel_function(spec: StreamSpec):
                                    slices_per_split):
         dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
         bars = cuda.shared.array(barrier_words, dtype=np.uint64)
+        shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
+        shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
+        num_slots = expert_ids.shape[0]
+        if num_slots <= ROUTING_SMEM_SLOTS:   # read by the walk after the block sync of each role
+            for i in range(cuda.threadIdx.x, num_slots + 1, cuda.blockDim.x):
+                shared_offsets[i] = a_offsets[i]
+                if i < num_slots:
+                    shared_expert_ids[i] = expert_ids[i]
         warp = cm.warp_index()
         # Each role's branch starts with setmaxnreg (ptxas budgets the code it dominates) and
         # computes everything it needs after it, so nothing stays live across the re-allocation.
@@ -986,6 +1015,7 @@ def make_kernel_function(spec: StreamSpec):
                 cm.fence_proxy_async_shared_cta()
             block_sync()
             rank, pair, num_pairs = cta_position()
+            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
             if warp == 0 and lane == 0:
                 for i in range(NUM_TENSOR_MAPS):
                     cp.fence_proxy_tensormap_acquire_sys(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
@@ -1002,11 +1032,11 @@ def make_kernel_function(spec: StreamSpec):
                     if split_k:
                         tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
                     slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
-                        tile, cursor_slot, cursor_first, a_offsets, expert_ids, n)
+                        tile, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n)
                     if slot < 0:
                         break
                     s_begin = (work - tile * k_splits) * slices_per_split
-                    group_start = np.int64(a_offsets[slot])
+                    group_start = np.int64(walk_offsets[slot])
                     token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t0)
                     w_row0 = r0 + rank * TILE_M_ROWS if swapped else r0
                     w_band = weight_band_of(expert, weight_bands_per_expert, w_row0)
@@ -1048,7 +1078,8 @@ def make_kernel_function(spec: StreamSpec):
             # ------------------------------------------------------------------ consumers
             if uses_setmaxnreg:
                 consumer_regs()
-            block_sync()   # the mbarriers are initialised
+            block_sync()   # the mbarriers are initialised (and the routing copied)
+            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
             lane = cm.laneid()
             base = np.int64(cm.shared_address(dyn))
             bar0 = np.int64(cm.shared_address(bars))
@@ -1087,11 +1118,11 @@ def make_kernel_function(spec: StreamSpec):
                 if split_k:
                     tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
                 slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
-                    tile, cursor_slot, cursor_first, a_offsets, expert_ids, n)
+                    tile, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n)
                 if slot < 0:
                     break
                 s_begin = (work - tile * k_splits) * slices_per_split
-                group_start = np.int64(a_offsets[slot])
+                group_start = np.int64(walk_offsets[slot])
                 token_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
                 if swapped:
                     m_sf_row0 = np.int64(0)
