@@ -808,7 +808,10 @@ def _make_side_reader(side: OperandSide, pairing: str):
     """Device functions for one MMA side: ``load_group(address) -> (w0, w1)`` (w1 unused for FP4),
     ``decode(w0, w1, j)`` (unscaled bf16x2 bits of register j of the group), ``load_scales(address,
     q) -> (s0, s1)`` (per row and K slice: UE4M3 -> the two packed bf16x2 pairs of 4 blocks; UE8M0 ->
-    the bf16x2 scale of each of the thread's 1 or 2 blocks) and ``group_scale(s0, s1, gl, gi)``."""
+    the bf16x2 scale of each of the thread's 1 or 2 blocks), ``scale_selector(gl)`` and
+    ``group_scale(s0, s1, selector, gi)``: the scale of local group ``gl`` (visited at step ``gi``),
+    picked by ``selector = scale_selector(gl)`` for UE4M3 (which is affine in the group's rotation run:
+    ``scale_selector_run_step``) and by ``gi`` for UE8M0."""
     element = side.element
     stride4 = pairing == "stride4"
     e5m2 = element == "e5m2"
@@ -846,9 +849,13 @@ def _make_side_reader(side: OperandSide, pairing: str):
             return ue4m3_convert(ld_shared_u32(address))
 
         @_device
-        def group_scale(s0, s1, gl, gi):
-            # the lane's 4 blocks are bf16 0..3 of s1:s0; group gl lies in block gl // 2
-            return prmt_b32(s0, s1, broadcast_selector(gl // groups_per_block))
+        def scale_selector(gl):
+            # the lane's 4 blocks are bf16 0..3 of s1:s0; group gl lies in block gl // groups_per_block
+            return np.uint32(broadcast_selector(gl // groups_per_block))
+
+        @_device
+        def group_scale(s0, s1, selector, gi):
+            return prmt_b32(s0, s1, selector)
     else:
         @_device
         def load_scales(address, q):
@@ -860,13 +867,27 @@ def _make_side_reader(side: OperandSide, pairing: str):
             return s0, s1
 
         @_device
-        def group_scale(s0, s1, gl, gi):
+        def scale_selector(gl):
+            return np.uint32(0)
+
+        @_device
+        def group_scale(s0, s1, selector, gi):
             # UE8M0 blocks are 4 groups long and the rotation stays inside a block: static choice
             if gi // groups_per_block == 0:
                 return s0
             return s1
 
-    return load_group, decode, load_scales, group_scale
+    return load_group, decode, load_scales, scale_selector, group_scale
+
+
+def scale_selector_run_step(side: OperandSide) -> int:
+    """What one rotation run (``ROTATION_RUN`` groups) adds to a UE4M3 ``prmt`` selector: the run
+    moves ``ROTATION_RUN // groups_per_block`` blocks on, and each block adds 2 to both selector
+    nibbles of each result half (``bf16_broadcast_selector`` is affine)."""
+    if side.fmt.scale_dtype != "ue4m3":
+        return 0
+    groups_per_block = side.groups // side.blocks_per_thread
+    return (ROTATION_RUN // groups_per_block) * (bf16_broadcast_selector(1) - bf16_broadcast_selector(0))
 
 
 def make_kernel_function(spec: StreamSpec):
@@ -902,16 +923,21 @@ def make_kernel_function(spec: StreamSpec):
     n_row_words = FRAGMENT_WORDS if predecode else 2   # words a thread holds per N row and group
     m_pair_words, n_pair_words, a_frag_words = 2 * m_rows, n_row_words * n_rows, 4 * m_tiles
     m_buffer_words, n_buffer_words = 2 * m_pair_words, 2 * n_pair_words   # two groups' words
-    group_unroll = 2 if spec.prefetch_groups else 1
     groups = m_side.groups
     consumer_threads = WARP_SIZE * spec.consumer_warps
     decoded_off = lay.decoded_tokens
     decoded_slot_bytes = lay.decoded_token_slot_bytes
     n_groups = n_side.groups
     decode_items = n_side.rows * QUAD * n_groups // consumer_threads   # (row, quad lane, group) per thread
+    decoded_row_bytes = QUAD * n_groups * FRAGMENT_BYTES
     decoded_offset = _device(decoded_token_offset)
-    m_load, m_decode, m_load_scales, m_group_scale = _make_side_reader(m_side, spec.pairing)
-    n_load, n_decode, n_load_scales, n_group_scale = _make_side_reader(n_side, spec.pairing)
+    m_load, m_decode, m_load_scales, m_selector, m_group_scale = _make_side_reader(m_side, spec.pairing)
+    n_load, n_decode, n_load_scales, n_selector, n_group_scale = _make_side_reader(n_side, spec.pairing)
+    m_sel_step, n_sel_step = scale_selector_run_step(m_side), scale_selector_run_step(n_side)
+    outer_trips, inner_trips = (groups // ROTATION_RUN, ROTATION_RUN) if spec.prefetch_groups else (groups, 1)
+    # Column XOR of one rotation run (see the group loop): 4 groups of data, 4 decoded fragments.
+    m_run_bytes = ROTATION_RUN * m_side.group_bytes
+    n_run_bytes = ROTATION_RUN * (FRAGMENT_BYTES if spec.predecoded_tokens else n_side.group_bytes)
     m_blocks, n_blocks = m_side.blocks_per_thread, n_side.blocks_per_thread
     m_row_bytes, n_row_bytes = m_side.row_bytes, n_side.row_bytes
     m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
@@ -1108,6 +1134,20 @@ def make_kernel_function(spec: StreamSpec):
             n_w = cuda.local.array(n_buffer_words, np.uint32)
             a_frag = cuda.local.array(a_frag_words, np.uint32)
             consumer_tid = cw * WARP_SIZE + lane
+            # per thread, loop-invariant: columns and UE4M3 scale selectors of its run-0 groups
+            m_col0 = cuda.local.array(ROTATION_RUN, np.uint32)
+            n_col0 = cuda.local.array(ROTATION_RUN, np.uint32)
+            m_sel0 = cuda.local.array(ROTATION_RUN, np.uint32)
+            n_sel0 = cuda.local.array(ROTATION_RUN, np.uint32)
+            for c in range(ROTATION_RUN):
+                gl0 = rotated(c, q)
+                m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
+                if predecode:
+                    n_col0[c] = decoded_offset(n_row_base, q, gl0, n_groups)
+                else:
+                    n_col0[c] = column(q, gl0, n_thread_bytes, n_group_bytes, n_xor)
+                m_sel0[c] = m_selector(gl0)
+                n_sel0[c] = n_selector(gl0)
             decoded_slot = np.uint32(0)   # which decoded-token slot this stage uses (alternates)
             stage = np.int64(0)
             phase = np.int64(0)
@@ -1153,7 +1193,7 @@ def make_kernel_function(spec: StreamSpec):
                             address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
                                                                           word_column(d_q, n_blocks), atoms))
                             d_s0, d_s1 = n_load_scales(address, d_q)
-                            d_scale = n_group_scale(d_s0, d_s1, d_gl, d_gl)
+                            d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl)
                             d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
                             d_w0, d_w1 = n_load(np.uint32(st + n_data_off + d_row * n_row_bytes
                                                           + column(d_q, d_gl, n_thread_bytes, n_group_bytes, d_xor)))
@@ -1168,56 +1208,64 @@ def make_kernel_function(spec: StreamSpec):
                             row = np.uint32(n_sf_row0 + n_row_base + 8 * j)
                             address = np.uint32(st + n_sf_off + sf_offset(row, n_col, atoms))
                             n_sc[2 * j], n_sc[2 * j + 1] = n_load_scales(address, q)
-                    # group 0's words; each group then loads the next one's before decoding (prefetch)
-                    gl = rotated(0, q)
-                    m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes, m_xor))
-                    n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes, n_xor))
-                    for i in range(m_rows):
-                        m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
+                    # Group gi = ROTATION_RUN * run + c sits at column ``col0[c] ^ run * run_bytes`` of
+                    # the thread's rows (its rotated group in run 0, moved by whole runs: disjoint
+                    # bits, so XOR); the row bases are multiples of the row bytes, so OR adds them.
+                    st_m = np.uint32(st + m_row_addr)
+                    if predecode:
+                        st_n = dslot
+                    else:
+                        st_n = np.uint32(st + n_row_addr)
+                    for i in range(m_rows):   # group 0's words; each group then prefetches the next's
+                        m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | m_col0[0]) + 8 * i * m_row_bytes)
                     if predecode:
                         for j in range(n_rows):
                             (n_w[4 * j], n_w[4 * j + 1], n_w[4 * j + 2], n_w[4 * j + 3]) = ld_shared_v4_u32(
-                                dslot + decoded_offset(n_row_base + 8 * j, q, gl, n_groups))
+                                st_n + n_col0[0] + 8 * j * decoded_row_bytes)
                     elif prefetch:
                         for j in range(n_rows):
-                            n_w[2 * j], n_w[2 * j + 1] = n_load(n_off + 8 * j * n_row_bytes)
-                    # Prefetching configs take groups in pairs whose halves alternate the word buffers
-                    # (once ``half`` is unrolled a prefetch lands in the other half's registers: no
-                    # copies); the 8-warp configs, short of registers, one at a time.
-                    for pair_gi in range(np.int32(groups // group_unroll)):   # 32-bit loop counter
-                        for half in range(group_unroll):
-                            gi = group_unroll * pair_gi + half
-                            if group_unroll == 1:   # literal offsets (computed ones cost the 8-warp
-                                cur_m, cur_n, nxt_m, nxt_n = 0, 0, 0, 0   # configs spills at 216 regs)
-                            else:
-                                cur_m, cur_n = half * m_pair_words, half * n_pair_words
-                                nxt_m, nxt_n = (1 - half) * m_pair_words, (1 - half) * n_pair_words
-                            if prefetch:   # (the last group prefetches group 0 again: unused, no branch)
-                                gl_next = rotated((gi + 1) & (groups - 1), q)
-                                m_next = np.uint32(st + m_row_addr + column(q, gl_next, m_thread_bytes,
-                                                                            m_group_bytes, m_xor))
-                                n_next = np.uint32(st + n_row_addr + column(q, gl_next, n_thread_bytes,
-                                                                            n_group_bytes, n_xor))
+                            n_w[2 * j], n_w[2 * j + 1] = n_load((st_n | n_col0[0]) + 8 * j * n_row_bytes)
+                    # Prefetching (4-warp) configs: runs of ROTATION_RUN unrolled groups. The 8-warp
+                    # configs, at their register budget, walk the groups one at a time (outer loop).
+                    for run in range(np.int32(outer_trips)):   # 32-bit loop counter
+                        m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
+                        m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
+                        for c in range(inner_trips):
+                            if prefetch:   # groups alternate the two word buffers: no copies
+                                gi = ROTATION_RUN * run + c
+                                m_sel, n_sel = m_sel0[c] + m_sel_run, n_sel0[c] + n_sel_run
+                                cur_m, cur_n = (c % 2) * m_pair_words, (c % 2) * n_pair_words
+                                nxt_m, nxt_n = (1 - c % 2) * m_pair_words, (1 - c % 2) * n_pair_words
+                                # the next group: c + 1 of this run, or c = 0 of the next run (after the
+                                # last run: another in-row column, loaded and unused)
+                                if c < ROTATION_RUN - 1:
+                                    m_next = st_m | (m_col0[c + 1] ^ m_run)
+                                    n_next = n_col0[c + 1] ^ n_run
+                                else:
+                                    m_next = st_m | (m_col0[0] ^ np.uint32(m_run + m_run_bytes))
+                                    n_next = n_col0[0] ^ np.uint32(n_run + n_run_bytes)
                                 for i in range(m_rows):
                                     m_w[nxt_m + 2 * i], m_w[nxt_m + 2 * i + 1] = m_load(m_next + 8 * i * m_row_bytes)
                                 for j in range(n_rows):
                                     if predecode:
                                         (n_w[nxt_n + 4 * j], n_w[nxt_n + 4 * j + 1], n_w[nxt_n + 4 * j + 2],
                                          n_w[nxt_n + 4 * j + 3]) = ld_shared_v4_u32(
-                                            dslot + decoded_offset(n_row_base + 8 * j, q, gl_next, n_groups))
+                                            st_n + n_next + 8 * j * decoded_row_bytes)
                                     else:
                                         n_w[nxt_n + 2 * j], n_w[nxt_n + 2 * j + 1] = n_load(
-                                            n_next + 8 * j * n_row_bytes)
-                            elif gi > 0:
+                                            (st_n | n_next) + 8 * j * n_row_bytes)
+                            else:   # literal offsets (computed ones cost the 8-warp configs spills)
+                                gi = run
+                                cur_m, cur_n = 0, 0
                                 gl = rotated(gi, q)
-                                m_off = np.uint32(st + m_row_addr + column(q, gl, m_thread_bytes, m_group_bytes,
-                                                                           m_xor))
-                                n_off = np.uint32(st + n_row_addr + column(q, gl, n_thread_bytes, n_group_bytes,
-                                                                           n_xor))
-                                for i in range(m_rows):
-                                    m_w[cur_m + 2 * i], m_w[cur_m + 2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
+                                m_sel, n_sel = m_selector(gl), n_selector(gl)
+                                n_off = st_n | column(q, gl, n_thread_bytes, n_group_bytes, n_xor)
+                                if gi > 0:
+                                    m_off = st_m | column(q, gl, m_thread_bytes, m_group_bytes, m_xor)
+                                    for i in range(m_rows):
+                                        m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
                             for i in range(m_rows):
-                                m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], gl, gi)
+                                m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], m_sel, gi)
                             for step in range(2):
                                 for mi in range(m_tiles):
                                     for h in range(2):        # k 2q.. (h = 0) and k 2q+8.. (h = 1)
@@ -1235,19 +1283,17 @@ def make_kernel_function(spec: StreamSpec):
                                             n_w0, n_w1 = n_w[cur_n + 2 * nj], n_w[cur_n + 2 * nj + 1]
                                         else:   # N rows just in time (reloaded for step 1): fewer live registers
                                             n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
-                                        n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], gl, gi)
+                                        n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], n_sel, gi)
                                         b0 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step), n_scale, NEG_ZERO_BF16X2)
                                         b1 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step + 1), n_scale,
                                                         NEG_ZERO_BF16X2)
                                     for mi in range(m_tiles):
-                                        c = 4 * (mi * n_tiles + nj)
+                                        cc = 4 * (mi * n_tiles + nj)
                                         d = hp.mma_bf16_m16n8k16(
                                             (a_frag[4 * mi], a_frag[4 * mi + 1], a_frag[4 * mi + 2],
                                              a_frag[4 * mi + 3]),
-                                            (b0, b1), (acc[c], acc[c + 1], acc[c + 2], acc[c + 3]))
-                                        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d
-                            if prefetch:
-                                gl = gl_next
+                                            (b0, b1), (acc[cc], acc[cc + 1], acc[cc + 2], acc[cc + 3]))
+                                        acc[cc], acc[cc + 1], acc[cc + 2], acc[cc + 3] = d
                     cuda.syncwarp()
                     if lane == 0:
                         empty = bar0 + MBARRIER_BYTES * (stages + stage)
