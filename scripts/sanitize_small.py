@@ -21,8 +21,10 @@ from gbs.schedule import TileConfig
 N, K = 200, 512
 GROUP_SIZES = [3, 0, 1, 9, 5]
 EXPERT_IDS = [2, 0, 1, -1, 3]
-# (ab_swapped, mma_bn, cta_group, stages): decode, small prefill pair, not swapped, wide N
-STREAM_CONFIGS = [(True, 8, 1, 2), (True, 64, 2, 3), (False, 128, 1, 2), (True, 256, 1, 2)]
+# ((ab_swapped, mma_bn, cta_group, stages), k_splits): decode (decoded-token slots), the same with
+# split-K runs, small prefill pair (8 warps) with split-K, not swapped, wide N
+STREAM_CONFIGS = [((True, 8, 1, 2), 1), ((True, 16, 1, 2), 2), ((True, 64, 2, 3), 2), ((False, 128, 1, 2), 1),
+                  ((True, 256, 1, 2), 1)]
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 
 
@@ -36,13 +38,13 @@ def main() -> int:
     failures = 0
     for seed, fmt in enumerate(FORMATS):
         p = problem_for(fmt, seed)
-        cases = [("h200_stream", c, lambda c=c: h200_stream.grouped_matmul_h200(p, StreamConfig(*c)))
-                 for c in STREAM_CONFIGS]
+        cases = [("h200_stream", (c, splits), lambda c=c, splits=splits: h200_stream.grouped_matmul_h200(
+                     p, StreamConfig(*c), k_splits=splits)) for c, splits in STREAM_CONFIGS]
         cases.append(("simt", (True, 8, 1), lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, run in cases:
             verdict = check_acceptance(p, run())
             failures += not verdict.passed
-            print(f"{fmt:6} {name:12} {str(knobs):24} {verdict}", flush=True)
+            print(f"{fmt:6} {name:12} {str(knobs):30} {verdict}", flush=True)
     print(f"{failures} failed")
     return 1 if failures else 0
 
