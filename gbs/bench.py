@@ -572,9 +572,9 @@ def format_table(rows: list[dict]) -> str:
             continue
         spread = f"{r['p10_us']:.1f}-{r['p90_us']:.1f}"
         ratios = "".join(f" {_fmt(r[f'speedup_vs_{p}'], '6.2f')}" for p in peer_lib.PEER_NAMES)
-        if r["kind"] == KIND_OURS:
-            extra = (f"swap={int(r['ab_swapped'])} bn={r['mma_bn']} cg={r['cta_group']} st={r['stages']} "
-                     f"({r['regime']})")
+        if r["kind"] == KIND_OURS:   # what ran; the SM100 decision in brackets when it differs
+            decided = f"swap{int(r['ab_swapped'])} bn{r['mma_bn']} cg{r['cta_group']} st{r['stages']}"
+            extra = f"{r['ran_knobs'] or decided} ({r['regime']}: decided {decided})"
         else:
             extra = r["method_format"] + (f"; earlier {r['earlier_figure']}" if r["earlier_figure"] else "")
         if r["note"]:

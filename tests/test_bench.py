@@ -357,7 +357,7 @@ def test_table_shows_every_row_and_the_reasons():
     assert "FAIL: correctness check failed" in table[6]
     simt_line = table[2]
     assert "100.0" in simt_line and "90.0-120.0" in simt_line and " 0.50 " in simt_line
-    assert "swap=" in simt_line and "(decode)" in simt_line
+    assert "decided swap1 bn64 cg2 st6" in simt_line and "(decode:" in simt_line
     assert "earlier 67.8 us" in table[4]
     # columns line up: the median sits under the "us" header on every timed line
     us_column = slice(18 + 1 + 6 + 1 + 18 + 1, 18 + 1 + 6 + 1 + 18 + 1 + 9)

@@ -395,7 +395,8 @@ def test_split_runs_and_its_errors():
     ("nvfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2)),        # Kimi
     ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),   # small prefill
     ("mxfp8", 4096, 64, hs.StreamConfig(True, 64, 2, 9), hs.StreamConfig(True, 64, 2, hs.AUTO_STAGES)),
-    ("mxfp8", 256, 64, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(False, 128, 1, hs.AUTO_STAGES)),
+    ("mxfp8", 256, 64, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(True, 8, 1, 2)),   # default route
+    ("mxfp8", 16384, 32, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(False, 128, 1, hs.AUTO_STAGES)),
 ])
 def test_h200_plan(fmt, total_tokens, slots, decided, want):
     """Small token tiles are cut to the tokens per expert, without a pair, on a 2-stage ring; the

@@ -1466,6 +1466,9 @@ def h200_stream_config(problem, config) -> StreamConfig:
 #   ``H200_SMALL_N_MAX_TOKENS`` tokens on average, the tile is cut to the tokens (8 or 16 columns),
 #   without the 2-CTA pair: NVFP4 4096 x 7168, 32 x 32 tokens: swapped bn16 cg1 579.6 us, the SM100
 #   decision (bn64 cg2, 6 stages) 867.4 us; Kimi 512 x 7168, 8 x 1: bn8 cg1 38.1 us, bn64 cg2 115.5 us.
+#   The same holds for the MXFP8 x MXFP8 default route (not swapped, bn128, no regime table upstream):
+#   4096 x 7168, 64 x 4: swapped bn8 485.2 us (86.6 % of the read ceiling), bn128 2852.7 us (bench,
+#   commit 2656874).
 # * Those 4-warp configs take ``H200_SMALL_N_STAGES`` stages, so that three CTAs share an SM (their
 #   occupancy hides the decode's latency better than a deep ring): NVFP4 4096 x 7168, 64 x 4:
 #   2 stages 409.6 us, 3: 410.4, 4: 428.0, the SM100 decision's 6: 511.7.
@@ -1479,12 +1482,12 @@ H200_SMALL_N_STAGES = 2
 def h200_plan(problem, decision) -> StreamConfig:
     """The knobs this kernel runs an SM100 ``decision`` (a ``KernelConfig`` / ``TileConfig``) with
     when the caller did not choose them (``gbs.grouped_matmul`` with ``config=None``), from host
-    metadata only (works for device problems): see the measurements above. Not-swapped decisions and
-    swapped ones whose experts average more than ``H200_SMALL_N_MAX_TOKENS`` tokens keep their tile
-    knobs, with the deepest ring that fits (``h200_stream_config``)."""
+    metadata only (works for device problems): see the measurements above. Decisions whose experts
+    average more than ``H200_SMALL_N_MAX_TOKENS`` tokens keep their tile knobs, with the deepest ring
+    that fits (``h200_stream_config``)."""
     stream_config = StreamConfig.of(decision)
     tokens_per_expert = -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
-    if not stream_config.ab_swapped or tokens_per_expert > H200_SMALL_N_MAX_TOKENS:
+    if tokens_per_expert > H200_SMALL_N_MAX_TOKENS:
         return h200_stream_config(problem, dataclasses.replace(stream_config, num_pipeline_stages=AUTO_STAGES))
     mma_bn = next((bn for bn in H200_SMALL_N_MMA_BN if bn >= tokens_per_expert), H200_SMALL_N_MMA_BN[-1])
     return h200_stream_config(problem, StreamConfig(True, mma_bn, 1, H200_SMALL_N_STAGES))
