@@ -1460,7 +1460,8 @@ def h200_stream_config(problem, config) -> StreamConfig:
 
 
 # The H200 mapping of an SM100 decision (``h200_plan``): measured on the H200 with this kernel
-# (``scripts/h200_stream_sweep.py``, 2026-11-29, commit 7d43acb; notes/h200/README.md, run 8):
+# (``scripts/h200_stream_sweep.py`` and ``gbs bench``, 2026-11-30, commits 7d43acb - 2656874;
+# notes/h200/README.md, runs 8, 9 and 12):
 # * Token tiles of at most 32 columns run on 4 consumer warps with the decoded-token slots; wider
 #   ones on 8 warps whose register budget allows one CTA per SM. When an expert has at most
 #   ``H200_SMALL_N_MAX_TOKENS`` tokens on average, the tile is cut to the tokens (8 or 16 columns),
