@@ -6,7 +6,9 @@ Start with ``python -m gbs demo``; the public pieces:
 * ``gbs.problem``: ``GroupedProblem``, ``build_problem``, ``random_problem``;
 * ``gbs.reference``: the exact reference and the acceptance metric;
 * ``gbs.dispatch``: the SM100 three-regime dispatch;
-* ``gbs.grouped_matmul``: run the grouped matmul on the best backend available.
+* ``gbs.grouped_matmul``: run the grouped matmul on the best backend available;
+* ``gbs.device_problem`` / ``gbs.DeviceGroupedProblem`` (``gbs.interop``): a problem whose arrays already live
+  on the GPU (PyTorch, CuPy, Numba, ``__cuda_array_interface__``, DLPack), run without copies.
 """
 from .api import grouped_matmul
 from .interop import DeviceGroupedProblem, device_problem
@@ -14,5 +16,5 @@ from .problem import GroupedProblem, build_problem, random_problem
 from .quant import BlockScaled, dequantize, quantize
 
 __all__ = ["grouped_matmul", "GroupedProblem", "build_problem", "random_problem", "BlockScaled", "quantize",
-           "dequantize"]
+           "dequantize", "DeviceGroupedProblem", "device_problem"]
 __version__ = "0.1.0"
