@@ -7,7 +7,7 @@ MXFP4, MXFP8 (E4M3), MXFP8 E5M2 and W4A8 (MXFP8 tokens x MXFP4 weights) with eve
 ``cta_group`` 1 / 2 and ``num_pipeline_stages``. One kernel family, specialised at compile time by
 ``StreamSpec`` (formats and knobs) and cached per spec.
 
-Structure (one CTA per SM, persistent):
+Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
 * The producer: warp 0, or with 8 consumer warps a whole warpgroup (warps 1-3 idle) whose registers
   ``setmaxnreg`` hands to the consumers. One thread walks the CTA's tiles (``gbs.schedule``: slot
   order, ``-1`` and empty slots have no tiles, M-major inside a group; pair ``p`` of ``P`` pairs takes
@@ -24,6 +24,18 @@ Structure (one CTA per SM, persistent):
   by ``expert_scales[e]`` (and the power of two below), rounds to bf16 (RNE) and stores
   ``C[token, n]`` with predicated 2-byte stores, masked to the group's tokens and to N: rows of
   skipped slots are never written.
+* Decoded-token slots (``StreamSpec.predecoded_tokens``: swapped configs with at most 32 token
+  columns, the decode regime): after the ``full`` wait the 4 consumer warps decode the stage's token
+  slice ONCE, together, into bf16 B fragments (scaled) in one of two shared slots, meet at a named
+  barrier, and then each reads a group's fragments with one 16-byte load; wider token tiles decode
+  their tokens in registers, per warp.
+* Split-K (``choose_k_splits``, its own ``StreamSpec.split_k`` build): with fewer tiles than resident
+  CTAs, each tile's K slices are cut into runs taken by different CTAs; runs add fp32 partial tiles
+  into a zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the
+  last run of a tile (a counter) takes the sums back with ``atom.exch`` of 0, rounds and stores, and
+  resets the counter: the workspace is zero again after every launch.
+* The routing (a_offsets, expert_ids; up to ``ROUTING_SMEM_SLOTS`` slots) is copied into shared memory
+  at launch, so the tile walk does not pay one dependent global load per slot it steps over.
 * ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile.
   Each CTA loads half of the token rows and multicasts them (``.multicast::cluster``) to both; the
   token scale atoms are multicast too. Every consumer warp releases a stage on the ``empty`` barriers
@@ -53,16 +65,17 @@ elements ``(j, j + 4)`` in one bf16x2 register (two shifts and masks per registe
 pairing. Threads visit their groups in an order rotated by their quad index, so the 32 lanes of a
 shared-memory load hit 32 different banks (TMA 128B / 64B swizzle does the rest).
 
-Cost, from the SASS (ptxas 13.5, decode config nvfp4 swapped mma_bn 8): one 8-element group of a
-consumer warp (32 weight rows x 8 elements = 512 B of FP4 weights, plus the 8 tokens) is a loop body
-of ~125 instructions: 5 LDS, 20 registers decoded at ~3.2 integer ops each (mask, one IMAD that
-spreads magnitude and sign, mask; see ``e2m1_pair_bits``), 20 HMUL2.BF16 for the scales, 5 PRMT
-(NVFP4 block-scale selection), 4 HMMA: ~5 integer lane-ops per weight byte. The integer (ALU) pipe
-is the bound: ~55 ALU instructions at half rate ~ 110 cycles per 512 B per SM sub-partition, about
-the 4 B/cycle each must sustain at 4.3 TB/s, so any stall shows. The next group's words are loaded
-while the current one decodes (4-warp configs); a ring of at most half the shared memory lets two
-CTAs share an SM (``resident_ctas_per_sm``). 1/5 of the decode work is the tokens, decoded again by
-each of the 4 consumer warps.
+Cost, from the SASS (ptxas 13.5, decode config nvfp4 swapped mma_bn 8, 2 stages, 121 registers, 3 CTAs
+per SM): one 8-element group of a consumer warp (32 weight rows x 8 elements = 512 B of FP4 weights)
+is ~90 instructions: 4 LDS for the weights and one LDS.128 for the decoded token fragments, 16
+registers decoded at ~3 instructions each (mask, one IMAD that spreads magnitude and sign, mask; see
+``e2m1_pair_bits``; ptxas folds the odd registers' shift into the IMAD), 16 HMUL2.BF16 for the
+scales, 4 PRMT (NVFP4 block-scale selection), 4 HMMA, and one LOP3 per address: groups are walked
+in unrolled rotation runs of 4 with per-thread column tables, prefetching the next group's words
+into the other of two register buffers. Per stage add the token decode (1/4 of it per warp), the
+scale conversion and a named barrier (~20 % on top). ncu on the H200 (notes/h200, run 9): issue
+slots 66 % busy, ALU pipe 66 %, FMA-heavy 56 %, DRAM 52 %: instruction-bound, 60 % of the read
+ceiling. FP8 decodes twice the bytes per instruction and streams at 86 %.
 
 Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
 are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned
