@@ -70,7 +70,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .problem import GroupedProblem, _is_int, problem_format_name, resolve_formats
+from .problem import GroupedProblem, ProblemShape, _is_int, problem_format_name, resolve_formats
 from .quant import BlockFormat, get_format
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
@@ -343,7 +343,7 @@ def _host_operand_dtype(fmt: BlockFormat) -> np.dtype:
 
 
 @dataclass(frozen=True, eq=False)
-class DeviceGroupedProblem:
+class DeviceGroupedProblem(ProblemShape):
     """A grouped 1D-1D block-scaled problem whose arrays live on the GPU: the fields and layouts of
     ``gbs.problem.GroupedProblem``; the integers are host values (the dispatch reads only them).
 
@@ -404,18 +404,6 @@ class DeviceGroupedProblem:
     def device_id(self) -> int | None:
         """The GPU the arrays live on, where their kind says (torch, CuPy, DLPack), else None."""
         return next((arr.device_id for arr in self.arrays().values() if arr.device_id is not None), None)
-
-    @property
-    def format_name(self) -> str:
-        return problem_format_name(self.a_format, self.b_format)
-
-    @property
-    def num_experts(self) -> int:
-        return self.b.shape[0]
-
-    @property
-    def total_tokens(self) -> int:
-        return self.a.shape[0]
 
     def arrays(self) -> dict[str, DeviceArray]:
         from .numba_kernels import launch

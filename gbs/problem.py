@@ -58,6 +58,24 @@ def problem_format_name(a_format: BlockFormat, b_format: BlockFormat) -> str:
                      f"supported: {sorted(PROBLEM_FORMATS.values())}")
 
 
+class ProblemShape:
+    """What every kind of grouped problem (host ``GroupedProblem``, ``launch.DeviceProblem``,
+    ``interop.DeviceGroupedProblem``) derives the same way from its ``a_format``, ``b_format``,
+    ``a`` and ``b``."""
+
+    @property
+    def format_name(self) -> str:
+        return problem_format_name(self.a_format, self.b_format)
+
+    @property
+    def num_experts(self) -> int:
+        return self.b.shape[0]
+
+    @property
+    def total_tokens(self) -> int:
+        return self.a.shape[0]
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -82,7 +100,7 @@ def operand_shape(fmt: BlockFormat, rows: tuple[int, ...], k: int) -> tuple[int,
 
 
 @dataclass(frozen=True)
-class GroupedProblem:
+class GroupedProblem(ProblemShape):
     """All inputs of one grouped 1D-1D block-scaled matmul (validated on construction)."""
 
     a_format: BlockFormat
@@ -103,19 +121,7 @@ class GroupedProblem:
     def __post_init__(self):
         self.validate()
 
-    # -- derived -------------------------------------------------------------------------------
-    @property
-    def format_name(self) -> str:
-        return problem_format_name(self.a_format, self.b_format)
-
-    @property
-    def num_experts(self) -> int:
-        return self.b.shape[0]
-
-    @property
-    def total_tokens(self) -> int:
-        return self.a.shape[0]
-
+    # -- derived (format_name, num_experts, total_tokens: ProblemShape) ---------------------------
     @property
     def group_sizes(self) -> np.ndarray:
         return np.diff(self.a_offsets.astype(np.int64))

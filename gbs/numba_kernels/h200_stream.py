@@ -700,38 +700,29 @@ prmt_b32 = _pure_u32_intrinsic(
     "prmt_b32", "prmt.b32 $0, $1, $2, $3;", 3,
     "Byte permute: byte i of the result is byte ``selector[4i:4i+4]`` of the 8 bytes ``b:a``.")
 
-_U32X2 = types.UniTuple(types.uint32, 2)
+def _ld_shared_u32_vector(width: int):
+    """Intrinsic: ``width`` (2 or 4) 32-bit words from a ``4 * width``-byte aligned shared-window address."""
+    outputs = ", ".join(f"${i}" for i in range(width))
+    text = f"ld.shared.v{width}.u32 {{{outputs}}}, [${width}];"
+    constraints = ",".join(["=r"] * width + ["r"])
+    words_type = types.UniTuple(types.uint32, width)
+
+    @intrinsic
+    def ld_shared_vector(typingctx, smem):
+        def codegen(context, builder, sig, args):
+            address = context.cast(builder, args[0], sig.args[0], types.uint32)
+            words = asm(builder, ir.LiteralStructType([I32] * width), [I32], text, constraints, [address],
+                        memory=False)
+            return struct_to_tuple(context, builder, sig.return_type, words, width)
+
+        return words_type(smem), codegen
+
+    ld_shared_vector.__doc__ = f"{_ld_shared_u32_vector.__doc__}\n\nPTX: ``{text}``"
+    return ld_shared_vector
 
 
-@intrinsic
-def ld_shared_v2_u32(typingctx, smem):
-    """Two 32-bit words from the 8-byte aligned shared-window address ``smem``."""
-    text = "ld.shared.v2.u32 {$0, $1}, [$2];"
-
-    def codegen(context, builder, sig, args):
-        address = context.cast(builder, args[0], sig.args[0], types.uint32)
-        words = asm(builder, ir.LiteralStructType([I32, I32]), [I32], text, "=r,=r,r", [address], memory=False)
-        return struct_to_tuple(context, builder, sig.return_type, words, 2)
-
-    return _U32X2(smem), codegen
-
-
-_U32X4 = types.UniTuple(types.uint32, 4)
-
-
-@intrinsic
-def ld_shared_v4_u32(typingctx, smem):
-    """Four 32-bit words from the 16-byte aligned shared-window address ``smem``."""
-    text = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
-
-    def codegen(context, builder, sig, args):
-        address = context.cast(builder, args[0], sig.args[0], types.uint32)
-        words = asm(builder, ir.LiteralStructType([I32] * 4), [I32], text, "=r,=r,=r,=r,r", [address],
-                    memory=False)
-        return struct_to_tuple(context, builder, sig.return_type, words, 4)
-
-    return _U32X4(smem), codegen
-
+ld_shared_v2_u32 = _ld_shared_u32_vector(2)
+ld_shared_v4_u32 = _ld_shared_u32_vector(4)
 
 st_shared_v4_u32 = cm.ptx_intrinsic(
     "st_shared_v4_u32", "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
@@ -760,7 +751,7 @@ def _ue4m3_scale_intrinsic(log2_multiplier: int):
             pairs = _pure_asm(builder, ir.LiteralStructType([I32, I32]), [I32], text, "=r,=r,r", [value])
             return struct_to_tuple(context, builder, sig.return_type, pairs, 2)
 
-        return _U32X2(word), codegen
+        return types.UniTuple(types.uint32, 2)(word), codegen
 
     return ue4m3x4_to_bf16x2
 

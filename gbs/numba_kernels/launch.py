@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
+from gbs.problem import ProblemShape
 from gbs.quant import BlockFormat, get_format
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
@@ -88,7 +89,7 @@ def require_gpu(compute_capability: tuple[int, int], what: str) -> None:
 # Device-resident problems
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class DeviceProblem:
+class DeviceProblem(ProblemShape):
     """A grouped 1D-1D problem whose arrays live on the device (numba device arrays).
 
     Same fields as ``gbs.problem.GroupedProblem`` (``a`` and ``b`` as raw bytes); the integers are host
@@ -110,20 +111,6 @@ class DeviceProblem:
     estimated_total_m: int
     n: int
     k: int
-
-    @property
-    def num_experts(self) -> int:
-        return self.b.shape[0]
-
-    @property
-    def total_tokens(self) -> int:
-        return self.a.shape[0]
-
-    @property
-    def format_name(self) -> str:
-        from gbs.problem import problem_format_name
-
-        return problem_format_name(self.a_format, self.b_format)
 
     def arrays(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PROBLEM_ARRAY_DTYPES}
