@@ -8,6 +8,15 @@ median / p10 / p90 time, TFLOP/s, GB/s, fractions of the ceilings, ``source`` (`
 problem, else ``sweep``; ``stages_source``: the dispatch's stage-source names). Only rows that
 were timed on a GPU say ``measured``; those must carry the GPU's name and the commit.
 
+Stage limits (``row_max_stages``). A row's ``stages`` must fit the shared memory of what produced
+it. A measured H200 row was timed on the H200 kernel (``gbs.numba_kernels.h200_stream``), whose
+real bytes per stage differ from SM100's, so its limit is that kernel's deepest ring
+(``h200_stream.max_pipeline_stages``): deeper than the SM100 formula for most knob sets (W4A8
+decode: 21 vs 12), shallower for a few (the NVFP4 large-prefill pair: 6 vs 7). Modelled rows, and
+rows of any other GPU, are bounded by the SM100 stage formula with that GPU's budget
+(``HARDWARE[gpu].max_stages``): what the performance model and the dispatch assume. A derived
+table calls a stage count ``auto`` when it is that limit.
+
 Problems are named by ``ProblemKey`` (format, N, K, routing, slots, total tokens); the token
 count of each slot comes from ``gbs.problem.make_routing`` with ``ABLATION_ROUTING_SEED``
 (``routing_for``), so measured and modelled rows of one key describe the same problem. Top-k
@@ -114,6 +123,7 @@ DEFAULT_TOKENS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 
 DEFAULT_NUM_ACTIVE_EXPERTS = (8, 64)
 MAX_SWEEP_TOTAL_TOKENS = 65536    # skip (slots x tokens) above this: 64 x 4096 says nothing 8 x 4096 does not
 UPSTREAM_SLOTS = 8                # slot count at which upstream_table asks the dispatch
+H200_KERNEL_GPU = "h200"          # measured rows of this GPU come from gbs.numba_kernels.h200_stream
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,6 +223,29 @@ def tuned_dispatch_config(key: ProblemKey, smem_per_sm: int):
                                          b_format=b_name)
 
 
+@functools.lru_cache(maxsize=256)
+def _h200_kernel_max_stages(fmt: str, tile: TileConfig) -> int:
+    # imported here: numba-cuda's import costs about a second and only measured H200 rows need it
+    from gbs.numba_kernels import h200_stream
+
+    return h200_stream.max_pipeline_stages(*resolve_names(fmt), tile)
+
+
+def row_max_stages(gpu: str, source: str, fmt: str, config) -> int | None:
+    """The deepest legal ring of a row of ``gpu`` and ``source`` with ``config``'s knobs, or None
+    for a GPU without a model (nothing to check against).
+
+    Measured H200 rows: the H200 kernel's own limit from its real shared-memory bytes
+    (``h200_stream.max_pipeline_stages``), since that kernel timed them. Modelled rows and other
+    GPUs: the SM100 stage formula with the GPU's budget (``HARDWARE[gpu].max_stages``)."""
+    tile = TileConfig.of(config)
+    if gpu == H200_KERNEL_GPU and source == SOURCE_MEASURED:
+        return _h200_kernel_max_stages(fmt, tile)
+    if gpu in HARDWARE:
+        return HARDWARE[gpu].max_stages(fmt, tile)
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Rows
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +260,11 @@ def _positive_finite(name: str, value, *, allow_zero: bool = False) -> float:
 
 @dataclass(frozen=True)
 class AblationRow:
-    """One row of ``data/ablations.csv``; construction validates every field."""
+    """One row of ``data/ablations.csv``; construction validates every field.
+
+    ``stages`` is bounded by ``row_max_stages``: for a measured H200 row the H200 kernel's real
+    deepest ring (it is what ran), for modelled rows and other GPUs the SM100 formula with the
+    GPU's budget (what the model assumes)."""
 
     gpu: str
     format: str
@@ -273,20 +310,15 @@ class AblationRow:
         if self.regime != regime:
             raise ValueError(f"regime {self.regime!r} does not match the dispatch's classification {regime!r} of "
                              f"{self.total_tokens} tokens over {self.num_active_experts} slots")
-        config = self.config
-        if self.gpu in HARDWARE:
-            max_stages = HARDWARE[self.gpu].max_stages(self.format, config.tile_config)
-            if self.stages > max_stages:
-                raise ValueError(f"{self.stages} stages exceed the {self.gpu} maximum {max_stages} for "
-                                 f"{self.format} {tile_label(config.tile_config)}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+        self._check_stages()
         for name in ("median_us", "p10_us", "p90_us"):
             object.__setattr__(self, name, _positive_finite(name, getattr(self, name)))
         if not self.p10_us <= self.median_us <= self.p90_us:
             raise ValueError(f"need p10 <= median <= p90, got {self.p10_us}, {self.median_us}, {self.p90_us}")
         for name in ("tflops", "gbps", "mma_ceiling_fraction", "bandwidth_ceiling_fraction"):
             object.__setattr__(self, name, _positive_finite(name, getattr(self, name), allow_zero=True))
-        if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         for name in ("gpu_name", "date", "commit"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -302,6 +334,20 @@ class AblationRow:
             raise ValueError(f"config_source must be one of {CONFIG_SOURCES}, got {self.config_source!r}")
         if self.stages_source not in STAGES_SOURCES:
             raise ValueError(f"stages_source must be one of {STAGES_SOURCES}, got {self.stages_source!r}")
+
+    def _check_stages(self) -> None:
+        tile = self.config.tile_config
+        max_stages = row_max_stages(self.gpu, self.source, self.format, tile)
+        if max_stages is None or self.stages <= max_stages:
+            return
+        where = f"for {self.format} {tile_label(tile)}"
+        if self.gpu == H200_KERNEL_GPU and self.source == SOURCE_MEASURED:
+            formula = HARDWARE[self.gpu].max_stages(self.format, tile)
+            raise ValueError(f"{self.stages} stages exceed the H200 kernel's maximum {max_stages} {where} (its real "
+                             f"shared-memory bytes, h200_stream.max_pipeline_stages; the SM100 formula with the "
+                             f"{self.gpu} budget allows {formula}, which does not bound measured {self.gpu} rows)")
+        raise ValueError(f"{self.stages} stages exceed the {self.gpu} maximum {max_stages} {where} (the SM100 "
+                         f"stage formula with the {self.gpu} budget, which bounds {self.source} rows)")
 
     @property
     def key(self) -> ProblemKey:
@@ -419,6 +465,7 @@ def model_rows(hw: HardwareParams, problems: Iterable[ProblemKey], *, configs: S
             picked = None
         for config in (configs if configs is not None else legal_configs(key.format, hw)):
             estimate = model_config(shape, config, hw)
+            # a modelled row's limit is the SM100 formula with hw's budget (as in row_max_stages)
             auto = config.stages == hw.max_stages(key.format, config.tile_config)
             rows.append(make_row(
                 key, config, median_us=estimate.time_us, p10_us=estimate.time_us, p90_us=estimate.time_us,
@@ -646,7 +693,7 @@ def derive_dispatch_table(rows: Sequence[AblationRow], rule: str = RULE_FASTEST,
             stages = fastest[0]
         else:
             stages = min(s for s, slow in slowdowns if slow <= (1 + tolerance) * fastest[1])
-        max_stages = HARDWARE[gpu].max_stages(fmt, tile) if gpu in HARDWARE else None
+        max_stages = row_max_stages(gpu, source, fmt, tile)
         regime_note = ("" if not special else
                        f"; the regime config {tile_label(regime_tile)} is "
                        + (f"x{ranked[regime_tile] / ranked[own]:.3f} slower here" if regime_tile in ranked
@@ -751,15 +798,25 @@ def _representative(problems: Sequence[ProblemKey]) -> ProblemKey:
 
 def _model_reason(table: DispatchTable, problems, preferred: ModelConfig, other: ModelConfig,
                   hardware: dict) -> str:
-    """The model's explanation on ``table``'s GPU at the representative problem."""
+    """The model's explanation on ``table``'s GPU at the representative problem. A config past the
+    table's own stage limit (``row_max_stages``: the H200 kernel's for measured H200 tables) could
+    not have run; one past the model's SM100 formula only cannot be modelled."""
     hw = hardware.get(table.gpu)
     if hw is None or not problems:
         return "no performance model for this GPU"
     key = _representative(problems)
+    source = table.source if table.source in SOURCES else SOURCE_MODEL   # upstream's: the dispatch's formula
     for config in (preferred, other):
-        if config.stages > hw.max_stages(key.format, config.tile_config):
-            return (f"{config.label()} does not fit {hw.name}'s shared memory (at most "
-                    f"{hw.max_stages(key.format, config.tile_config)} stages)")
+        limit = row_max_stages(table.gpu, source, key.format, config.tile_config)
+        if limit is not None and config.stages > limit:
+            what = ("the H200 kernel's" if table.gpu == H200_KERNEL_GPU and source == SOURCE_MEASURED
+                    else f"{hw.name}'s")
+            return f"{config.label()} does not fit {what} shared memory (at most {limit} stages)"
+    for config in (preferred, other):
+        formula = hw.max_stages(key.format, config.tile_config)
+        if config.stages > formula:
+            return (f"{config.label()} is within the table's stage limit but past the model's: its SM100 stage "
+                    f"formula allows at most {formula} on {hw.name}, so it cannot be modelled")
     return f"At {key.num_active_experts} x {key.avg_m:g} tokens ({key.routing}): " + \
         explain_difference(problem_shape(key), preferred, other, hw)
 
@@ -878,6 +935,6 @@ __all__ = [
     "ABLATION_COLUMNS", "ABLATION_ROUTINGS", "ABLATION_SHAPES", "AblationRow", "Boundary", "DispatchTable",
     "Disagreement", "ProblemKey", "RegimeChoice", "ShapeEntry", "TableComparison", "calibrate_rows",
     "compare_tables", "derive_dispatch_table", "dispatch_config", "legal_configs", "make_row", "model_rows",
-    "problem_shape", "read_ablations", "routing_for", "sweep_problems", "tuned_dispatch_config", "upstream_table",
-    "write_ablations",
+    "problem_shape", "read_ablations", "routing_for", "row_max_stages", "sweep_problems", "tuned_dispatch_config",
+    "upstream_table", "write_ablations",
 ]

@@ -13,6 +13,7 @@ import pytest
 from gbs import ablation as ab
 from gbs import perfmodel as pm
 from gbs.dispatch import REGIME_CONFIGS, grouped_matmul_nvfp4_dispatch
+from gbs.numba_kernels import h200_stream
 from gbs.schedule import TileConfig
 
 DEEPSEEK_UP = (4096, 7168)
@@ -101,7 +102,8 @@ def test_csv_round_trip(tmp_path):
     (dict(median_us=0.0), "median_us must be finite and > 0"),
     (dict(ab_swapped=False), "cta_group=2 requires ab_swapped"),
     (dict(mma_bn=8), "mma_bn=8 is illegal with cta_group=2"),
-    (dict(stages=9), "exceed the h200 maximum 8"),
+    # 8 fits the SM100 formula on the H200 but not the H200 kernel that timed the row (7)
+    (dict(stages=8), r"8 stages exceed the H200 kernel's maximum 7 .*SM100 formula with the h200 budget allows 8"),
     (dict(date="29/11/2026"), "ISO date"),
     (dict(routing="topk"), "routing must be one of"),
     (dict(format="fp16"), "format must be one of"),
@@ -114,6 +116,49 @@ def test_rows_reject_invalid_fields(change, match):
     row = measured_row(key(tokens=32), pm.ModelConfig(True, 64, 2, 6))
     with pytest.raises((ValueError, TypeError), match=match):
         dataclasses.replace(row, **change)
+
+
+# W4A8 decode knobs: the H200 kernel's stage (FP4 weights packed, 8 token rows) is far smaller than
+# the SM100 formula's, so its ring is deeper than the formula allows.
+W4A8_DECODE_KEY = key(tokens=2, fmt="w4a8")
+W4A8_KERNEL_MAX = h200_stream.max_pipeline_stages("mxfp8", "mxfp4", BN8)
+W4A8_FORMULA_MAX = pm.H200.max_stages("w4a8", BN8)
+
+
+def test_stage_limits_per_gpu_and_source():
+    assert W4A8_KERNEL_MAX > W4A8_FORMULA_MAX == h200_stream.formula_pipeline_stages("mxfp8", "mxfp4", BN8)
+    assert ab.row_max_stages("h200", "measured", "w4a8", BN8) == W4A8_KERNEL_MAX
+    assert ab.row_max_stages("h200", "model", "w4a8", BN8) == W4A8_FORMULA_MAX
+    assert ab.row_max_stages("b200", "measured", "w4a8", BN8) == pm.B200.max_stages("w4a8", BN8)
+    # the NVFP4 large-prefill pair: the kernel holds the whole token tile in both CTAs, one stage less
+    assert (ab.row_max_stages("h200", "measured", "nvfp4", BN128_PAIR),
+            ab.row_max_stages("h200", "model", "nvfp4", BN128_PAIR)) == (6, 7)
+    assert ab.row_max_stages("mi300", "measured", "nvfp4", BN8) is None
+
+
+def test_measured_h200_rows_are_bounded_by_the_kernel_not_the_formula():
+    deepest = pm.ModelConfig(True, 8, 1, W4A8_KERNEL_MAX)
+    row = measured_row(W4A8_DECODE_KEY, deepest)
+    assert row.stages == W4A8_KERNEL_MAX
+    with pytest.raises(ValueError, match=rf"{W4A8_KERNEL_MAX + 1} stages exceed the H200 kernel's maximum "
+                                         rf"{W4A8_KERNEL_MAX} for w4a8 bn8/cg1/sw .*allows {W4A8_FORMULA_MAX}"):
+        dataclasses.replace(row, stages=W4A8_KERNEL_MAX + 1)
+    # legal per the formula (7) but not for the kernel (6): flagged
+    with pytest.raises(ValueError, match="exceed the H200 kernel's maximum 6 for nvfp4 bn128/cg2/sw"):
+        measured_row(key(tokens=256), pm.ModelConfig(True, 128, 2, 7))
+
+
+def test_modelled_and_other_gpu_rows_keep_the_formula_limit():
+    row = measured_row(W4A8_DECODE_KEY, pm.ModelConfig(True, 8, 1, W4A8_KERNEL_MAX))
+    with pytest.raises(ValueError, match=rf"{W4A8_KERNEL_MAX} stages exceed the h200 maximum {W4A8_FORMULA_MAX} "
+                                         r"for w4a8 bn8/cg1/sw \(the SM100 stage formula"):
+        dataclasses.replace(row, source="model")
+    b200_max = pm.B200.max_stages("w4a8", BN8)
+    with pytest.raises(ValueError, match=f"exceed the b200 maximum {b200_max}"):
+        dataclasses.replace(row, gpu="b200", stages=b200_max + 1)
+    model_pair = dataclasses.replace(measured_row(key(tokens=256), pm.ModelConfig(True, 128, 2, 6)),
+                                     source="model", stages=7)
+    assert model_pair.stages == 7
 
 
 def test_model_rows_need_no_gpu_name_or_commit():
@@ -233,6 +278,38 @@ def test_tied_knob_sets_go_to_the_least_padded_tile():
     assert ab.derive_dispatch_table(rows, tolerance=0.0).regime_configs["small_prefill"].config == BN64_PAIR
 
 
+def w4a8_decode_rows(source="measured"):
+    """Measured H200 rows where W4A8 decode gets faster with every stage, up to the row's limit."""
+    deepest = ab.row_max_stages("h200", source, "w4a8", BN8)
+    return [measured_row(key(tokens=t, fmt="w4a8"), pm.ModelConfig(True, 8, 1, s), median=10.0 + 1.0 / s,
+                         source=source) for t in (2, 4) for s in (2, W4A8_FORMULA_MAX, deepest)]
+
+
+def test_the_kernels_deepest_ring_is_labelled_auto():
+    measured = ab.derive_dispatch_table(w4a8_decode_rows()).entry(*DEEPSEEK_UP, "decode")
+    assert (measured.stages, measured.stages_source) == (W4A8_KERNEL_MAX, "auto")
+    # the formula's deepest is not the kernel's: a tuned stage count for the H200 kernel
+    tuned = ab.derive_dispatch_table([r for r in w4a8_decode_rows() if r.stages <= W4A8_FORMULA_MAX])
+    assert (tuned.entry(*DEEPSEEK_UP, "decode").stages, tuned.entry(*DEEPSEEK_UP, "decode").stages_source) == (
+        W4A8_FORMULA_MAX, "tuned")
+    # modelled rows: the formula's deepest is auto
+    modelled = ab.derive_dispatch_table(w4a8_decode_rows("model")).entry(*DEEPSEEK_UP, "decode")
+    assert (modelled.stages, modelled.stages_source) == (W4A8_FORMULA_MAX, "auto")
+
+
+def test_comparison_says_when_a_measured_ring_is_past_the_model():
+    upstream = ab.upstream_table("w4a8", shapes=[DEEPSEEK_UP], tokens_per_expert=(2, 4))
+    h200 = ab.derive_dispatch_table(w4a8_decode_rows(), label="H200 measured")
+    b200 = ab.derive_dispatch_table(ab.model_rows(pm.B200, [W4A8_DECODE_KEY], configs=[
+        pm.ModelConfig(True, 8, 1, 4), pm.ModelConfig(True, 8, 1, 12)], commit="abc1234"), label="B200 model")
+    (stages,) = [d for d in ab.compare_tables(upstream, h200, b200).disagreements
+                 if d.table == "H200 measured" and d.field == "stages"]
+    assert (stages.upstream, stages.derived) == (str(upstream.entry(*DEEPSEEK_UP, "decode").stages),
+                                                 str(W4A8_KERNEL_MAX))
+    assert (f"bn8/cg1/sw x{W4A8_KERNEL_MAX} is within the table's stage limit but past the model's: its SM100 "
+            f"stage formula allows at most {W4A8_FORMULA_MAX}") in stages.reason
+
+
 @pytest.mark.parametrize("rows, kwargs, match", [
     ([], {}, "at least one ablation row"),
     (None, dict(rule="best"), "rule must be one of"),
@@ -295,6 +372,9 @@ def test_comparison_lists_the_known_disagreements(comparison):
     assert (decode.upstream, decode.derived) == ("6", "4")
     assert "upstream's 6 stages: x1.010" in decode.reason and "NVIDIA H200 (model): bn8/cg1/sw x4" in decode.reason
     assert "prologue" in decode.reason
+    # upstream's 7 stages do not fit the H200 kernel that timed the measured rows
+    assert h200[(*DEEPSEEK_UP, "large_prefill", "stages")].reason.endswith(
+        "bn128/cg2/sw x7 does not fit the H200 kernel's shared memory (at most 6 stages)")
     config = h200[(*KIMI_UP, "small_prefill", "config")]
     assert (config.upstream, config.derived) == ("bn128/cg2/sw", "bn64/cg2/sw")
 
