@@ -89,11 +89,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from llvmlite import ir
 from numba import cuda, float32
 from numba.cuda.cudadrv.driver import device_memset
 from numba.cuda import types
-from numba.cuda.extending import intrinsic
 
 from gbs import schedule
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, KernelConfig, pipeline_smem_terms, require_int
@@ -105,7 +103,10 @@ from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import copy as cp
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
-from gbs.ptx_inline._llvm import F32, I16, I32, asm, struct_to_tuple
+from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2, prmt_b32
+from gbs.ptx_inline.common import trap_if_nonzero
+from gbs.ptx_inline.mbarrier import wait_parity_cluster_or_trap, wait_parity_or_trap
+from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
 from gbs.quant import BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, get_format
 from gbs.reference import poison_output
 
@@ -131,9 +132,6 @@ WARPGROUP_WARPS = 4
 LAUNCH_BOUND_REGISTERS = 168   # ptxas's per-thread allocation for launch bounds (384, 1)
 PRODUCER_WARPGROUP_REGISTERS = 72
 CONSUMER_WARPGROUP_REGISTERS = 216
-# A wait on an mbarrier that exceeds this traps (the launch fails) instead of hanging the GPU: a
-# correct pipeline waits microseconds; a wrong expect_tx count or phase would wait forever.
-WAIT_TIMEOUT_NS = 10_000_000_000
 DATA_ALIGN = 1024              # TMA destinations with 128B / 64B swizzle: 1024-byte aligned
 DYNAMIC_SMEM_ALIGN = 1024      # the dynamic shared array is declared 1024-aligned (checked at run time)
 # sm_90 reserves 1 KiB of shared memory per block and the cubin counts it as static, with the
@@ -658,142 +656,6 @@ def swizzled_offset(row, col, row_bytes, mask):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel-local intrinsics
-# ----------------------------------------------------------------------------------------------
-def _pure_asm(builder, ret, argtys, text, constraints, args):
-    """Inline asm WITHOUT side effects: LLVM may CSE, hoist or drop it (pure register arithmetic)."""
-    return builder.call(ir.InlineAsm(ir.FunctionType(ret, argtys), text, constraints, side_effect=False), args)
-
-
-def _pure_u32_intrinsic(name, text, arity, doc):
-    """A side-effect-free intrinsic of ``arity`` u32 operands returning u32 (``$0`` = result)."""
-    constraints = ",".join(["=r"] + ["r"] * arity)
-
-    def typer(context, *arg_types):
-        for ty in arg_types:
-            if not isinstance(ty, types.Integer):
-                raise TypeError(f"{name}: operands must be integers, got {ty}")
-
-        def codegen(ctx, builder, sig, args):
-            vals = [ctx.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
-            return _pure_asm(builder, I32, [I32] * arity, text, constraints, vals)
-
-        return types.uint32(*arg_types), codegen
-
-    params = ", ".join(f"x{i}" for i in range(arity))
-    namespace = {"typer": typer}
-    exec(f"def {name}(typingctx, {params}):\n    return typer(typingctx, {params})\n", namespace)
-    template = namespace[name]
-    template.__doc__ = f"{doc}\n\nPTX: ``{text}``"
-    return intrinsic(template)
-
-
-ld_shared_u32 = cm.ptx_intrinsic(
-    "ld_shared_u32", "ld.shared.u32 $0, [$1];", [("smem", "u32")], result="u32", memory=False,
-    doc="32-bit load from the shared-window address ``smem`` (4-byte aligned).")
-
-fma_bf16x2 = _pure_u32_intrinsic(
-    "fma_bf16x2", "fma.rn.bf16x2 $0, $1, $2, $3;", 3,
-    "a * b + c on two packed bf16 lanes, one rounding (exact here); bf16 subnormals are kept.")
-
-prmt_b32 = _pure_u32_intrinsic(
-    "prmt_b32", "prmt.b32 $0, $1, $2, $3;", 3,
-    "Byte permute: byte i of the result is byte ``selector[4i:4i+4]`` of the 8 bytes ``b:a``.")
-
-def _ld_shared_u32_vector(width: int):
-    """Intrinsic: ``width`` (2 or 4) 32-bit words from a ``4 * width``-byte aligned shared-window address."""
-    outputs = ", ".join(f"${i}" for i in range(width))
-    text = f"ld.shared.v{width}.u32 {{{outputs}}}, [${width}];"
-    constraints = ",".join(["=r"] * width + ["r"])
-    words_type = types.UniTuple(types.uint32, width)
-
-    @intrinsic
-    def ld_shared_vector(typingctx, smem):
-        def codegen(context, builder, sig, args):
-            address = context.cast(builder, args[0], sig.args[0], types.uint32)
-            words = asm(builder, ir.LiteralStructType([I32] * width), [I32], text, constraints, [address],
-                        memory=False)
-            return struct_to_tuple(context, builder, sig.return_type, words, width)
-
-        return words_type(smem), codegen
-
-    ld_shared_vector.__doc__ = f"{_ld_shared_u32_vector.__doc__}\n\nPTX: ``{text}``"
-    return ld_shared_vector
-
-
-ld_shared_v2_u32 = _ld_shared_u32_vector(2)
-ld_shared_v4_u32 = _ld_shared_u32_vector(4)
-
-st_shared_v4_u32 = cm.ptx_intrinsic(
-    "st_shared_v4_u32", "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
-    [("smem", "u32"), ("w0", "u32"), ("w1", "u32"), ("w2", "u32"), ("w3", "u32")],
-    doc="Store four 32-bit words at the 16-byte aligned shared-window address ``smem``.")
-
-
-def _ue4m3_scale_intrinsic(log2_multiplier: int):
-    """Intrinsic: four UE4M3 scale bytes (a u32, byte i = block i) -> two bf16x2 words
-    ``(s0, s1), (s2, s3)`` of ``s * 2**log2_multiplier`` (exact: E4M3 -> f16 -> f32 in hardware,
-    a power-of-two multiply, bf16 rounding of a value that fits). NaN bytes stay NaN."""
-    multiplier = f"0f{(log2_multiplier + 127) << 23:08X}"
-    text = ("{\n .reg .b16 lo, hi, h0, h1, h2, h3;\n .reg .b32 x01, x23;\n .reg .f32 f0, f1, f2, f3;\n"
-            " mov.b32 {lo, hi}, $2;\n"
-            " cvt.rn.f16x2.e4m3x2 x01, lo;\n cvt.rn.f16x2.e4m3x2 x23, hi;\n"
-            " mov.b32 {h0, h1}, x01;\n mov.b32 {h2, h3}, x23;\n"
-            " cvt.f32.f16 f0, h0;\n cvt.f32.f16 f1, h1;\n cvt.f32.f16 f2, h2;\n cvt.f32.f16 f3, h3;\n"
-            f" mul.f32 f0, f0, {multiplier};\n mul.f32 f1, f1, {multiplier};\n"
-            f" mul.f32 f2, f2, {multiplier};\n mul.f32 f3, f3, {multiplier};\n"
-            " cvt.rn.bf16x2.f32 $0, f1, f0;\n cvt.rn.bf16x2.f32 $1, f3, f2;\n}")
-
-    @intrinsic
-    def ue4m3x4_to_bf16x2(typingctx, word):
-        def codegen(context, builder, sig, args):
-            value = context.cast(builder, args[0], sig.args[0], types.uint32)
-            pairs = _pure_asm(builder, ir.LiteralStructType([I32, I32]), [I32], text, "=r,=r,r", [value])
-            return struct_to_tuple(context, builder, sig.return_type, pairs, 2)
-
-        return types.UniTuple(types.uint32, 2)(word), codegen
-
-    return ue4m3x4_to_bf16x2
-
-
-def _bounded_wait(name, scope_suffix):
-    text = ("{\n .reg .pred done, again;\n .reg .u64 start, now;\n"
-            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
-            " @done bra wait_done;\n"
-            " mov.u64 start, %globaltimer;\n"
-            " wait_retry:\n"
-            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
-            " @done bra wait_done;\n"
-            " mov.u64 now, %globaltimer;\n"
-            " sub.u64 now, now, start;\n"
-            f" setp.lt.u64 again, now, {WAIT_TIMEOUT_NS};\n"
-            " @again bra wait_retry;\n"
-            " trap;\n"
-            " wait_done:\n}")
-    scope = scope_suffix.lstrip(".") or "acquire.cta"
-    return cm.ptx_intrinsic(name, text, [("mbar", "u32"), ("parity", "u32")], doc=(
-        f"Block until phase ``parity`` of the mbarrier at ``mbar`` completes ({scope}); ``trap`` after "
-        f"{WAIT_TIMEOUT_NS // 10 ** 9} s of %globaltimer, so a deadlock becomes a launch error."))
-
-
-wait_parity_or_trap = _bounded_wait("wait_parity_or_trap", "")
-wait_parity_cluster_or_trap = _bounded_wait("wait_parity_cluster_or_trap", ".acquire.cluster")
-
-trap_if_nonzero = cm.ptx_intrinsic(
-    "trap_if_nonzero", "{\n .reg .pred p;\n setp.ne.u32 p, $0, 0;\n @p trap;\n}", [("value", "u32")],
-    doc="Abort the kernel (``trap``: the launch fails with an error) if ``value`` is nonzero.")
-
-@intrinsic
-def f32_to_bf16_bits(typingctx, value):
-    """bf16 bits (u16) of an f32, rounded to nearest even in hardware; NaN stays NaN, overflow -> Inf."""
-    def codegen(context, builder, sig, args):
-        x = context.cast(builder, args[0], sig.args[0], types.float32)
-        return _pure_asm(builder, I16, [F32], "cvt.rn.bf16.f32 $0, $1;", "=h,f", [x])
-
-    return types.uint16(value), codegen
-
-
-# ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
 def kernel_signature():
@@ -823,7 +685,7 @@ def _make_side_reader(side: OperandSide, pairing: str):
     blocks = side.blocks_per_thread
     groups_per_block = side.groups // blocks
     ue4m3 = side.fmt.scale_dtype == "ue4m3"
-    ue4m3_convert = _ue4m3_scale_intrinsic(exponent_offset) if ue4m3 else None
+    ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 else None
     e2m1_bits = _device(e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
     ue8m0_bits = _device(ue8m0_scale_bits)

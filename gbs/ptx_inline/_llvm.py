@@ -2,9 +2,11 @@
 
 LLVM's inline-asm dialect: operands are ``$0 $1 ...``; PTX special registers take a single ``%``
 (``%laneid``); constraints ``r`` (u32), ``l`` (u64), ``f`` (f32), ``h`` (u16), ``=r`` outputs,
-tied read-write operands as ``=f`` outputs plus ``"N"`` inputs; every call is marked as having
-side effects and clobbers ``~{memory}`` unless the caller says otherwise, so LLVM neither drops
-nor reorders it across loads and stores.
+tied read-write operands as ``=f`` outputs plus ``"N"`` inputs. ``asm`` marks every call as having
+side effects and clobbering ``~{memory}`` unless the caller says otherwise, so LLVM neither drops
+nor reorders it across loads and stores. ``pure_asm`` is the one exception, for register-only
+arithmetic (no memory, no state): without the side-effect flag LLVM deletes a call whose result
+is unused (identical calls are not merged: the call carries no ``readnone`` attribute).
 """
 from __future__ import annotations
 
@@ -25,6 +27,13 @@ def asm(builder, ret, argtys, text, constraints, args, *, memory=True):
         constraints = f"{constraints},~{{memory}}" if constraints else "~{memory}"
     fnty = ir.FunctionType(ret, argtys)
     return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+
+
+def pure_asm(builder, ret, argtys, text, constraints, args):
+    """Emit ``text`` as inline asm WITHOUT the side-effect flag or memory clobber: LLVM deletes the
+    call when its result is unused. Only for register-only arithmetic."""
+    fnty = ir.FunctionType(ret, argtys)
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=False), args)
 
 
 def void_intrinsic(text: str, doc: str):

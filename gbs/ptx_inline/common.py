@@ -1,7 +1,10 @@
-"""Thread identity, shared-memory addresses, proxy fences and named barriers (sm_90a and sm_100a).
+"""Thread identity, shared-memory addresses, proxy fences, named barriers, predicated global
+stores and the run-time check ``trap_if_nonzero`` (sm_90a and sm_100a); plus ``ptx_intrinsic``,
+the builder of fixed-operand intrinsics that the instruction-family modules use.
 
 Every intrinsic here wraps one PTX instruction (or, for addresses and ``warp_index``, a few LLVM
-instructions with no PTX of their own) and is called from inside ``@cuda.jit`` kernels.
+instructions with no PTX of their own; for the predicated forms, a ``setp`` and the guarded
+instruction) and is called from inside ``@cuda.jit`` kernels.
 
 Constraints that hold for the whole module:
 - Shared-memory addresses are the 32-bit offsets into the CTA's shared window (what
@@ -17,7 +20,7 @@ from llvmlite import ir
 from numba.cuda import nvvmutils, types
 from numba.cuda.extending import intrinsic
 
-from ._llvm import F32, I16, I32, I64, VOID, asm, special_register_u32, void_intrinsic
+from ._llvm import F32, I16, I32, I64, VOID, asm, pure_asm, special_register_u32, void_intrinsic
 
 WARP_SIZE = 32
 _LOG2_WARP_SIZE = 5
@@ -153,18 +156,22 @@ OPERAND_KINDS = {
 
 
 def ptx_intrinsic(name: str, text: str, operands, *, result: str | None = None, memory: bool = True,
-                  doc: str):
+                  pure: bool = False, doc: str):
     """An intrinsic emitting ``text`` with fixed-kind operands, e.g. ``[("mbar", "u32"), ("count", "u32")]``.
 
     Each argument may be any Numba integer (any float for ``f32``); it is converted to the operand's
     kind (``u16``, ``u32``, ``s32``, ``u64``, ``f32``, see ``OPERAND_KINDS``) before the asm. In ``text`` the result, if
     any, is ``$0`` and the operands follow in order (LLVM numbers outputs first). ``memory``
     adds the ``~{memory}`` clobber (keep it for anything that touches memory or orders it).
+    ``pure`` emits register-only arithmetic through ``_llvm.pure_asm`` (no side effect, no
+    clobber, ``memory`` ignored): LLVM deletes it when its result is unused, so it needs a ``result``.
     """
     kinds = [kind for _, kind in operands]
     for kind in kinds + ([result] if result else []):
         if kind not in OPERAND_KINDS:
             raise ValueError(f"{name}: operand kind {kind!r} not one of {sorted(OPERAND_KINDS)}")
+    if pure and not result:
+        raise ValueError(f"{name}: a pure intrinsic needs a result (LLVM drops pure asm whose result is unused)")
     names = [arg for arg, _ in operands]
     nb_types = [OPERAND_KINDS[k][0] for k in kinds]
     ll_types = [OPERAND_KINDS[k][1] for k in kinds]
@@ -178,7 +185,10 @@ def ptx_intrinsic(name: str, text: str, operands, *, result: str | None = None, 
 
     def codegen(context, builder, sig, args):
         vals = [context.cast(builder, v, t, want) for v, t, want in zip(args, sig.args, nb_types)]
-        out = asm(builder, ret_ll, ll_types, text, constraint_text, vals, memory=memory)
+        if pure:
+            out = pure_asm(builder, ret_ll, ll_types, text, constraint_text, vals)
+        else:
+            out = asm(builder, ret_ll, ll_types, text, constraint_text, vals, memory=memory)
         return out if result else context.get_dummy_value()
 
     def typer(*arg_types):
@@ -238,3 +248,11 @@ take_f32_if = ptx_intrinsic(
     [("address", "u64"), ("predicate", "u32")], result="f32",
     doc="""If ``predicate`` is nonzero, atomically replace the f32 at global ``address`` by +0 and return
 its old value (read at L2: sees every earlier ``red`` once ordered by a fence); else return +0.""")
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-time checks
+# ---------------------------------------------------------------------------------------------
+trap_if_nonzero = ptx_intrinsic(
+    "trap_if_nonzero", "{\n .reg .pred p;\n setp.ne.u32 p, $0, 0;\n @p trap;\n}", [("value", "u32")],
+    doc="Abort the kernel (``trap``: the launch fails with an error) if ``value`` is nonzero.")

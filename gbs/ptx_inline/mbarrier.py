@@ -10,12 +10,20 @@ Protocol reminders (PTX ISA, "mbarrier"): init by one thread, then
 ``fence_mbarrier_init_release_cluster`` (cluster use) or ``fence_proxy_async_shared_cta`` (TMA
 use) and a CTA/cluster barrier before anyone else touches it. sm_90 and newer (``.expect_tx``,
 ``try_wait`` and the ``.shared::cluster`` forms are sm_90 instructions).
+
+Waits come in three kinds: ``mbarrier_try_wait_parity`` answers once (for a caller's own loop);
+``mbarrier_wait_parity*`` loop in PTX until the phase completes, forever if it never does;
+``wait_parity*_or_trap`` loop the same way but ``trap`` after ``WAIT_TIMEOUT_NS`` of
+``%globaltimer``, turning a deadlock (a missing arrival, a wrong ``expect_tx`` count or parity)
+into a launch error instead of a hung GPU.
 """
 from __future__ import annotations
 
 from .common import ptx_intrinsic
 
 _MBAR = ("mbar", "u32")
+# A correct pipeline waits microseconds; a bounded wait that exceeds this traps (the launch fails).
+WAIT_TIMEOUT_NS = 10_000_000_000
 
 mbarrier_init = ptx_intrinsic(
     "mbarrier_init", "mbarrier.init.shared::cta.b64 [$0], $1;", [_MBAR, ("count", "u32")],
@@ -88,3 +96,32 @@ mbarrier_wait_parity_acquire_cluster = ptx_intrinsic(
 cluster scope: writes that other CTAs released with their arrivals
 (``mbarrier_arrive_remote_cluster``) are visible afterwards. Same loop as
 ``mbarrier_wait_parity``.""")
+
+
+def _wait_parity_or_trap(name: str, scope_suffix: str):
+    """Bounded ``try_wait.parity`` loop: ``scope_suffix`` "" (acquire, CTA scope) or ".acquire.cluster".
+
+    The first try needs no timer; only a wait that goes on reads ``%globaltimer`` (ns) and
+    compares the elapsed time with ``WAIT_TIMEOUT_NS`` after every further try. The labels are
+    local to the ``{ }`` block, so the intrinsic can appear many times in one kernel."""
+    text = ("{\n .reg .pred done, again;\n .reg .u64 start, now;\n"
+            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
+            " @done bra wait_done;\n"
+            " mov.u64 start, %globaltimer;\n"
+            " wait_retry:\n"
+            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
+            " @done bra wait_done;\n"
+            " mov.u64 now, %globaltimer;\n"
+            " sub.u64 now, now, start;\n"
+            f" setp.lt.u64 again, now, {WAIT_TIMEOUT_NS};\n"
+            " @again bra wait_retry;\n"
+            " trap;\n"
+            " wait_done:\n}")
+    scope = scope_suffix.lstrip(".") or "acquire.cta"
+    return ptx_intrinsic(name, text, [_MBAR, ("parity", "u32")], doc=(
+        f"Block until phase ``parity`` of the mbarrier at ``mbar`` completes ({scope}); ``trap`` after "
+        f"{WAIT_TIMEOUT_NS // 10 ** 9} s of %globaltimer, so a deadlock becomes a launch error."))
+
+
+wait_parity_or_trap = _wait_parity_or_trap("wait_parity_or_trap", "")
+wait_parity_cluster_or_trap = _wait_parity_or_trap("wait_parity_cluster_or_trap", ".acquire.cluster")
