@@ -201,7 +201,7 @@ def power_of_two_axis(ax: Axes, lo: int, hi: int, *, axis: str = "x") -> None:
     if not 0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo}, hi={hi}")
     ticks = [2.0 ** e for e in range(int(np.ceil(np.log2(lo))), int(np.floor(np.log2(hi))) + 1)]
-    labels = [f"{t:g}" if t >= 1 else f"1/{1 / t:g}" for t in ticks]
+    labels = [f"{round(t)}" if t >= 1 else f"1/{round(1 / t)}" for t in ticks]   # plain integers, any size
     if axis == "x":
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, labels)
@@ -235,7 +235,8 @@ def value_table(ax: Axes, cell_text: Sequence[Sequence[str]], *, col_labels: Seq
     if row_labels is not None and len(row_labels) != len(rows):
         raise ValueError(f"row_labels has {len(row_labels)} entries for {len(rows)} rows")
     if cell_colors is not None:
-        if np.shape(cell_colors)[:2] != (len(rows), len(col_labels)):
+        # row by row: a row may mix RGBA tuples, colour names and None (np.shape would not)
+        if len(cell_colors) != len(rows) or any(len(row) != len(col_labels) for row in cell_colors):
             raise ValueError("cell_colors must have the shape of cell_text")
         cell_colors = [["white" if c is None else c for c in row] for row in cell_colors]
     ax.axis("off")
