@@ -1544,11 +1544,12 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
         num_ctas = default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
     if k_splits > 1:
-        # zeroed once here (a device memset); every launch leaves them zeroed (MIN_SLICES_PER_SPLIT)
-        split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32)
-        split_counters = cuda.device_array(max_tiles * spec.cta_group, np.uint32)
+        # zeroed once here, on the launch's stream (synchronous for the default 0); every launch
+        # leaves them zeroed (MIN_SLICES_PER_SPLIT's notes)
+        split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32, stream=stream)
+        split_counters = cuda.device_array(max_tiles * spec.cta_group, np.uint32, stream=stream)
         for arr in (split_sums, split_counters):
-            device_memset(arr, 0, arr.nbytes)
+            device_memset(arr, 0, arr.nbytes, stream=stream)
     else:
         split_sums = cuda.device_array((1, 1), np.float32)
         split_counters = cuda.device_array(1, np.uint32)
