@@ -216,12 +216,8 @@ class StreamConfig:
         ``schedule.TileConfig`` (auto stages) or anything with those attributes."""
         if isinstance(config, cls):
             return config
-        missing = [n for n in ("ab_swapped", "mma_bn", "cta_group") if not hasattr(config, n)]
-        if missing:
-            raise TypeError(f"config must be a KernelConfig, StreamConfig or TileConfig (it lacks {missing}), "
-                            f"got {type(config).__name__}")
-        return cls(config.ab_swapped, config.mma_bn, config.cta_group,
-                   getattr(config, "num_pipeline_stages", AUTO_STAGES))
+        tile = schedule.TileConfig.of(config)   # TypeError naming what the config lacks
+        return cls(tile.ab_swapped, tile.mma_bn, tile.cta_group, getattr(config, "num_pipeline_stages", AUTO_STAGES))
 
 
 def consumer_warp_grid(mma_bn: int) -> tuple[int, int]:
