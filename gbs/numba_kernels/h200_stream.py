@@ -671,9 +671,10 @@ def _make_side_reader(side: OperandSide, pairing: str):
     ``decode(w0, w1, j)`` (unscaled bf16x2 bits of register j of the group), ``load_scales(address,
     q) -> (s0, s1)`` (per row and K slice: UE4M3 -> the two packed bf16x2 pairs of 4 blocks; UE8M0 ->
     the bf16x2 scale of each of the thread's 1 or 2 blocks), ``scale_selector(gl)`` and
-    ``group_scale(s0, s1, selector, gi)``: the scale of local group ``gl`` (visited at step ``gi``),
+    ``group_scale(s0, s1, selector, run)``: the scale of local group ``gl`` (visited at step ``gi``, in
+    rotation run ``run = gi // ROTATION_RUN``),
     picked by ``selector = scale_selector(gl)`` for UE4M3 (which is affine in the group's rotation run:
-    ``scale_selector_run_step``) and by ``gi`` for UE8M0."""
+    ``scale_selector_run_step``) and by the run for UE8M0 (a block is one run)."""
     element = side.element
     stride4 = pairing == "stride4"
     e5m2 = element == "e5m2"
@@ -716,7 +717,7 @@ def _make_side_reader(side: OperandSide, pairing: str):
             return np.uint32(broadcast_selector(gl // groups_per_block))
 
         @_device
-        def group_scale(s0, s1, selector, gi):
+        def group_scale(s0, s1, selector, run):
             return prmt_b32(s0, s1, selector)
     else:
         @_device
@@ -732,10 +733,14 @@ def _make_side_reader(side: OperandSide, pairing: str):
         def scale_selector(gl):
             return np.uint32(0)
 
+        if groups_per_block != ROTATION_RUN:
+            raise AssertionError("UE8M0 blocks (32 elements) are one rotation run of 8-element groups")
+
         @_device
-        def group_scale(s0, s1, selector, gi):
-            # UE8M0 blocks are 4 groups long and the rotation stays inside a block: static choice
-            if gi // groups_per_block == 0:
+        def group_scale(s0, s1, selector, run):
+            # a UE8M0 block is one rotation run, so the choice is static per run (the caller passes
+            # the run, not the group: a division per group cost MXFP4 decode ~8 % of its SASS)
+            if run == 0:
                 return s0
             return s1
 
@@ -1055,7 +1060,7 @@ def make_kernel_function(spec: StreamSpec):
                             address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
                                                                           word_column(d_q, n_blocks), atoms))
                             d_s0, d_s1 = n_load_scales(address, d_q)
-                            d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl)
+                            d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl // ROTATION_RUN)
                             d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
                             d_w0, d_w1 = n_load(np.uint32(st + n_data_off + d_row * n_row_bytes
                                                           + column(d_q, d_gl, n_thread_bytes, n_group_bytes, d_xor)))
@@ -1094,7 +1099,7 @@ def make_kernel_function(spec: StreamSpec):
                         m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
                         for c in range(inner_trips):
                             if prefetch:   # groups alternate the two word buffers: no copies
-                                gi = ROTATION_RUN * run + c
+                                group_run = run
                                 m_sel, n_sel = m_sel0[c] + m_sel_run, n_sel0[c] + n_sel_run
                                 cur_m, cur_n = (c % 2) * m_pair_words, (c % 2) * n_pair_words
                                 nxt_m, nxt_n = (1 - c % 2) * m_pair_words, (1 - c % 2) * n_pair_words
@@ -1118,6 +1123,7 @@ def make_kernel_function(spec: StreamSpec):
                                             (st_n | n_next) + 8 * j * n_row_bytes)
                             else:   # literal offsets (computed ones cost the 8-warp configs spills)
                                 gi = run
+                                group_run = np.uint32(gi) // np.uint32(ROTATION_RUN)
                                 cur_m, cur_n = 0, 0
                                 gl = rotated(gi, q)
                                 m_sel, n_sel = m_selector(gl), n_selector(gl)
@@ -1127,7 +1133,7 @@ def make_kernel_function(spec: StreamSpec):
                                     for i in range(m_rows):
                                         m_w[2 * i], m_w[2 * i + 1] = m_load(m_off + 8 * i * m_row_bytes)
                             for i in range(m_rows):
-                                m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], m_sel, gi)
+                                m_gs[i] = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], m_sel, group_run)
                             for step in range(2):
                                 for mi in range(m_tiles):
                                     for h in range(2):        # k 2q.. (h = 0) and k 2q+8.. (h = 1)
@@ -1145,7 +1151,7 @@ def make_kernel_function(spec: StreamSpec):
                                             n_w0, n_w1 = n_w[cur_n + 2 * nj], n_w[cur_n + 2 * nj + 1]
                                         else:   # N rows just in time (reloaded for step 1): fewer live registers
                                             n_w0, n_w1 = n_load(n_off + 8 * nj * n_row_bytes)
-                                        n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], n_sel, gi)
+                                        n_scale = n_group_scale(n_sc[2 * nj], n_sc[2 * nj + 1], n_sel, group_run)
                                         b0 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step), n_scale, NEG_ZERO_BF16X2)
                                         b1 = fma_bf16x2(n_decode(n_w0, n_w1, 2 * step + 1), n_scale,
                                                         NEG_ZERO_BF16X2)
