@@ -757,27 +757,188 @@ def scale_selector_run_step(side: OperandSide) -> int:
     return (ROTATION_RUN // groups_per_block) * (bf16_broadcast_selector(1) - bf16_broadcast_selector(0))
 
 
-def make_kernel_function(spec: StreamSpec):
-    """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
-    compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``)."""
+@dataclass(frozen=True)
+class RingDeviceFunctions:
+    """The device functions of the TMA ring both H200 kernels share (``make_ring``): the tile walk,
+    the routing copy, the barrier set-up and the producer."""
+
+    copy_routing: object    # (a_offsets, expert_ids, shared_offsets, shared_expert_ids): every thread
+    routing_views: object   # -> (offsets, expert_ids) the walk reads (shared copy or global)
+    cta_position: object    # -> (rank in the pair, pair, pairs)
+    block_sync: object      # every thread of the CTA (and the pair)
+    next_work: object       # (work, cursor...) -> (slot, expert, tile, t0, t1, r0, r1, first slice, cursor...)
+    produce: object         # the producer warp(s): barrier init, block sync, TMA issue loop
+    cta_output_rows: object
+
+
+def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
+    """Device functions of ``spec``'s ring: a fresh set per call (see ``schedule.device_functions``).
+
+    ``produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
+    shared_expert_ids, n, k_slices, max_tiles, k_splits, slices_per_split)`` runs in every thread of
+    the producer warps: thread 0 initialises ``full[s]`` (count 1) and ``empty[s]`` (count
+    ``spec.consumer_warps * cta_group``: one arrival per consumer warp of each CTA of the pair) in
+    ``bars``, all meet at ``block_sync``, then thread 0 walks the CTA's work items and fills the
+    ring (module docstring). Consumers call ``block_sync`` once and walk the same items with
+    ``next_work``."""
     walk = schedule.device_functions()
     locate_tile, ceil_div = walk.locate_tile, walk.ceil_div
-    cta_output_rows = walk.cta_output_rows
     shape = spec.tile_shape
     tile_tokens, tile_rows = shape.tokens, shape.weight_rows
-    cta_group, stages, swapped = spec.cta_group, spec.stages, spec.ab_swapped
-    m_side, n_side, lay = spec.m_side, spec.n_side, spec.smem
-    stage_bytes, tx_bytes = lay.stage_bytes, spec.tx_bytes
-    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
-    tok_data_off, tok_sf_off = (n_data_off, n_sf_off) if swapped else (m_data_off, m_sf_off)
-    w_data_off, w_sf_off = (m_data_off, m_sf_off) if swapped else (n_data_off, n_sf_off)
-    token_side, weight_side = spec.token_side, spec.weight_side
-    tok_slice_bytes, w_slice_bytes = token_side.row_bytes, weight_side.row_bytes
+    cta_group, stages, swapped, split_k = spec.cta_group, spec.stages, spec.ab_swapped, spec.split_k
+    lay, tx_bytes = spec.smem, spec.tx_bytes
+    stage_bytes = lay.stage_bytes
+    tok_data_off, tok_sf_off = (lay.n_data, lay.n_scales) if swapped else (lay.m_data, lay.m_scales)
+    w_data_off, w_sf_off = (lay.m_data, lay.m_scales) if swapped else (lay.n_data, lay.n_scales)
+    tok_slice_bytes, w_slice_bytes = spec.token_side.row_bytes, spec.weight_side.row_bytes
     tok_box_rows = spec.token_box[1]
     tok_box_bytes = math.prod(spec.token_box)
     sf_rows_per_slice = spec.scale_box[1]
-    sf_band_bytes = m_side.sf_atoms_per_slice * SF_ATOM_BYTES
-    tok_bands, w_bands = token_side.scale_bands, weight_side.scale_bands
+    sf_band_bytes = spec.m_side.sf_atoms_per_slice * SF_ATOM_BYTES
+    tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
+    empty_count = spec.consumer_warps * cta_group
+    token_band_of = _device(token_scale_band)
+    weight_band_of = _device(weight_scale_band)
+
+    @_device
+    def copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
+        num_slots = expert_ids.shape[0]
+        if num_slots <= ROUTING_SMEM_SLOTS:   # read by the walk after the block sync of each role
+            for i in range(cuda.threadIdx.x, num_slots + 1, cuda.blockDim.x):
+                shared_offsets[i] = a_offsets[i]
+                if i < num_slots:
+                    shared_expert_ids[i] = expert_ids[i]
+
+    @_device
+    def routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
+        """The routing the tile walk reads: the shared copy when it holds every slot, else global."""
+        num_slots = expert_ids.shape[0]
+        if num_slots <= ROUTING_SMEM_SLOTS:
+            return shared_offsets[:num_slots + 1], shared_expert_ids[:num_slots]
+        return a_offsets[:], expert_ids[:]
+
+    @_device
+    def cta_position():
+        """(rank in the pair, pair index, number of pairs) of this CTA."""
+        rank = np.int64(0)
+        if cta_group > 1:
+            rank = np.int64(cl.cluster_ctarank())
+        return rank, np.int64(cuda.blockIdx.x // cta_group), np.int64(cuda.gridDim.x // cta_group)
+
+    @_device
+    def block_sync():
+        """Every thread of the CTA (and of the pair): after the mbarrier init, before exit."""
+        if cta_group > 1:
+            cl.cluster_arrive_release()
+            cl.cluster_wait_acquire()
+        else:
+            cuda.syncthreads()
+
+    @_device
+    def next_work(work, cursor_slot, cursor_first, a_offsets, expert_ids, n, k_splits, slices_per_split):
+        """Work item ``work`` (a tile, or with split-K one run of a tile's K slices): its tile, found
+        by walking from the cursor (the first tile ``cursor_first`` of slot ``cursor_slot``):
+        amortised O(1) per item instead of O(slots). Returns (slot, expert, tile, t0, t1, r0, r1,
+        first K slice, new cursor); slot < 0 past the last tile."""
+        tile = work
+        if split_k:
+            tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
+        s_begin = (work - tile * k_splits) * slices_per_split
+        slot, expert, m_blk, n_blk, t0, t1, r0, r1 = locate_tile(
+            tile - cursor_first, a_offsets[cursor_slot:], expert_ids[cursor_slot:], n, tile_tokens, tile_rows)
+        if slot < 0:
+            return slot, expert, tile, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first
+        slot += cursor_slot
+        token_blocks = ceil_div(np.int64(a_offsets[slot + 1]) - np.int64(a_offsets[slot]), tile_tokens)
+        return slot, expert, tile, t0, t1, r0, r1, s_begin, slot, tile - (m_blk + n_blk * token_blocks)
+
+    @_device
+    def produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
+                shared_expert_ids, n, k_slices, max_tiles, k_splits, slices_per_split):
+        first_thread = cuda.threadIdx.x == 0
+        # shared-window addresses as signed int64 (numba turns uint64 + int64 into float64)
+        base = np.int64(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        if first_thread:
+            trap_if_nonzero(base % DYNAMIC_SMEM_ALIGN)   # TMA swizzle needs it: fail loudly
+            for s in range(stages):
+                mb.mbarrier_init(bar0 + MBARRIER_BYTES * s, 1)                      # full[s]
+                mb.mbarrier_init(bar0 + MBARRIER_BYTES * (stages + s), empty_count)  # empty[s]
+            cm.fence_mbarrier_init_release_cluster()
+            cm.fence_proxy_async_shared_cta()
+        block_sync()
+        rank, pair, num_pairs = cta_position()
+        walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+        if first_thread:
+            for i in range(NUM_TENSOR_MAPS):
+                cp.fence_proxy_tensormap_acquire_sys(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
+                cp.prefetch_tensormap(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
+            map_tokens, map_weights = tensor_maps + MAP_TOKENS, tensor_maps + MAP_WEIGHTS
+            map_token_sf, map_weight_sf = tensor_maps + MAP_TOKEN_SCALES, tensor_maps + MAP_WEIGHT_SCALES
+            weight_bands_per_expert = (n + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS
+            stage = np.int64(0)
+            phase = np.int64(0)
+            cursor_slot = np.int64(0)
+            cursor_first = np.int64(0)
+            for work in range(pair, max_tiles * k_splits, num_pairs):
+                slot, expert, _, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
+                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+                if slot < 0:
+                    break
+                group_start = np.int64(walk_offsets[slot])
+                token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t0)
+                w_row0 = r0 + rank * TILE_M_ROWS if swapped else r0
+                w_band = weight_band_of(expert, weight_bands_per_expert, w_row0)
+                for s in range(s_begin, min(s_begin + slices_per_split, k_slices)):
+                    full = np.uint32(bar0 + MBARRIER_BYTES * stage)
+                    empty = np.uint32(full + MBARRIER_BYTES * stages)
+                    if cta_group > 1:   # the peer's consumers released it too (cluster acquire)
+                        wait_parity_cluster_or_trap(empty, phase ^ 1)
+                    else:
+                        wait_parity_or_trap(empty, phase ^ 1)
+                    mb.mbarrier_arrive_expect_tx(full, tx_bytes)
+                    dst = np.uint32(base + stage * stage_bytes)
+                    sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
+                    cp.tma_load_3d(dst + w_data_off, map_weights, s * w_slice_bytes, w_row0, expert, full)
+                    for b in range(w_bands):
+                        cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row, w_band + b,
+                                       full)
+                    if cta_group > 1:   # each CTA loads its half of the tokens for both
+                        cp.tma_load_2d_multicast(dst + tok_data_off + rank * tok_box_bytes, map_tokens,
+                                                 s * tok_slice_bytes, t0 + rank * tok_box_rows, full,
+                                                 MULTICAST_PAIR)
+                        if tok_bands > 1:
+                            cp.tma_load_3d_multicast(dst + tok_sf_off + rank * sf_band_bytes, map_token_sf, 0,
+                                                     sf_row, token_band + rank, full, MULTICAST_PAIR)
+                        elif rank == 0:
+                            cp.tma_load_3d_multicast(dst + tok_sf_off, map_token_sf, 0, sf_row, token_band, full,
+                                                     MULTICAST_PAIR)
+                    else:
+                        cp.tma_load_2d(dst + tok_data_off, map_tokens, s * tok_slice_bytes, t0, full)
+                        for b in range(tok_bands):
+                            cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
+                                           token_band + b, full)
+                    stage += 1
+                    if stage == stages:
+                        stage = 0
+                        phase ^= 1
+
+    return RingDeviceFunctions(copy_routing, routing_views, cta_position, block_sync, next_work, produce,
+                               walk.cta_output_rows)
+
+
+def make_kernel_function(spec: StreamSpec):
+    """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
+    compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``)."""
+    ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
+    copy_routing, routing_views, cta_position = ring.copy_routing, ring.routing_views, ring.cta_position
+    block_sync, next_work, produce, cta_output_rows = ring.block_sync, ring.next_work, ring.produce, ring.cta_output_rows
+    shape = spec.tile_shape
+    tile_rows = shape.weight_rows
+    cta_group, stages, swapped = spec.cta_group, spec.stages, spec.ab_swapped
+    m_side, n_side, lay = spec.m_side, spec.n_side, spec.smem
+    stage_bytes = lay.stage_bytes
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
     atoms = m_side.sf_atoms_per_slice
     wm_warps, _ = spec.warp_grid
     warp_rows, warp_cols = spec.warp_tile
@@ -811,11 +972,9 @@ def make_kernel_function(spec: StreamSpec):
     m_thread_bytes, n_thread_bytes = m_side.thread_bytes, n_side.thread_bytes
     m_group_bytes, n_group_bytes = m_side.group_bytes, n_side.group_bytes
     epilogue_scale = np.float32(2.0 ** spec.epilogue_log2)
-    consumers = spec.consumer_warps
     producer_warps, uses_setmaxnreg = spec.producer_warps, spec.uses_setmaxnreg
     producer_regs = hp.setmaxnreg_dec(PRODUCER_WARPGROUP_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_WARPGROUP_REGISTERS)
-    empty_count = consumers * cta_group
     num_barriers = 2 * stages
     barrier_words = num_barriers + SPLIT_FLAG_WORDS   # plain constants for cuda.shared.array
     routing_offset_words = ROUTING_SMEM_SLOTS + 1
@@ -825,20 +984,6 @@ def make_kernel_function(spec: StreamSpec):
     word_column = _device(scale_word_column)
     column = _device(group_column)
     prefetch = spec.prefetch_groups
-    token_band_of = _device(token_scale_band)
-    weight_band_of = _device(weight_scale_band)
-
-    @_device
-    def next_tile(tile, cursor_slot, cursor_first, a_offsets, expert_ids, n):
-        """The tile ``tile`` (>= cursor_first, the first tile of slot cursor_slot), found by walking
-        from the cursor: amortised O(1) per tile instead of O(slots)."""
-        slot, expert, m_blk, n_blk, t0, t1, r0, r1 = locate_tile(
-            tile - cursor_first, a_offsets[cursor_slot:], expert_ids[cursor_slot:], n, tile_tokens, tile_rows)
-        if slot < 0:
-            return slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first
-        slot += cursor_slot
-        token_blocks = ceil_div(np.int64(a_offsets[slot + 1]) - np.int64(a_offsets[slot]), tile_tokens)
-        return slot, expert, t0, t1, r0, r1, slot, tile - (m_blk + n_blk * token_blocks)
 
     @_device
     def acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo):
@@ -850,31 +995,6 @@ def make_kernel_function(spec: StreamSpec):
             return t0 + n_col, row_lo + m_row
         return t0 + m_row, r0 + n_col
 
-    @_device
-    def routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
-        """The routing the tile walk reads: the shared copy when it holds every slot, else global."""
-        num_slots = expert_ids.shape[0]
-        if num_slots <= ROUTING_SMEM_SLOTS:
-            return shared_offsets[:num_slots + 1], shared_expert_ids[:num_slots]
-        return a_offsets[:], expert_ids[:]
-
-    @_device
-    def cta_position():
-        """(rank in the pair, pair index, number of pairs) of this CTA."""
-        rank = np.int64(0)
-        if cta_group > 1:
-            rank = np.int64(cl.cluster_ctarank())
-        return rank, np.int64(cuda.blockIdx.x // cta_group), np.int64(cuda.gridDim.x // cta_group)
-
-    @_device
-    def block_sync():
-        """Every thread of the CTA (and of the pair): after the mbarrier init, before exit."""
-        if cta_group > 1:
-            cl.cluster_arrive_release()
-            cl.cluster_wait_acquire()
-        else:
-            cuda.syncthreads()
-
     def grouped_matmul_h200_stream(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                    out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                                    slices_per_split):
@@ -882,12 +1002,7 @@ def make_kernel_function(spec: StreamSpec):
         bars = cuda.shared.array(barrier_words, dtype=np.uint64)
         shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
         shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
-        num_slots = expert_ids.shape[0]
-        if num_slots <= ROUTING_SMEM_SLOTS:   # read by the walk after the block sync of each role
-            for i in range(cuda.threadIdx.x, num_slots + 1, cuda.blockDim.x):
-                shared_offsets[i] = a_offsets[i]
-                if i < num_slots:
-                    shared_expert_ids[i] = expert_ids[i]
+        copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
         warp = cm.warp_index()
         # Each role's branch starts with setmaxnreg (ptxas budgets the code it dominates) and
         # computes everything it needs after it, so nothing stays live across the re-allocation.
@@ -895,77 +1010,8 @@ def make_kernel_function(spec: StreamSpec):
             # ------------------------------------------------------------------ producer
             if uses_setmaxnreg:
                 producer_regs()
-            lane = cm.laneid()
-            # shared-window addresses as signed int64 (numba turns uint64 + int64 into float64)
-            base = np.int64(cm.shared_address(dyn))
-            bar0 = np.int64(cm.shared_address(bars))
-            if warp == 0 and lane == 0:
-                trap_if_nonzero(base % DYNAMIC_SMEM_ALIGN)   # TMA swizzle needs it: fail loudly
-                for s in range(stages):
-                    mb.mbarrier_init(bar0 + MBARRIER_BYTES * s, 1)                      # full[s]
-                    mb.mbarrier_init(bar0 + MBARRIER_BYTES * (stages + s), empty_count)  # empty[s]
-                cm.fence_mbarrier_init_release_cluster()
-                cm.fence_proxy_async_shared_cta()
-            block_sync()
-            rank, pair, num_pairs = cta_position()
-            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-            if warp == 0 and lane == 0:
-                for i in range(NUM_TENSOR_MAPS):
-                    cp.fence_proxy_tensormap_acquire_sys(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
-                    cp.prefetch_tensormap(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
-                map_tokens, map_weights = tensor_maps + MAP_TOKENS, tensor_maps + MAP_WEIGHTS
-                map_token_sf, map_weight_sf = tensor_maps + MAP_TOKEN_SCALES, tensor_maps + MAP_WEIGHT_SCALES
-                weight_bands_per_expert = (n + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS
-                stage = np.int64(0)
-                phase = np.int64(0)
-                cursor_slot = np.int64(0)
-                cursor_first = np.int64(0)
-                for work in range(pair, max_tiles * k_splits, num_pairs):
-                    tile = work
-                    if split_k:
-                        tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
-                    slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
-                        tile, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n)
-                    if slot < 0:
-                        break
-                    s_begin = (work - tile * k_splits) * slices_per_split
-                    group_start = np.int64(walk_offsets[slot])
-                    token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t0)
-                    w_row0 = r0 + rank * TILE_M_ROWS if swapped else r0
-                    w_band = weight_band_of(expert, weight_bands_per_expert, w_row0)
-                    for s in range(s_begin, min(s_begin + slices_per_split, k_slices)):
-                        full = np.uint32(bar0 + MBARRIER_BYTES * stage)
-                        empty = np.uint32(full + MBARRIER_BYTES * stages)
-                        if cta_group > 1:   # the peer's consumers released it too (cluster acquire)
-                            wait_parity_cluster_or_trap(empty, phase ^ 1)
-                        else:
-                            wait_parity_or_trap(empty, phase ^ 1)
-                        mb.mbarrier_arrive_expect_tx(full, tx_bytes)
-                        dst = np.uint32(base + stage * stage_bytes)
-                        sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
-                        cp.tma_load_3d(dst + w_data_off, map_weights, s * w_slice_bytes, w_row0, expert, full)
-                        for b in range(w_bands):
-                            cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row, w_band + b,
-                                           full)
-                        if cta_group > 1:   # each CTA loads its half of the tokens for both
-                            cp.tma_load_2d_multicast(dst + tok_data_off + rank * tok_box_bytes, map_tokens,
-                                                     s * tok_slice_bytes, t0 + rank * tok_box_rows, full,
-                                                     MULTICAST_PAIR)
-                            if tok_bands > 1:
-                                cp.tma_load_3d_multicast(dst + tok_sf_off + rank * sf_band_bytes, map_token_sf, 0,
-                                                         sf_row, token_band + rank, full, MULTICAST_PAIR)
-                            elif rank == 0:
-                                cp.tma_load_3d_multicast(dst + tok_sf_off, map_token_sf, 0, sf_row, token_band, full,
-                                                         MULTICAST_PAIR)
-                        else:
-                            cp.tma_load_2d(dst + tok_data_off, map_tokens, s * tok_slice_bytes, t0, full)
-                            for b in range(tok_bands):
-                                cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
-                                               token_band + b, full)
-                        stage += 1
-                        if stage == stages:
-                            stage = 0
-                            phase ^= 1
+            produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
+                    n, k_slices, max_tiles, k_splits, slices_per_split)
             cuda.syncwarp()
         else:
             # ------------------------------------------------------------------ consumers
@@ -1021,14 +1067,10 @@ def make_kernel_function(spec: StreamSpec):
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
             for work in range(pair, max_tiles * k_splits, num_pairs):
-                tile = work
-                if split_k:
-                    tile = np.int64(np.uint32(work) // np.uint32(k_splits))   # 32-bit divide: no call
-                slot, expert, t0, t1, r0, r1, cursor_slot, cursor_first = next_tile(
-                    tile, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n)
+                slot, expert, tile, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
+                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
                 if slot < 0:
                     break
-                s_begin = (work - tile * k_splits) * slices_per_split
                 group_start = np.int64(walk_offsets[slot])
                 token_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
                 if swapped:
