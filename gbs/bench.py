@@ -430,6 +430,17 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
+def _load_h200_wgmma():
+    """The H200 wgmma (prefill) kernel with ``h200_wgmma.wgmma_plan``'s knobs."""
+    from .numba_kernels import h200_wgmma
+    from .numba_kernels.launch import to_device
+
+    def prepare(problem: GroupedProblem, config):
+        return h200_wgmma.prepare(to_device(problem), h200_wgmma.wgmma_plan(problem, config))
+
+    return prepare
+
+
 def launch_knobs(launcher) -> str:
     """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid)."""
     spec = getattr(launcher, "spec", None)
@@ -442,7 +453,8 @@ def launch_knobs(launcher) -> str:
 # Backend name -> loader returning ``prepare(problem, config) -> launch()``; a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "h200_stream": functools.partial(_load_h200_stream, True),
-                   "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False)}
+                   "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
+                   "h200_wgmma": _load_h200_wgmma}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 

@@ -39,6 +39,7 @@ import functools
 import numpy as np
 from llvmlite import ir
 from numba.cuda import types
+from numba.cuda import cgutils
 from numba.cuda.extending import intrinsic
 
 from ._llvm import F32, I32, I64, asm, struct_to_tuple, tuple_fields, void_intrinsic
@@ -261,6 +262,28 @@ def wgmma_fence_accumulators(typingctx, acc):
         return struct_to_tuple(context, builder, sig.return_type, regs, count)
 
     return acc(acc), codegen
+
+
+@intrinsic
+def accumulators_to_array(typingctx, acc, arr):
+    """``arr[i] = acc[i]`` for every field of the fp32 ``UniTuple`` ``acc`` (``arr``: a 1-D float32
+    array, e.g. ``cuda.local.array``, at least as long), with constant indices: an epilogue can then
+    walk the accumulators with a loop index (a loop-indexed tuple ``getitem`` is a switch per read)."""
+    if not (isinstance(acc, types.UniTuple) and acc.dtype == types.float32):
+        raise TypeError(f"accumulators_to_array: acc must be a UniTuple of float32, got {acc}")
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32):
+        raise TypeError(f"accumulators_to_array: arr must be a 1-D float32 array, got {arr}")
+    count = acc.count
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[1])(context, builder, args[1])
+        intp = context.get_value_type(types.intp)
+        for i in range(count):
+            pointer = cgutils.get_item_pointer(context, builder, sig.args[1], ary, [ir.Constant(intp, i)])
+            builder.store(builder.extract_value(args[0], i), pointer)
+        return context.get_dummy_value()
+
+    return types.void(acc, arr), codegen
 
 
 def _wgmma_intrinsic(name, text, count, operand_kinds, doc):

@@ -1,0 +1,547 @@
+"""The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA).
+
+Run it through ``gbs.grouped_matmul(problem, backend="h200_wgmma")`` (or ``"auto"``, which picks it
+for prefill on an H200: ``gbs.api``), or directly::
+
+    from gbs.numba_kernels import h200_wgmma, launch
+    prepared = h200_wgmma.prepare(launch.to_device(problem), h200_wgmma.WgmmaConfig(mma_bn=256))
+    prepared()                       # enqueue; prepared.out holds C (bf16 bits)
+
+The streaming kernel (``h200_stream``) feeds ``mma.sync`` from registers that every consumer warp
+decodes itself: fine for decode, where the weight bytes bound the time, but prefill reaches only
+~160 TFLOP/s that way (bench, 2026-11-30). Here the tensor cores get whole warpgroup MMAs:
+
+* The ring is ``h200_stream``'s (``make_ring``: same tile walk, TMA maps, scale atoms, producer
+  warpgroup with ``setmaxnreg``), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (MMA M) by
+  ``mma_bn`` weight rows (MMA N, 128 or 256), raw FP4 / FP8 bytes and 128x4 scale atoms per K slice.
+* Two consumer warpgroups, 64 tokens each. Per 64 elements of K (a "sub-step", four k16 MMAs):
+  - the 256 consumer threads decode the tile's weight rows (every thread one row, or half a row
+    with ``mma_bn`` 128) from the raw stage into bf16 times their block scale (the exact rule of
+    ``h200_stream``), written as the wgmma B operand in the canonical K-major 128B-swizzle layout
+    into one of ``BF16_BUFFERS`` shared buffers (``mma_bn x 128`` bytes each);
+  - each thread decodes its token rows' elements straight into wgmma A fragments (registers:
+    ``wgmma ... .bf16`` with A from registers, no shared-memory round trip for the tokens);
+  - a named barrier of the 256 threads publishes the buffer, then each warpgroup issues four
+    ``wgmma.mma_async.m64n{mma_bn}k16.f32.bf16.bf16`` and commits them, and goes on decoding the
+    next sub-step while they run (``wgmma.wait_group 1`` before the next barrier: with three
+    buffers, a buffer is rewritten two sub-steps after the MMAs that read it were waited for).
+* Epilogue: ``wait_group 0``, then ``C = bf16(acc * 2**epilogue_log2 * expert_scales[e])`` with
+  masked 2-byte stores (rows of skipped slots are never written), as in ``h200_stream``.
+
+The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
+contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
+``kappa`` is a permutation of the real k; ``b_operand_k`` gives it, and the weight decode writes
+every element at its ``kappa`` (host tests check the two agree, element by element).
+
+Constraints (``check_can_implement``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn`` 128 or 256;
+K a multiple of the K slice (256 elements when both operands are FP4, else 128); 16-byte aligned
+device arrays (TMA); the ring plus the bf16 buffers within the H200's 227 KiB per block.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32
+
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
+from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import launch
+from gbs.numba_kernels.simt import scale_byte_offset
+from gbs.problem import GroupedProblem
+from gbs.ptx_inline import common as cm
+from gbs.ptx_inline import hopper as hp
+from gbs.ptx_inline import mbarrier as mb
+from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
+from gbs.ptx_inline.mbarrier import wait_parity_or_trap
+from gbs.ptx_inline.shared import st_shared_v4_u32
+from gbs.quant import BF16, SF_ATOM_ROWS, get_format
+from gbs.reference import poison_output
+
+# ----------------------------------------------------------------------------------------------
+# Constants
+# ----------------------------------------------------------------------------------------------
+WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N (256 threads decode 2 x N items per sub-step)
+CONSUMER_WARPGROUPS = 2
+TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
+SUB_K = 64                    # kappa per sub-step: one 128-byte bf16 row of the 128B-swizzle layout
+BF16_ROW_BYTES = 2 * SUB_K
+WGMMA_K = 16
+K_STEPS = SUB_K // WGMMA_K    # wgmma per warpgroup and sub-step
+GROUPS_PER_SUB = SUB_K // (hs.QUAD * hs.GROUP_ELEMENTS)   # 8-element groups per quad lane and sub-step: 2
+# Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's; a
+# buffer is rewritten at u + 3, after every thread waited for u's MMAs (wait_group 1 at u + 1) and
+# met the others at u + 1's barrier. Two would need a second barrier per sub-step.
+BF16_BUFFERS = 3
+SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte offset, the buffers' alignment
+SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
+SW128_CHUNK_MASK = 7
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """The knobs this kernel takes: the tile's weight rows (wgmma N) and the ring depth (``AUTO_STAGES``
+    = the deepest that fits)."""
+
+    mma_bn: int = 256
+    num_pipeline_stages: int = AUTO_STAGES
+
+    def __post_init__(self):
+        bn = require_int("mma_bn", self.mma_bn, 1)
+        if bn not in WGMMA_MMA_BN:
+            raise ValueError(f"the wgmma kernel takes mma_bn in {WGMMA_MMA_BN}, got {bn}")
+        stages = self.num_pipeline_stages
+        if isinstance(stages, (bool, np.bool_)) or not isinstance(stages, (int, np.integer)):
+            raise TypeError(f"num_pipeline_stages must be an int, got {stages!r}")
+        if stages < 1 and stages != AUTO_STAGES:
+            raise ValueError(f"num_pipeline_stages must be >= 1 or {AUTO_STAGES} (auto), got {stages}")
+        object.__setattr__(self, "mma_bn", int(bn))
+        object.__setattr__(self, "num_pipeline_stages", int(stages))
+
+    @classmethod
+    def of(cls, config) -> "WgmmaConfig":
+        """From a ``WgmmaConfig``, or any config with ``mma_bn`` (``KernelConfig``, ``StreamConfig``,
+        ``TileConfig``) that is not swapped and has ``cta_group`` 1; its stage count if it has one."""
+        if isinstance(config, cls):
+            return config
+        for knob, legal in (("ab_swapped", (False,)), ("cta_group", (1,))):
+            value = getattr(config, knob, legal[0])
+            if value not in legal:
+                raise ValueError(f"the wgmma kernel runs {knob}={legal[0]} only (tokens on wgmma M, one CTA "
+                                 f"per tile), got {value!r}")
+        if not hasattr(config, "mma_bn"):
+            raise TypeError(f"config must have mma_bn, got {type(config).__name__}")
+        return cls(config.mma_bn, getattr(config, "num_pipeline_stages", AUTO_STAGES))
+
+
+@dataclass(frozen=True)
+class WgmmaSpec:
+    """Everything the kernel is specialised on (hashable: compiled kernels are cached per spec)."""
+
+    a_format: str
+    b_format: str
+    mma_bn: int
+    stages: int
+
+    def __post_init__(self):
+        WgmmaConfig(self.mma_bn, self.stages)
+        self.ring   # format pair and stage checks
+
+    @property
+    def ring(self) -> hs.StreamSpec:
+        """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps."""
+        return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages)
+
+    @property
+    def cta_group(self) -> int:
+        return 1
+
+    @property
+    def threads(self) -> int:
+        return self.ring.threads
+
+    @property
+    def k_slice(self) -> int:
+        return self.ring.k_slice
+
+    @property
+    def subs_per_slice(self) -> int:
+        """Sub-steps (64 elements of K) per raw K slice."""
+        return self.k_slice // SUB_K
+
+    @property
+    def weight_items(self) -> int:
+        """(weight row, group step) items each consumer thread decodes per sub-step."""
+        return GROUPS_PER_SUB * self.mma_bn // (CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.mma_bn * BF16_ROW_BYTES
+
+    @property
+    def buffers_offset(self) -> int:
+        """Offset of the first bf16 B buffer in the dynamic shared memory (after the ring)."""
+        return -(-self.ring.smem.dynamic_bytes // SW128_ATOM_BYTES) * SW128_ATOM_BYTES
+
+    @property
+    def smem(self) -> "WgmmaSmem":
+        return WgmmaSmem(self.buffers_offset + BF16_BUFFERS * self.buffer_bytes, self.ring.smem.static_bytes)
+
+
+@dataclass(frozen=True)
+class WgmmaSmem:
+    dynamic_bytes: int
+    static_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dynamic_bytes + self.static_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# The K permutation (host model; the kernel computes the same addresses)
+# ----------------------------------------------------------------------------------------------
+def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
+    """Real k (inside the K slice) that wgmma's k index ``kappa`` (0..63) of sub-step ``sub`` carries.
+
+    A fragments (``h200_stream``'s decode): quad lane ``q`` holds, for its rotated group ``gl`` at
+    step ``gi = 2 sub + p``, register ``j`` = elements (j, j + 4) (FP4 pairing; FP8 x FP8 pairs
+    (0,2),(1,3),(4,6),(5,7)) of its quarter, and feeds them to k16 step ``kb = 2 p + j // 2`` at
+    ``kappa = 16 kb + 2 q + 8 (j % 2)`` (+1 for the high half)."""
+    ring = spec.ring
+    kb, r = divmod(kappa, WGMMA_K)
+    h, r = divmod(r, 8)
+    q, hi = divmod(r, 2)
+    p, j_half = divmod(kb, 2)
+    j = 2 * j_half + h
+    gi = GROUPS_PER_SUB * sub + p
+    gl = int(hs.rotated_group(gi, q))
+    element = hs.pair_elements(j, ring.pairing)[hi]
+    quarter = spec.k_slice // hs.QUAD
+    return q * quarter + gl * hs.GROUP_ELEMENTS + element
+
+
+def b_chunk(kb: int, h: int) -> int:
+    """16-byte chunk (0..7) of a 128-byte bf16 row holding k16 step ``kb``'s half ``h`` (kappa
+    16 kb + 8 h .. + 7); quad lane q's register is word q of it."""
+    return 2 * kb + h
+
+
+def b_buffer_offset(row: int, chunk: int) -> int:
+    """Byte offset of ``chunk`` of ``row`` in a B buffer (128B swizzle, 1024-byte aligned)."""
+    return row * BF16_ROW_BYTES + 16 * (chunk ^ (row & SW128_CHUNK_MASK))
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------
+_device = hs._device
+
+
+def make_kernel_function(spec: WgmmaSpec):
+    """The kernel as a Python function (closure over ``spec``); built fresh on every call."""
+    ring_spec = spec.ring
+    ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
+    copy_routing, routing_views, block_sync, next_work, produce = (
+        ring.copy_routing, ring.routing_views, ring.block_sync, ring.next_work, ring.produce)
+    stages, lay = ring_spec.stages, ring_spec.smem
+    stage_bytes = lay.stage_bytes
+    m_side, n_side = ring_spec.m_side, ring_spec.n_side
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
+    atoms = m_side.sf_atoms_per_slice
+    mma_bn = spec.mma_bn
+    subs = spec.subs_per_slice
+    runs = subs * GROUPS_PER_SUB // hs.ROTATION_RUN    # rotation runs per slice (1 or 2)
+    subs_per_run = hs.ROTATION_RUN // GROUPS_PER_SUB   # 2
+    items = spec.weight_items
+    rows_per_pass = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS // (GROUPS_PER_SUB // items)
+    buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
+    consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
+    producer_warps = ring_spec.producer_warps
+    producer_regs = hp.setmaxnreg_dec(hs.PRODUCER_WARPGROUP_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(hs.CONSUMER_WARPGROUP_REGISTERS)
+    barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
+    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
+    num_acc = mma_bn // 2
+    epilogue_scale = np.float32(2.0 ** ring_spec.epilogue_log2)
+    m_load, m_decode, m_load_scales, m_selector, m_group_scale = hs._make_side_reader(m_side, ring_spec.pairing)
+    n_load, n_decode, n_load_scales, n_selector, n_group_scale = hs._make_side_reader(n_side, ring_spec.pairing)
+    m_sel_step, n_sel_step = hs.scale_selector_run_step(m_side), hs.scale_selector_run_step(n_side)
+    m_run_bytes, n_run_bytes = hs.ROTATION_RUN * m_side.group_bytes, hs.ROTATION_RUN * n_side.group_bytes
+    m_blocks, n_blocks = m_side.blocks_per_thread, n_side.blocks_per_thread
+    m_row_bytes, n_row_bytes = m_side.row_bytes, n_side.row_bytes
+    m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
+    m_thread_bytes, n_thread_bytes = m_side.thread_bytes, n_side.thread_bytes
+    m_group_bytes, n_group_bytes = m_side.group_bytes, n_side.group_bytes
+    mma = hp.wgmma_bf16_rs(mma_bn)
+    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
+    sf_offset = _device(scale_byte_offset)
+    rotated = _device(hs.rotated_group)
+    swizzle = _device(hs.swizzle_xor)
+    word_column = _device(hs.scale_word_column)
+    column = _device(hs.group_column)
+    chunk_offset = _device(b_buffer_offset)
+    # local-array sizes must be plain constants in numba
+    w_sc_words, w_dec_words, a_frag_words, rotation_run = 2 * hs.QUAD, 4 * hs.QUAD, 2 * 4 * K_STEPS, hs.ROTATION_RUN
+    # module constants as plain names (numba needs literals for shared-array sizes and alignment)
+    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROTATION_RUN, ROUTING_SMEM_SLOTS, WARP_SIZE = (
+        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD, hs.ROTATION_RUN, hs.ROUTING_SMEM_SLOTS, hs.WARP_SIZE)
+
+    def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
+                                  out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                                  slices_per_split):
+        dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
+        bars = cuda.shared.array(barrier_words, dtype=np.uint64)
+        shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
+        shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
+        copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+        warp = cm.warp_index()
+        if warp < producer_warps:
+            producer_regs()
+            produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
+                    n, k_slices, max_tiles, k_splits, slices_per_split)
+            cuda.syncwarp()
+        else:
+            consumer_regs()
+            block_sync()   # the mbarriers are initialised (and the routing copied)
+            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+            lane = cm.laneid()
+            base = np.int64(cm.shared_address(dyn))
+            bar0 = np.int64(cm.shared_address(bars))
+            pair, num_pairs = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
+            cw = warp - producer_warps
+            consumer_tid = cw * WARP_SIZE + lane
+            g = lane >> 2
+            q = lane & 3
+            # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
+            m_row = (cw // 4) * TOKENS_PER_WARPGROUP + (cw % 4) * MMA_M + g
+            m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
+            m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
+            m_col = word_column(q, m_blocks)
+            # B side: weight row w_row, group steps w_p0 .. w_p0 + items - 1 of each sub-step
+            w_row = consumer_tid % rows_per_pass
+            w_p0 = consumer_tid // rows_per_pass
+            w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
+            w_row_addr = np.uint32(n_data_off + w_row * n_row_bytes)
+            buffers = np.uint32(base + buffers_off)
+            m_col0 = cuda.local.array(rotation_run, np.uint32)
+            m_sel0 = cuda.local.array(rotation_run, np.uint32)
+            for c in range(ROTATION_RUN):
+                gl0 = rotated(c, q)
+                m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
+                m_sel0[c] = m_selector(gl0)
+            m_sc = cuda.local.array(4, np.uint32)          # (s0, s1) of rows m_row, m_row + 8
+            w_sc = cuda.local.array(w_sc_words, np.uint32)  # (s0, s1) of w_row for each quarter
+            m_w = cuda.local.array(4, np.uint32)
+            w_dec = cuda.local.array(w_dec_words, np.uint32)  # [quarter][register]
+            # two sets (sub-steps alternate): an in-flight wgmma still reads the other set's registers
+            a_frag = cuda.local.array(a_frag_words, np.uint32)
+            acc_out = cuda.local.array(num_acc, float32)
+            acc = zero_acc()
+            buffer = np.uint32(0)
+            stage = np.int64(0)
+            phase = np.int64(0)
+            cursor_slot = np.int64(0)
+            cursor_first = np.int64(0)
+            for work in range(pair, max_tiles, num_pairs):
+                slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
+                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+                if slot < 0:
+                    break
+                group_start = np.int64(walk_offsets[slot])
+                m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+                n_sf_row0 = r0 % SF_ATOM_ROWS
+                acc = zero_acc()
+                for _ in range(k_slices):
+                    full = bar0 + MBARRIER_BYTES * stage
+                    wait_parity_or_trap(full, phase)
+                    st = np.uint32(base + stage * stage_bytes)
+                    for i in range(2):
+                        address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
+                                                                      atoms))
+                        m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
+                    for qq in range(QUAD):
+                        address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + w_row),
+                                                                      word_column(qq, n_blocks), atoms))
+                        w_sc[2 * qq], w_sc[2 * qq + 1] = n_load_scales(address, qq)
+                    st_m = np.uint32(st + m_row_addr)
+                    st_w = np.uint32(st + w_row_addr)
+                    for run in range(np.int32(runs)):
+                        m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
+                        m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
+                        for half in range(subs_per_run):   # one sub-step: group steps c = 2 half + p
+                            a_set = 4 * K_STEPS * half     # sub-steps per slice are even: parity = half
+                            b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                            # 1. the weights: bf16 B operand rows into the free buffer
+                            for it in range(items):
+                                c = GROUPS_PER_SUB * half + w_p0 + it
+                                for qq in range(QUAD):
+                                    gl = rotated(c, qq)
+                                    w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor)
+                                                            ^ n_run))
+                                    scale = n_group_scale(w_sc[2 * qq], w_sc[2 * qq + 1],
+                                                          np.uint32(n_selector(gl) + n_sel_run), run)
+                                    for j in range(4):
+                                        w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale,
+                                                                       NEG_ZERO_BF16X2)
+                                p = c - GROUPS_PER_SUB * half
+                                for kbl in range(2):
+                                    for h in range(2):
+                                        j = 2 * kbl + h
+                                        st_shared_v4_u32(b_addr + chunk_offset(w_row, 2 * (2 * p + kbl) + h),
+                                                         w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
+                            cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                            # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
+                            # buffer written next) are done
+                            hp.wgmma_wait_group_1()
+                            # 3. the tokens: A fragments of both group steps
+                            for p in range(GROUPS_PER_SUB):
+                                c = GROUPS_PER_SUB * half + p
+                                for i in range(2):
+                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run))
+                                                                        + 8 * i * m_row_bytes)
+                                for i in range(2):
+                                    scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1],
+                                                          np.uint32(m_sel0[c] + m_sel_run), run)
+                                    for j in range(4):
+                                        # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
+                                        a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
+                                            m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
+                            # 4. meet the other warpgroup: the buffer is complete, then issue
+                            cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                            hp.wgmma_fence()
+                            for kb in range(K_STEPS):
+                                desc = hp.wgmma_smem_descriptor_device(
+                                    b_addr + kb * 2 * WGMMA_K, SW128_LEADING_BYTES, SW128_ATOM_BYTES, "128B")
+                                acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
+                                                a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]),
+                                          desc, np.uint32(1))
+                            hp.wgmma_commit_group()
+                            buffer += np.uint32(1)
+                            if buffer == BF16_BUFFERS:
+                                buffer = np.uint32(0)
+                    # every read of the raw stage is done (the MMAs read the bf16 buffers)
+                    cuda.syncwarp()
+                    if lane == 0:
+                        mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+                    stage += 1
+                    if stage == stages:
+                        stage = 0
+                        phase ^= 1
+                hp.wgmma_wait_group_0()
+                acc = hp.wgmma_fence_accumulators(acc)
+                hp.accumulators_to_array(acc, acc_out)
+                out_scale = expert_scales[expert] * epilogue_scale
+                out_address = np.int64(cm.generic_address(out))
+                token_base = t0 + m_row
+                for i in range(num_acc):
+                    # wgmma_accumulator_position: row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 q + (i & 1)
+                    token = token_base + 8 * ((i >> 1) & 1)
+                    row = r0 + 8 * (i >> 2) + 2 * q + (i & 1)
+                    cm.store_global_u16_if(out_address + (token * n + row) * 2,
+                                           f32_to_bf16_bits(acc_out[i] * out_scale),
+                                           np.uint32((token < t1) & (row < r1)))
+
+    return grouped_matmul_h200_wgmma
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+def _spec_for(formats: tuple[str, str], config: WgmmaConfig, stages: int) -> WgmmaSpec:
+    return WgmmaSpec(formats[0], formats[1], config.mma_bn, stages)
+
+
+def max_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
+    """Deepest raw ring that fits ``smem_limit`` beside the bf16 buffers (0 if none)."""
+    config = WgmmaConfig.of(config)
+    formats = (get_format(a_format).name, get_format(b_format).name)
+    stages = 0
+    while _spec_for(formats, config, stages + 1).smem.total_bytes <= smem_limit:
+        stages += 1
+    return stages
+
+
+def check_can_implement(problem, config) -> WgmmaSpec:
+    """Static checks before any device work (the ring's, plus this kernel's knobs and bytes);
+    returns the resolved ``WgmmaSpec``. TypeError / ValueError saying what is wrong."""
+    wgmma_config = WgmmaConfig.of(config)
+    ring_config = hs.StreamConfig(False, wgmma_config.mma_bn, 1, 1)
+    hs.check_can_implement(problem, ring_config)   # formats, K slice, TMA rows, sizes
+    formats = hs._problem_formats(problem)
+    real_max = max_pipeline_stages(*formats, wgmma_config)
+    stages = wgmma_config.num_pipeline_stages
+    if stages == AUTO_STAGES:
+        stages = real_max
+    if not 1 <= stages <= real_max:
+        raise ValueError(f"{stages} pipeline stages do not fit the H200 beside {BF16_BUFFERS} bf16 buffers of "
+                         f"{wgmma_config.mma_bn * BF16_ROW_BYTES} B: at most {real_max} for {formats[0]} x "
+                         f"{formats[1]}, mma_bn={wgmma_config.mma_bn}; use num_pipeline_stages <= {real_max} or "
+                         f"{AUTO_STAGES} (auto)")
+    return _spec_for(formats, wgmma_config, stages)
+
+
+# wgmma_plan: mma_bn 128 until the 256-wide tile stops spilling (ptxas 13.5: 392 B of spills at the
+# 216-register consumer budget, 128 accumulators + two A fragment sets; 128 wide: no spills).
+WGMMA_PLAN_MMA_BN = 128
+
+
+def wgmma_plan(problem, decision=None) -> WgmmaConfig:
+    """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the SM100
+    ``decision`` (if any) does not carry over (its tiles are for tcgen05; this kernel's tile is
+    128 tokens by ``mma_bn`` weight rows, one CTA per SM), the deepest ring that fits."""
+    return WgmmaConfig(WGMMA_PLAN_MMA_BN, AUTO_STAGES)
+
+
+def can_implement(problem, config) -> tuple[bool, str]:
+    try:
+        check_can_implement(problem, config)
+    except (TypeError, ValueError) as err:
+        return False, str(err)
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernel(spec: WgmmaSpec) -> launch.CompiledKernel:
+    return launch.compile_kernel(make_kernel_function(spec), hs.kernel_signature(), threads=spec.threads,
+                                 dynamic_smem_bytes=spec.smem.dynamic_bytes, cluster_size=1,
+                                 name=f"grouped_matmul_h200_wgmma[{spec}]")
+
+
+def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
+            stream=0) -> hs.StreamLaunch:
+    """Compile (cached), build the tensor maps, marshal the arguments; returns a launch object
+    (``h200_stream.StreamLaunch``) that enqueues with no host copies or syncs. ``out`` and
+    ``num_ctas`` as in ``h200_stream.prepare`` (one CTA per SM by default: 227 KiB each)."""
+    if not isinstance(problem_device, launch.DeviceProblem):
+        raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
+    launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
+    spec = check_can_implement(problem_device, config)
+    device_out = hs._device_out(problem_device, out)
+    max_tiles = hs.max_tiles_bound(spec.ring, problem_device.total_tokens, problem_device.num_active_experts,
+                                   problem_device.n)
+    if problem_device.total_tokens == 0:
+        return hs.StreamLaunch(spec.ring, device_out, 0, 0, None)
+    for name, arr in problem_device.arrays().items():
+        if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
+            raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
+    kernel = compiled_kernel(spec)
+    if num_ctas is None:
+        num_ctas = hs.default_num_ctas(spec, max_tiles, kernel.registers)
+    num_ctas = require_int("num_ctas", num_ctas, 1)
+    k_slices = problem_device.k // spec.k_slice
+    no_split_sums, no_split_counters = cuda.device_array((1, 1), np.float32), cuda.device_array(1, np.uint32)
+    arrays = problem_device.arrays()
+    map_args = hs.tensor_map_args(spec.ring, {k: tuple(v.shape) for k, v in arrays.items()},
+                                  {k: launch.device_address(v) for k, v in arrays.items()})
+    maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
+    args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
+            problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
+            np.int64(k_slices), np.int64(max_tiles), no_split_sums, no_split_counters, np.int64(1),
+            np.int64(k_slices))
+    prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream, keepalive=(maps, problem_device))
+    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared)
+
+
+def grouped_matmul_h200_wgmma(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
+                              num_ctas: int | None = None) -> np.ndarray:
+    """Run the wgmma kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)); ``out`` as in
+    ``h200_stream.grouped_matmul_h200``. Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
+    launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
+    config = WgmmaConfig() if config is None else config
+    check_can_implement(problem, config)
+    shape = (problem.total_tokens, problem.n)
+    if out is None:
+        out = poison_output(*shape)
+    elif not isinstance(out, np.ndarray) or out.dtype != BF16 or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous bfloat16 numpy array of shape {shape}")
+    bits = out.view(np.uint16)
+    device_out = cuda.to_device(bits)
+    prepare(launch.to_device(problem), config, device_out, num_ctas=num_ctas)()
+    device_out.copy_to_host(bits)
+    return out
+
+
+__all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "can_implement", "check_can_implement", "prepare",
+           "grouped_matmul_h200_wgmma", "max_pipeline_stages", "wgmma_plan"]

@@ -1,0 +1,184 @@
+"""The H200 wgmma (prefill) kernel: host checks of its K permutation, buffers and legality (CPU), its
+SASS (offline, sm_90a), and its numerics on the GPU (``-m gpu``, skipped without one: run them on the
+H200 through the device tool, ``scripts/gpu_run.sh tests``).
+"""
+from __future__ import annotations
+
+import types
+import zlib
+
+import numpy as np
+import pytest
+
+from gbs.bench import synthetic_problem
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM
+from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import h200_wgmma as hw
+from gbs.numba_kernels import launch
+from gbs.problem import PROBLEM_FORMATS
+from gbs.ptx_inline import hopper as hp
+from gbs.ptx_inline import offline
+from gbs.reference import check_acceptance, reference_grouped_matmul
+
+FORMATS = tuple(PROBLEM_FORMATS)
+
+
+def spec_of(fmt: str, mma_bn: int, stages: int | None = None) -> hw.WgmmaSpec:
+    a, b = PROBLEM_FORMATS[fmt]
+    if stages is None:
+        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn))
+    return hw.WgmmaSpec(a, b, mma_bn, stages)
+
+
+def writer_k(spec: hw.WgmmaSpec, sub: int, p: int, q: int, j: int, hi: int) -> tuple[int, int]:
+    """(kappa, real k) of the element the kernel's weight decode writes for group step ``p`` of
+    sub-step ``sub``, quad lane ``q``'s quarter, register ``j``, half ``hi``: the register goes to
+    chunk ``2 (2 p + j // 2) + j % 2`` of the row, word ``q`` (4 bytes = kappa 2 q, 2 q + 1)."""
+    chunk = 2 * (2 * p + j // 2) + j % 2
+    kappa = 8 * chunk + 2 * q + hi
+    gl = int(hs.rotated_group(hw.GROUPS_PER_SUB * sub + p, q))
+    real = q * (spec.k_slice // hs.QUAD) + gl * hs.GROUP_ELEMENTS + hs.pair_elements(j, spec.ring.pairing)[hi]
+    return kappa, real
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_b_operand_k_is_a_permutation_of_the_slice(fmt):
+    spec = spec_of(fmt, 128)
+    seen = [hw.b_operand_k(spec, sub, kappa) for sub in range(spec.subs_per_slice) for kappa in range(hw.SUB_K)]
+    assert sorted(seen) == list(range(spec.k_slice))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_writer_puts_every_element_at_its_kappa(fmt):
+    spec = spec_of(fmt, 128)
+    for sub in range(spec.subs_per_slice):
+        for p in range(hw.GROUPS_PER_SUB):
+            for q in range(hs.QUAD):
+                for j in range(4):
+                    for hi in range(2):
+                        kappa, real = writer_k(spec, sub, p, q, j, hi)
+                        assert hw.b_operand_k(spec, sub, kappa) == real
+
+
+def test_a_fragment_registers_carry_the_same_kappa():
+    """The kernel puts register j of row half i at a-register ``2 (j % 2) + i`` of k16 step
+    ``2 p + j // 2``; wgmma reads that register as (row g + 8 i, k 2 q + 8 (j % 2)) and k + 1: the
+    kappa the weight writer uses for the same (q, j)."""
+    for thread in range(hp.WGMMA_THREADS):
+        lane = thread % 32
+        g, q = lane // 4, lane % 4
+        for j in range(4):
+            for i in range(2):
+                reg = 2 * (j % 2) + i
+                row, k = hp.wgmma_a_register_position(thread, 2 * reg)
+                row1, k1 = hp.wgmma_a_register_position(thread, 2 * reg + 1)
+                assert (row, row1) == (16 * (thread // 32) + g + 8 * i,) * 2
+                assert (k, k1) == (2 * q + 8 * (j % 2), 2 * q + 8 * (j % 2) + 1)
+
+
+def test_b_buffer_offset_is_the_canonical_sw128_layout():
+    for row in range(16):
+        for chunk in range(8):
+            assert hw.b_buffer_offset(row, chunk) == hp.kmajor_sw128_offset(row, 16 * chunk)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bn", hw.WGMMA_MMA_BN)
+def test_ring_and_buffers_fit_and_one_more_stage_does_not(fmt, bn):
+    spec = spec_of(fmt, bn)
+    assert spec.stages >= 2
+    assert spec.smem.total_bytes <= H200_SMEM_PER_SM
+    assert spec.buffers_offset % hw.SW128_ATOM_BYTES == 0 and spec.buffer_bytes % hw.SW128_ATOM_BYTES == 0
+    assert spec.buffers_offset >= spec.ring.smem.dynamic_bytes
+    deeper = hw.WgmmaSpec(spec.a_format, spec.b_format, bn, spec.stages + 1)
+    assert deeper.smem.total_bytes > H200_SMEM_PER_SM
+
+
+@pytest.mark.parametrize("bn, items, threads", [(128, 1, 384), (256, 2, 384)])
+def test_every_weight_row_and_group_step_has_one_thread(bn, items, threads):
+    spec = spec_of("nvfp4", bn)
+    assert spec.weight_items == items and spec.threads == threads
+    assert items * hw.CONSUMER_WARPGROUPS * hp.WGMMA_THREADS == hw.GROUPS_PER_SUB * bn
+
+
+def _problem(fmt, n=512, k=1024, sizes=(5, 0, 1, 37, 130, 300), ids=(0, 4, 1, -1, 2, 3), seed=0):
+    return synthetic_problem(fmt, n=n, k=k, group_sizes=list(sizes), expert_ids=list(ids), num_experts=5, seed=seed)
+
+
+@pytest.mark.parametrize("config, error, match", [
+    (hs.StreamConfig(True, 128, 1), ValueError, "ab_swapped=False"),
+    (types.SimpleNamespace(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group=1"),
+    (hw.WgmmaConfig(128, 9), ValueError, "do not fit"),
+    (object(), TypeError, "mma_bn"),
+])
+def test_illegal_configs_are_refused_with_the_reason(config, error, match):
+    with pytest.raises(error, match=match):
+        hw.check_can_implement(_problem("nvfp4"), config)
+
+
+def test_wgmma_config_checks_its_knobs():
+    with pytest.raises(ValueError, match="mma_bn in"):
+        hw.WgmmaConfig(64)
+    with pytest.raises(TypeError):
+        hw.WgmmaConfig(128, 2.0)
+    assert hw.WgmmaConfig.of(hs.StreamConfig(False, 256, 1, 3)) == hw.WgmmaConfig(256, 3)
+
+
+def test_k_not_a_multiple_of_the_slice_is_refused():
+    with pytest.raises(ValueError, match="pad K"):
+        hw.check_can_implement(_problem("nvfp4", k=384), hw.WgmmaConfig(128))
+
+
+@pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("mxfp8", 128), ("w4a8", 128)])
+def test_sass_has_hgmma_and_no_local_memory(fmt, bn):
+    """Offline (ptxas 13.5, sm_90a): the consumers issue HGMMA with A from registers, and the 128-wide
+    tile keeps everything in registers (no spills, no local arrays)."""
+    spec = spec_of(fmt, bn)
+    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+                                  launch_bounds=(spec.threads, 1))
+    sass = offline.disassemble(cubin)
+    assert offline.has_opcode(sass, f"HGMMA.64x{bn}x16.F32.BF16")
+    assert not offline.uses_local_memory(sass)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+GPU_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
+GPU_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
+GPU_CASES = [(fmt, 128) for fmt in FORMATS] + [("nvfp4", 256), ("mxfp8", 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bn", GPU_CASES)
+def test_gpu_matches_the_reference(fmt, bn):
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = synthetic_problem(fmt, n=4096 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
+                                num_experts=8, seed=zlib.crc32(f"wgmma/{fmt}".encode()))
+    ref = reference_grouped_matmul(problem)
+    config = hw.WgmmaConfig(bn, AUTO_STAGES)
+    out = hw.grouped_matmul_h200_wgmma(problem, config)   # poisoned output: skipped rows keep it
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    from numba import cuda
+
+    problem = _problem("nvfp4", n=1024, k=2048)
+    ref = reference_grouped_matmul(problem)
+    sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
+    device_out = cuda.to_device(sentinel)
+    prepared = hw.prepare(launch.to_device(problem), hw.WgmmaConfig(128), device_out, num_ctas=3)
+    skipped = ~problem.written_rows()
+    for _ in range(2):
+        device_out.copy_to_device(sentinel)
+        prepared()
+        bits = device_out.copy_to_host()
+        assert np.all(bits[skipped] == 0x1234)
+        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
+        assert check_acceptance(problem, merged, ref).passed
