@@ -15,6 +15,10 @@ Backends, best first where the hardware allows:
 
 * ``"sm100"``: the tcgen05 kernel (Blackwell B200/GB200, compute capability 10.0; assembled and
   emulated in CI, never run here: no such GPU exists in this project's machines);
+* ``"h200_wgmma"``: the H200 prefill kernel (``gbs.numba_kernels.h200_wgmma``: the same TMA ring,
+  weights decoded to bf16 in shared memory, tokens into registers, ``wgmma``); ``"auto"`` on an H200
+  picks it when the dispatch decides (``config=None``) and the experts average at least
+  ``h200_wgmma.WGMMA_MIN_TOKENS_PER_EXPERT`` tokens; its knobs are ``h200_wgmma.wgmma_plan``'s;
 * ``"h200_stream"``: the H200 (Hopper, sm_90a) kernel: TMA ring of ``num_pipeline_stages`` K slices,
   software block scales, ``mma.sync`` bf16 (chosen by ``"auto"`` on compute capability 9.0). The
   SM100 decision is mapped onto it: same ``ab_swapped`` / ``mma_bn`` / ``cta_group``, stages capped
@@ -38,7 +42,7 @@ from .dispatch import KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
 from .reference import reference_grouped_matmul
 
-BACKENDS = ("auto", "sm100", "h200_stream", "simt", "reference")
+BACKENDS = ("auto", "sm100", "h200_wgmma", "h200_stream", "simt", "reference")
 SM100_COMPUTE_CAPABILITY = (10, 0)
 H200_COMPUTE_CAPABILITY = (9, 0)
 
@@ -115,6 +119,24 @@ def h200_stream_knobs(problem, config: KernelConfig | None = None):
     return h200_stream.h200_stream_config(problem, knobs)
 
 
+def h200_kernel(problem, config: KernelConfig | None = None, backend: str = "auto"):
+    """(kernel module, knobs) an H200 backend runs ``problem`` with: ``"h200_wgmma"`` ->
+    (``h200_wgmma``, ``wgmma_plan`` or the given config's tile), ``"h200_stream"`` -> (``h200_stream``,
+    ``h200_stream_knobs``); ``"auto"`` -> the wgmma kernel for prefill when the dispatch decides
+    (``h200_wgmma.prefers``), else the streaming kernel."""
+    from .numba_kernels import h200_stream, h200_wgmma
+
+    if backend == "auto":
+        backend = "h200_wgmma" if config is None and h200_wgmma.prefers(problem) else "h200_stream"
+    if backend == "h200_wgmma":
+        if config is None:
+            return h200_wgmma, h200_wgmma.wgmma_plan(problem)
+        return h200_wgmma, h200_wgmma.WgmmaConfig.of(resolve_config(problem, config))
+    if backend != "h200_stream":
+        raise ValueError(f"not an H200 backend: {backend!r}")
+    return h200_stream, h200_stream_knobs(problem, config)
+
+
 def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "auto", out=None, *,
                    stream=None):
     """Run the grouped 1D-1D block-scaled matmul; returns ``C`` (bf16, (total_tokens, N)).
@@ -140,10 +162,9 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
     chosen = select_backend(backend)
     if chosen == "reference":
         return reference_grouped_matmul(problem, out)
-    if chosen == "h200_stream":   # raises, naming the hardware it needs, without an sm_90 GPU
-        from .numba_kernels import h200_stream
-
-        return h200_stream.grouped_matmul_h200(problem, h200_stream_knobs(problem, config), out=out)
+    if chosen in ("h200_stream", "h200_wgmma"):   # raise, naming the hardware they need, without an sm_90 GPU
+        kernel, kernel_knobs = h200_kernel(problem, config, "auto" if backend == "auto" else chosen)
+        return kernel.grouped_matmul_h200(problem, kernel_knobs, out=out)
     if chosen == "sm100":   # raises, naming the hardware it needs, on anything but compute capability 10.0
         from .numba_kernels import sm100
 

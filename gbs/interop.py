@@ -74,7 +74,7 @@ from .problem import GroupedProblem, ProblemShape, _is_int, problem_format_name,
 from .quant import BlockFormat, get_format
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
-DEVICE_BACKENDS = ("h200_stream",)
+DEVICE_BACKENDS = ("h200_stream", "h200_wgmma")
 # The arrays the routing checks read (copied to the host when validating).
 ROUTING_ARRAYS = ("a_offsets", "a_scale_offsets", "expert_ids")
 OUTPUT_DTYPE = np.dtype(np.uint16)   # the kernels store bf16 bits
@@ -572,16 +572,16 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
     dispatch's from host metadata unless given), the backend, the checks, the output, the stream,
     the tensor maps, the compile. Call the result to enqueue the kernel; call it again to rerun on
     the same arrays (their current contents)."""
-    from .api import h200_stream_knobs
+    from .api import h200_kernel
 
     if not isinstance(problem, DeviceGroupedProblem):
         raise TypeError(f"problem must be a DeviceGroupedProblem (gbs.interop.device_problem), "
                         f"got {type(problem).__name__}")
-    stream_config = h200_stream_knobs(problem, config)
-    check_device_backend(backend)
+    chosen = check_device_backend(backend)
+    kernel, knobs = h200_kernel(problem, config, "auto" if backend == "auto" else chosen)
     from .numba_kernels import h200_stream, launch
 
-    h200_stream.check_can_implement(problem.launch_view(), stream_config)   # before any device work
+    kernel.check_can_implement(problem.launch_view(), knobs)   # before any device work
     handle = problem.stream_for(stream)
     dlpack_stream = handle or DLPACK_LEGACY_DEFAULT_STREAM
     out_array = None if out is None else _output_array(problem, out, dlpack_stream)
@@ -597,5 +597,5 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
         out = _new_output(problem, nb_stream)
         out_array = _output_array(problem, out, dlpack_stream)
     kernel_problem = launch.to_device(problem)   # wraps the DeviceArrays: no copy, no sync
-    stream_launch = h200_stream.prepare(kernel_problem, stream_config, out_array, stream=nb_stream)
+    stream_launch = kernel.prepare(kernel_problem, knobs, out_array, stream=nb_stream)
     return DeviceLaunch(problem, out, handle, kernel_problem, stream_launch.out, stream_launch)

@@ -6,7 +6,8 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
         nvfp4:decode_up:T:8:1:2:auto  nvfp4:kimi_decode:T:8:1:2:1  nvfp4:kimi_decode:T:8:1:2:7
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
-or ``auto``; a point may add ``:num_ctas``). Cases are ``gbs.bench.BENCH_CASES``. Timing is the
+or ``auto``; a point may add ``:num_ctas``), or ``wgmma:format:case:mma_bn:stages[:num_ctas]`` for the
+wgmma prefill kernel (``h200_wgmma``; stages an int or ``auto``). Cases are ``gbs.bench.BENCH_CASES``. Timing is the
 benchmark's (``gbs.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. Needs an sm_90 GPU.
 """
@@ -16,11 +17,26 @@ import argparse
 import sys
 
 from gbs import bench
-from gbs.numba_kernels import h200_stream
+from gbs.dispatch import AUTO_STAGES
+from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.numba_kernels.launch import to_device
 
 
+def parse_wgmma_point(text: str):
+    parts = text.split(":")
+    if len(parts) not in (5, 6):
+        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas]")
+    _, fmt, case, bn, stages = parts[:5]
+    if case not in bench.BENCH_CASES:
+        raise ValueError(f"point {text!r}: case in {sorted(bench.BENCH_CASES)}")
+    config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages))
+    num_ctas = int(parts[5]) if len(parts) == 6 else None
+    return fmt, bench.BENCH_CASES[case], config, None, num_ctas
+
+
 def parse_point(text: str):
+    if text.startswith("wgmma:"):
+        return parse_wgmma_point(text)
     parts = text.split(":")
     if len(parts) not in (7, 8):
         raise ValueError(f"point {text!r}: want format:case:T|F:mma_bn:cta_group:stages:k_splits[:num_ctas]")
@@ -52,8 +68,11 @@ def main(argv=None) -> int:
         problem = problems[key]
         copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
         try:
-            launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
-                        for _ in range(copies)]
+            if isinstance(config, h200_wgmma.WgmmaConfig):
+                launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas) for _ in range(copies)]
+            else:
+                launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
+                            for _ in range(copies)]
             timing = bench.time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
             print(f"{text:44} {type(err).__name__}: {err}", flush=True)
@@ -62,8 +81,9 @@ def main(argv=None) -> int:
         first = launches[0]
         gbps = bench.useful_bytes(problem) / (timing.median_us * 1e3)
         tflops = bench.useful_flops(problem) / (timing.median_us * 1e6)
-        row = dict(point=text, status="ok", format=fmt, case=case.name, ab_swapped=config.ab_swapped,
-                   mma_bn=config.mma_bn, cta_group=config.cta_group, stages=first.spec.stages,
+        spec = first.spec
+        row = dict(point=text, status="ok", format=fmt, case=case.name, ab_swapped=spec.ab_swapped,
+                   mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
                    k_splits=first.k_splits, num_ctas=first.num_ctas, median_us=timing.median_us,
                    p10_us=timing.p10_us, p90_us=timing.p90_us, gbps=gbps, tflops=tflops,
                    read_ceiling_fraction=gbps / (read_tbps * 1e3), read_ceiling_tbps=read_tbps, **env)

@@ -2,7 +2,7 @@
 """Small cases of every GPU kernel variant, for compute-sanitizer (memcheck / racecheck) on a GPU.
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py
-    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt]
 
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference.
@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from gbs.numba_kernels import h200_stream, simt
+from gbs.numba_kernels import h200_stream, h200_wgmma, simt
 from gbs.numba_kernels.h200_stream import StreamConfig
 from gbs.problem import build_problem, random_activations, random_weights
 from gbs.reference import check_acceptance
@@ -25,6 +25,7 @@ EXPERT_IDS = [2, 0, 1, -1, 3]
 # split-K runs, small prefill pair (8 warps) with split-K, not swapped, wide N
 STREAM_CONFIGS = [((True, 8, 1, 2), 1), ((True, 16, 1, 2), 2), ((True, 64, 2, 3), 2), ((False, 128, 1, 2), 1),
                   ((True, 256, 1, 2), 1)]
+WGMMA_MMA_BN = (128, 256)
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 
 
@@ -34,14 +35,17 @@ def problem_for(fmt, seed):
                          GROUP_SIZES, EXPERT_IDS, fmt=fmt)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    kernels = set(sys.argv[1:] if argv is None else argv) or {"h200_stream", "h200_wgmma", "simt"}
     failures = 0
     for seed, fmt in enumerate(FORMATS):
         p = problem_for(fmt, seed)
         cases = [("h200_stream", (c, splits), lambda c=c, splits=splits: h200_stream.grouped_matmul_h200(
                      p, StreamConfig(*c), k_splits=splits)) for c, splits in STREAM_CONFIGS]
+        cases += [("h200_wgmma", (bn,), lambda bn=bn: h200_wgmma.grouped_matmul_h200(p, h200_wgmma.WgmmaConfig(bn)))
+                  for bn in WGMMA_MMA_BN]
         cases.append(("simt", (True, 8, 1), lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
-        for name, knobs, run in cases:
+        for name, knobs, run in [case for case in cases if case[0] in kernels]:
             verdict = check_acceptance(p, run())
             failures += not verdict.passed
             print(f"{fmt:6} {name:12} {str(knobs):30} {verdict}", flush=True)

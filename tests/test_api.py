@@ -60,3 +60,25 @@ def test_resolve_config_checks_and_maps_the_e5m2_route():
 def test_problem_type_error_names_both_problem_kinds():
     with pytest.raises(TypeError, match=r"GroupedProblem \(host arrays\) or a DeviceGroupedProblem"):
         grouped_matmul({"a": np.zeros(3)}, backend="reference")
+
+
+def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
+    """Host-only: which H200 kernel and knobs ``"auto"`` picks (no GPU needed to decide)."""
+    from gbs.api import h200_kernel
+    from gbs.bench import BENCH_CASES
+    from gbs.numba_kernels import h200_stream, h200_wgmma
+
+    prefill = BENCH_CASES["large_prefill_up"].problem("nvfp4")
+    decode = BENCH_CASES["decode_up"].problem("nvfp4")
+    kernel, knobs = h200_kernel(prefill)
+    assert kernel is h200_wgmma and knobs == h200_wgmma.wgmma_plan(prefill)
+    kernel, knobs = h200_kernel(decode)
+    assert kernel is h200_stream and knobs == h200_stream.h200_plan(decode, dispatch_for(decode))
+    # a caller's config is honoured by the streaming kernel (all SM100 knobs), not re-routed
+    kernel, _ = h200_kernel(prefill, dispatch_for(prefill))
+    assert kernel is h200_stream
+    # asking for the wgmma kernel with knobs it does not have says which
+    with pytest.raises(ValueError, match="ab_swapped=False"):
+        h200_kernel(decode, dispatch_for(decode), "h200_wgmma")
+    with pytest.raises(ValueError, match="not an H200 backend"):
+        h200_kernel(decode, None, "simt")

@@ -158,7 +158,7 @@ def test_gpu_matches_the_reference(fmt, bn):
                                 num_experts=8, seed=zlib.crc32(f"wgmma/{fmt}".encode()))
     ref = reference_grouped_matmul(problem)
     config = hw.WgmmaConfig(bn, AUTO_STAGES)
-    out = hw.grouped_matmul_h200_wgmma(problem, config)   # poisoned output: skipped rows keep it
+    out = hw.grouped_matmul_h200(problem, config)   # poisoned output: skipped rows keep it
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
 
@@ -182,3 +182,18 @@ def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
         assert np.all(bits[skipped] == 0x1234)
         merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
         assert check_acceptance(problem, merged, ref).passed
+
+
+@pytest.mark.gpu
+def test_gpu_auto_backend_runs_prefill_on_wgmma():
+    """``gbs.grouped_matmul`` with the dispatch's decision: groups of >= 128 tokens go to this kernel."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    import gbs
+    from gbs.api import h200_kernel
+
+    problem = synthetic_problem("nvfp4", n=640, k=1024, group_sizes=[300, 0, 200, 129], expert_ids=[1, 0, -1, 2],
+                                num_experts=3, seed=5)
+    assert h200_kernel(problem)[0] is hw
+    out = gbs.grouped_matmul(problem)
+    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed

@@ -1,7 +1,7 @@
 """The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA).
 
 Run it through ``gbs.grouped_matmul(problem, backend="h200_wgmma")`` (or ``"auto"``, which picks it
-for prefill on an H200: ``gbs.api``), or directly::
+for prefill on an H200: ``prefers``), or directly::
 
     from gbs.numba_kernels import h200_wgmma, launch
     prepared = h200_wgmma.prepare(launch.to_device(problem), h200_wgmma.WgmmaConfig(mma_bn=256))
@@ -462,6 +462,19 @@ def check_can_implement(problem, config) -> WgmmaSpec:
     return _spec_for(formats, wgmma_config, stages)
 
 
+# "auto" on an H200 runs this kernel when the experts average at least this many tokens (one full
+# token tile). Measured (bench, 2026-11-30, commit 1736c40, 4096 x 7168): 8 x 1024 tokens: NVFP4
+# 1179 us here vs 3064 us h200_stream; 32 x 32: NVFP4 568 vs 540, MXFP8 637 vs 517 (the streaming
+# kernel's 16-token tiles waste less of the MMA on 32-token groups), MXFP4 554 vs 619.
+WGMMA_MIN_TOKENS_PER_EXPERT = 128
+
+
+def prefers(problem) -> bool:
+    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only)."""
+    tokens_per_expert = -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
+    return tokens_per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT
+
+
 # wgmma_plan: mma_bn 128 until the 256-wide tile stops spilling (ptxas 13.5: 392 B of spills at the
 # 216-register consumer budget, 128 accumulators + two A fragment sets; 128 wide: no spills).
 WGMMA_PLAN_MMA_BN = 128
@@ -524,8 +537,8 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared)
 
 
-def grouped_matmul_h200_wgmma(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
-                              num_ctas: int | None = None) -> np.ndarray:
+def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
+                        num_ctas: int | None = None) -> np.ndarray:
     """Run the wgmma kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)); ``out`` as in
     ``h200_stream.grouped_matmul_h200``. Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
@@ -544,4 +557,4 @@ def grouped_matmul_h200_wgmma(problem: GroupedProblem, config=None, out: np.ndar
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "can_implement", "check_can_implement", "prepare",
-           "grouped_matmul_h200_wgmma", "max_pipeline_stages", "wgmma_plan"]
+           "grouped_matmul_h200", "max_pipeline_stages", "prefers", "wgmma_plan"]
