@@ -4,6 +4,8 @@ H200 through the device tool, ``scripts/gpu_run.sh tests``).
 """
 from __future__ import annotations
 
+import collections
+import re
 import types
 import zlib
 
@@ -21,6 +23,8 @@ from gbs.ptx_inline import offline
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
+FP4_PAIRS = ("nvfp4", "mxfp4")   # 256-element K slices: 128-kappa sub-steps, so mma_bn 256 does not fit
+FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN if not (bn == 256 and fmt in FP4_PAIRS)]
 
 
 def spec_of(fmt: str, mma_bn: int, stages: int | None = None) -> hw.WgmmaSpec:
@@ -30,13 +34,20 @@ def spec_of(fmt: str, mma_bn: int, stages: int | None = None) -> hw.WgmmaSpec:
     return hw.WgmmaSpec(a, b, mma_bn, stages)
 
 
-def writer_k(spec: hw.WgmmaSpec, sub: int, p: int, q: int, j: int, hi: int) -> tuple[int, int]:
-    """(kappa, real k) of the element the kernel's weight decode writes for group step ``p`` of
-    sub-step ``sub``, quad lane ``q``'s quarter, register ``j``, half ``hi``: the register goes to
-    chunk ``2 (2 p + j // 2) + j % 2`` of the row, word ``q`` (4 bytes = kappa 2 q, 2 q + 1)."""
-    chunk = 2 * (2 * p + j // 2) + j % 2
-    kappa = 8 * chunk + 2 * q + hi
-    gl = int(hs.rotated_group(hw.GROUPS_PER_SUB * sub + p, q))
+def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> tuple[int, int]:
+    """(kappa, real k) of the element the kernel's weight decode writes for group step ``step`` of
+    sub-step ``sub``, quad lane ``q``'s quarter, register ``j``, half ``hi``: the thread reads group
+    ``rotated(groups_per_sub * sub + step, q)`` and stores register j as word q of the chunk
+    ``b_buffer_offset(kb = 2 step + j // 2, h = j % 2)``; kappa is where that byte sits in the
+    canonical layout (column block kappa // 64, 128B swizzle)."""
+    kb, h = 2 * step + j // 2, j % 2
+    offset = hw.b_buffer_offset(spec.mma_bn, 5, kb, h) + 4 * q + 2 * hi   # any row: 5
+    block, in_block = divmod(offset, spec.mma_bn * hw.BF16_ROW_BYTES)
+    kappa = None
+    for byte in range(hw.BF16_ROW_BYTES):
+        if hp.kmajor_sw128_offset(5, byte) == in_block:
+            kappa = block * hw.SW128_KAPPA + byte // 2
+    gl = int(hs.rotated_group(spec.groups_per_sub * sub + step, q))
     real = q * (spec.k_slice // hs.QUAD) + gl * hs.GROUP_ELEMENTS + hs.pair_elements(j, spec.ring.pairing)[hi]
     return kappa, real
 
@@ -44,20 +55,52 @@ def writer_k(spec: hw.WgmmaSpec, sub: int, p: int, q: int, j: int, hi: int) -> t
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_b_operand_k_is_a_permutation_of_the_slice(fmt):
     spec = spec_of(fmt, 128)
-    seen = [hw.b_operand_k(spec, sub, kappa) for sub in range(spec.subs_per_slice) for kappa in range(hw.SUB_K)]
+    seen = [hw.b_operand_k(spec, sub, kappa) for sub in range(hw.SUBS_PER_SLICE) for kappa in range(spec.sub_k)]
     assert sorted(seen) == list(range(spec.k_slice))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weight_writer_puts_every_element_at_its_kappa(fmt):
     spec = spec_of(fmt, 128)
-    for sub in range(spec.subs_per_slice):
-        for p in range(hw.GROUPS_PER_SUB):
+    for sub in range(hw.SUBS_PER_SLICE):
+        for step in range(spec.groups_per_sub):
             for q in range(hs.QUAD):
                 for j in range(4):
                     for hi in range(2):
-                        kappa, real = writer_k(spec, sub, p, q, j, hi)
+                        kappa, real = writer_k(spec, sub, step, q, j, hi)
                         assert hw.b_operand_k(spec, sub, kappa) == real
+
+
+@pytest.mark.parametrize("fmt, bn", FITTING)
+def test_weight_items_cover_every_row_and_step_once(fmt, bn):
+    spec = spec_of(fmt, bn)
+    items = [hw.weight_item_row(spec, t, it) for t in range(hw.CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
+             for it in range(spec.weight_items)]
+    assert sorted(items) == [(r, s) for r in range(bn) for s in range(spec.groups_per_sub)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_loads_of_a_warp_hit_distinct_banks(fmt):
+    """One weight load instruction (fixed item and quarter): the 32 lanes' words (8 rows x 4 group
+    steps, or 16 x 2 for the 128-element slices) in the TMA-swizzled raw stage."""
+    spec = spec_of(fmt, 128)
+    side = spec.ring.n_side
+    worst = 1
+    for warp in range(8):
+        for item in range(spec.weight_items):
+            for q in range(hs.QUAD):
+                banks = collections.Counter()
+                for lane in range(hs.WARP_SIZE):
+                    row, step = hw.weight_item_row(spec, hs.WARP_SIZE * warp + lane, item)
+                    gl = int(hs.rotated_group(step, q))   # sub-step 0 (other runs XOR whole runs)
+                    col = int(hs.group_column(q, gl, side.thread_bytes, side.group_bytes,
+                                              hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)))
+                    for word in range(side.group_bytes // 4):
+                        banks[((row * side.row_bytes + col) // 4 + word) % 32] += 1
+                worst = max(worst, max(banks.values()))
+    # 8 rows x 4 steps (FP4 x FP4): conflict-free. 16 rows x 2 steps: two words per bank at most
+    # (FP8's 8-byte loads need 2 wavefronts anyway; W4A8's 64-byte FP4 rows repeat banks every 2 rows).
+    assert worst <= (1 if spec.lanes_per_group_step == 8 else 2)
 
 
 def test_a_fragment_registers_carry_the_same_kappa():
@@ -77,13 +120,16 @@ def test_a_fragment_registers_carry_the_same_kappa():
 
 
 def test_b_buffer_offset_is_the_canonical_sw128_layout():
-    for row in range(16):
-        for chunk in range(8):
-            assert hw.b_buffer_offset(row, chunk) == hp.kmajor_sw128_offset(row, 16 * chunk)
+    for bn in hw.WGMMA_MMA_BN:
+        for row in range(16):
+            for kb in range(8):
+                for h in range(2):
+                    block = bn * hw.BF16_ROW_BYTES * (kb // 4)
+                    assert hw.b_buffer_offset(bn, row, kb, h) == block + hp.kmajor_sw128_offset(
+                        row, 32 * (kb % 4) + 16 * h)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("bn", hw.WGMMA_MMA_BN)
+@pytest.mark.parametrize("fmt, bn", FITTING)
 def test_ring_and_buffers_fit_and_one_more_stage_does_not(fmt, bn):
     spec = spec_of(fmt, bn)
     assert spec.stages >= 2
@@ -94,11 +140,12 @@ def test_ring_and_buffers_fit_and_one_more_stage_does_not(fmt, bn):
     assert deeper.smem.total_bytes > H200_SMEM_PER_SM
 
 
-@pytest.mark.parametrize("bn, items, threads", [(128, 1, 384), (256, 2, 384)])
-def test_every_weight_row_and_group_step_has_one_thread(bn, items, threads):
-    spec = spec_of("nvfp4", bn)
-    assert spec.weight_items == items and spec.threads == threads
-    assert items * hw.CONSUMER_WARPGROUPS * hp.WGMMA_THREADS == hw.GROUPS_PER_SUB * bn
+@pytest.mark.parametrize("fmt, bn, items, sub_k", [("nvfp4", 128, 2, 128), ("mxfp8", 256, 2, 64),
+                                                   ("mxfp8", 128, 1, 64), ("w4a8", 256, 2, 64)])
+def test_sub_step_shape(fmt, bn, items, sub_k):
+    spec = spec_of(fmt, bn)
+    assert spec.weight_items == items and spec.sub_k == sub_k and spec.threads == 384
+    assert spec.k_steps * hw.WGMMA_K == sub_k and spec.column_blocks * hw.SW128_KAPPA == sub_k
 
 
 def _problem(fmt, n=512, k=1024, sizes=(5, 0, 1, 37, 130, 300), ids=(0, 4, 1, -1, 2, 3), seed=0):
@@ -124,21 +171,33 @@ def test_wgmma_config_checks_its_knobs():
     assert hw.WgmmaConfig.of(hs.StreamConfig(False, 256, 1, 3)) == hw.WgmmaConfig(256, 3)
 
 
+@pytest.mark.parametrize("fmt", FP4_PAIRS)
+def test_wide_tile_that_cannot_fit_says_which_does(fmt):
+    with pytest.raises(ValueError, match="mma_bn=256 does not fit .* use mma_bn=128"):
+        hw.check_can_implement(_problem(fmt), hw.WgmmaConfig(256))
+
+
 def test_k_not_a_multiple_of_the_slice_is_refused():
     with pytest.raises(ValueError, match="pad K"):
         hw.check_can_implement(_problem("nvfp4", k=384), hw.WgmmaConfig(128))
 
 
+MAX_SCALAR_SPILL_ACCESSES = 32   # NVFP4 at the 216-register budget: ~12 words of the tile walk spilled outside the K loop
+
+
 @pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("mxfp8", 128), ("w4a8", 128)])
-def test_sass_has_hgmma_and_no_local_memory(fmt, bn):
-    """Offline (ptxas 13.5, sm_90a): the consumers issue HGMMA with A from registers, and the 128-wide
-    tile keeps everything in registers (no spills, no local arrays)."""
+def test_sass_has_hgmma_and_no_local_memory_in_the_k_loop(fmt, bn):
+    """Offline (ptxas 13.5, sm_90a): the consumers issue HGMMA with A from registers; the K loop
+    (first to last HGMMA) never touches local memory; outside it at most a few spilled scalars."""
     spec = spec_of(fmt, bn)
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, 1))
-    sass = offline.disassemble(cubin)
-    assert offline.has_opcode(sass, f"HGMMA.64x{bn}x16.F32.BF16")
-    assert not offline.uses_local_memory(sass)
+    instructions = offline.sass_instructions(offline.disassemble(cubin))
+    hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{bn}x16.F32.BF16")]
+    local = [(i, ins.split()[0]) for i, ins in enumerate(instructions) if re.match(r"(LDL|STL)\b", ins)]
+    assert len(hgmma) == hw.SUBS_PER_SLICE * spec.k_steps, "the slice's wgmmas, unrolled"
+    assert not [op for i, op in local if hgmma[0] <= i <= hgmma[-1]], "no local memory in the K loop"
+    assert len(local) <= MAX_SCALAR_SPILL_ACCESSES, local
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +205,7 @@ def test_sass_has_hgmma_and_no_local_memory(fmt, bn):
 # ----------------------------------------------------------------------------------------------
 GPU_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
 GPU_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
-GPU_CASES = [(fmt, 128) for fmt in FORMATS] + [("nvfp4", 256), ("mxfp8", 256)]
+GPU_CASES = [(fmt, 128) for fmt in FORMATS] + [("mxfp8", 256), ("w4a8", 256)]
 
 
 @pytest.mark.gpu

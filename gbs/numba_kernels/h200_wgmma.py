@@ -65,11 +65,10 @@ from gbs.reference import poison_output
 WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N (256 threads decode 2 x N items per sub-step)
 CONSUMER_WARPGROUPS = 2
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
-SUB_K = 64                    # kappa per sub-step: one 128-byte bf16 row of the 128B-swizzle layout
-BF16_ROW_BYTES = 2 * SUB_K
 WGMMA_K = 16
-K_STEPS = SUB_K // WGMMA_K    # wgmma per warpgroup and sub-step
-GROUPS_PER_SUB = SUB_K // (hs.QUAD * hs.GROUP_ELEMENTS)   # 8-element groups per quad lane and sub-step: 2
+SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
+BF16_ROW_BYTES = 2 * SW128_KAPPA
+SUBS_PER_SLICE = 2            # a raw K slice is consumed in two sub-steps (halves: A fragment sets alternate)
 # Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's; a
 # buffer is rewritten at u + 3, after every thread waited for u's MMAs (wait_group 1 at u + 1) and
 # met the others at u + 1's barrier. Two would need a second barrier per sub-step.
@@ -146,18 +145,40 @@ class WgmmaSpec:
         return self.ring.k_slice
 
     @property
-    def subs_per_slice(self) -> int:
-        """Sub-steps (64 elements of K) per raw K slice."""
-        return self.k_slice // SUB_K
+    def sub_k(self) -> int:
+        """kappa (K elements) per sub-step: half a raw K slice, 128 (FP4 x FP4) or 64."""
+        return self.k_slice // SUBS_PER_SLICE
+
+    @property
+    def k_steps(self) -> int:
+        """wgmma k16 steps per warpgroup and sub-step."""
+        return self.sub_k // WGMMA_K
+
+    @property
+    def groups_per_sub(self) -> int:
+        """8-element groups each quad lane decodes per sub-step and row: 4 (one rotation run) or 2."""
+        return self.ring.m_side.groups // SUBS_PER_SLICE
+
+    @property
+    def column_blocks(self) -> int:
+        """128B-swizzle column blocks (64 kappa each) of a B buffer."""
+        return self.sub_k // SW128_KAPPA
 
     @property
     def weight_items(self) -> int:
-        """(weight row, group step) items each consumer thread decodes per sub-step."""
-        return GROUPS_PER_SUB * self.mma_bn // (CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
+        """Weight rows each consumer thread decodes per sub-step (one group step each)."""
+        return self.groups_per_sub * self.mma_bn // (CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
+
+    @property
+    def lanes_per_group_step(self) -> int:
+        """Lanes of a warp that share a group step: 8 rows x 4 steps (or 16 x 2) per weight load,
+        so the 32 lanes read distinct banks (rows 8 apart share the swizzle, steps differ in the
+        word their rotation picks)."""
+        return hs.WARP_SIZE // self.groups_per_sub
 
     @property
     def buffer_bytes(self) -> int:
-        return self.mma_bn * BF16_ROW_BYTES
+        return self.column_blocks * self.mma_bn * BF16_ROW_BYTES
 
     @property
     def buffers_offset(self) -> int:
@@ -183,34 +204,39 @@ class WgmmaSmem:
 # The K permutation (host model; the kernel computes the same addresses)
 # ----------------------------------------------------------------------------------------------
 def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
-    """Real k (inside the K slice) that wgmma's k index ``kappa`` (0..63) of sub-step ``sub`` carries.
+    """Real k (inside the K slice) that wgmma's k index ``kappa`` (0 .. sub_k - 1) of sub-step
+    ``sub`` (0 or 1) carries.
 
     A fragments (``h200_stream``'s decode): quad lane ``q`` holds, for its rotated group ``gl`` at
-    step ``gi = 2 sub + p``, register ``j`` = elements (j, j + 4) (FP4 pairing; FP8 x FP8 pairs
-    (0,2),(1,3),(4,6),(5,7)) of its quarter, and feeds them to k16 step ``kb = 2 p + j // 2`` at
-    ``kappa = 16 kb + 2 q + 8 (j % 2)`` (+1 for the high half)."""
+    step ``gi = groups_per_sub * sub + p``, register ``j`` = elements (j, j + 4) (FP4 pairing; FP8 x
+    FP8 pairs (0,2),(1,3),(4,6),(5,7)) of its quarter, and feeds them to k16 step ``kb = 2 p + j // 2``
+    at ``kappa = 16 kb + 2 q + 8 (j % 2)`` (+1 for the high half)."""
     ring = spec.ring
     kb, r = divmod(kappa, WGMMA_K)
     h, r = divmod(r, 8)
     q, hi = divmod(r, 2)
     p, j_half = divmod(kb, 2)
     j = 2 * j_half + h
-    gi = GROUPS_PER_SUB * sub + p
+    gi = spec.groups_per_sub * sub + p
     gl = int(hs.rotated_group(gi, q))
     element = hs.pair_elements(j, ring.pairing)[hi]
     quarter = spec.k_slice // hs.QUAD
     return q * quarter + gl * hs.GROUP_ELEMENTS + element
 
 
-def b_chunk(kb: int, h: int) -> int:
-    """16-byte chunk (0..7) of a 128-byte bf16 row holding k16 step ``kb``'s half ``h`` (kappa
-    16 kb + 8 h .. + 7); quad lane q's register is word q of it."""
-    return 2 * kb + h
+def b_buffer_offset(mma_bn: int, row: int, kb: int, h: int) -> int:
+    """Byte offset in a B buffer of the 16-byte chunk holding kappa ``16 kb + 8 h`` .. ``+ 7`` of weight
+    row ``row`` (quad lane q's register is word q of it): column block ``kb // 4`` (``mma_bn`` rows of
+    128 B, 1024-byte aligned, 128B swizzle: chunk c of row r at c ^ (r % 8))."""
+    chunk = 2 * (kb % 4) + h
+    return (kb // 4) * mma_bn * BF16_ROW_BYTES + row * BF16_ROW_BYTES + 16 * (chunk ^ (row & SW128_CHUNK_MASK))
 
 
-def b_buffer_offset(row: int, chunk: int) -> int:
-    """Byte offset of ``chunk`` of ``row`` in a B buffer (128B swizzle, 1024-byte aligned)."""
-    return row * BF16_ROW_BYTES + 16 * (chunk ^ (row & SW128_CHUNK_MASK))
+def weight_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int]:
+    """(weight row, group step within the sub-step) of a consumer thread's ``item``."""
+    warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
+    lanes = spec.lanes_per_group_step
+    return lanes * (spec.weight_items * warp + item) + lane % lanes, lane // lanes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,14 +257,14 @@ def make_kernel_function(spec: WgmmaSpec):
     m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
     atoms = m_side.sf_atoms_per_slice
     mma_bn = spec.mma_bn
-    subs = spec.subs_per_slice
-    runs = subs * GROUPS_PER_SUB // hs.ROTATION_RUN    # rotation runs per slice (1 or 2)
-    subs_per_run = hs.ROTATION_RUN // GROUPS_PER_SUB   # 2
-    items = spec.weight_items
-    rows_per_pass = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS // (GROUPS_PER_SUB // items)
+    groups_per_sub, k_steps, items = spec.groups_per_sub, spec.k_steps, spec.weight_items
+    lanes_per_step = spec.lanes_per_group_step
+    block_bytes = mma_bn * BF16_ROW_BYTES
     buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
     consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
     producer_warps = ring_spec.producer_warps
+    if not ring_spec.uses_setmaxnreg:
+        raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
     producer_regs = hp.setmaxnreg_dec(hs.PRODUCER_WARPGROUP_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(hs.CONSUMER_WARPGROUP_REGISTERS)
     barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
@@ -263,10 +289,13 @@ def make_kernel_function(spec: WgmmaSpec):
     column = _device(hs.group_column)
     chunk_offset = _device(b_buffer_offset)
     # local-array sizes must be plain constants in numba
-    w_sc_words, w_dec_words, a_frag_words, rotation_run = 2 * hs.QUAD, 4 * hs.QUAD, 2 * 4 * K_STEPS, hs.ROTATION_RUN
+    w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
+    a_frag_words, rotation_run = SUBS_PER_SLICE * 4 * k_steps, hs.ROTATION_RUN
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
-    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROTATION_RUN, ROUTING_SMEM_SLOTS, WARP_SIZE = (
-        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD, hs.ROTATION_RUN, hs.ROUTING_SMEM_SLOTS, hs.WARP_SIZE)
+    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS = (
+        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD,
+        hs.ROUTING_SMEM_SLOTS)
+    ROTATION_RUN = hs.ROTATION_RUN
 
     def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                   out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
@@ -291,7 +320,6 @@ def make_kernel_function(spec: WgmmaSpec):
             bar0 = np.int64(cm.shared_address(bars))
             pair, num_pairs = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
             cw = warp - producer_warps
-            consumer_tid = cw * WARP_SIZE + lane
             g = lane >> 2
             q = lane & 3
             # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
@@ -299,11 +327,9 @@ def make_kernel_function(spec: WgmmaSpec):
             m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
             m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
             m_col = word_column(q, m_blocks)
-            # B side: weight row w_row, group steps w_p0 .. w_p0 + items - 1 of each sub-step
-            w_row = consumer_tid % rows_per_pass
-            w_p0 = consumer_tid // rows_per_pass
-            w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
-            w_row_addr = np.uint32(n_data_off + w_row * n_row_bytes)
+            # B side: weight rows w_row0 + lanes_per_step * it, group step w_step of each sub-step
+            w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
+            w_step = lane // lanes_per_step
             buffers = np.uint32(base + buffers_off)
             m_col0 = cuda.local.array(rotation_run, np.uint32)
             m_sel0 = cuda.local.array(rotation_run, np.uint32)
@@ -311,11 +337,11 @@ def make_kernel_function(spec: WgmmaSpec):
                 gl0 = rotated(c, q)
                 m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
                 m_sel0[c] = m_selector(gl0)
-            m_sc = cuda.local.array(4, np.uint32)          # (s0, s1) of rows m_row, m_row + 8
-            w_sc = cuda.local.array(w_sc_words, np.uint32)  # (s0, s1) of w_row for each quarter
+            m_sc = cuda.local.array(4, np.uint32)               # (s0, s1) of rows m_row, m_row + 8
+            w_sc = cuda.local.array(w_sc_words, np.uint32)      # (s0, s1) per item and quarter
             m_w = cuda.local.array(4, np.uint32)
-            w_dec = cuda.local.array(w_dec_words, np.uint32)  # [quarter][register]
-            # two sets (sub-steps alternate): an in-flight wgmma still reads the other set's registers
+            w_dec = cuda.local.array(w_dec_words, np.uint32)    # [quarter][register]
+            # two sets (the sub-steps of a slice alternate): an in-flight wgmma still reads the other's
             a_frag = cuda.local.array(a_frag_words, np.uint32)
             acc_out = cuda.local.array(num_acc, float32)
             acc = zero_acc()
@@ -324,6 +350,7 @@ def make_kernel_function(spec: WgmmaSpec):
             phase = np.int64(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
+            n_pairs_aligned = np.uint32(n % 2 == 0)   # bf16 pairs (token, 2 c) are 4-byte aligned
             for work in range(pair, max_tiles, num_pairs):
                 slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
@@ -341,66 +368,66 @@ def make_kernel_function(spec: WgmmaSpec):
                         address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
                                                                       atoms))
                         m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
-                    for qq in range(QUAD):
-                        address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + w_row),
-                                                                      word_column(qq, n_blocks), atoms))
-                        w_sc[2 * qq], w_sc[2 * qq + 1] = n_load_scales(address, qq)
+                    for it in range(items):
+                        for qq in range(QUAD):
+                            address = np.uint32(st + n_sf_off + sf_offset(
+                                np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
+                            w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
                     st_m = np.uint32(st + m_row_addr)
-                    st_w = np.uint32(st + w_row_addr)
-                    for run in range(np.int32(runs)):
+                    for half in range(SUBS_PER_SLICE):
+                        a_set = 4 * k_steps * half
+                        first_gi = groups_per_sub * half
+                        run = first_gi // ROTATION_RUN   # the sub-step's rotation run (its groups stay in it)
                         m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
                         m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
-                        for half in range(subs_per_run):   # one sub-step: group steps c = 2 half + p
-                            a_set = 4 * K_STEPS * half     # sub-steps per slice are even: parity = half
-                            b_addr = np.uint32(buffers + buffer * buffer_bytes)
-                            # 1. the weights: bf16 B operand rows into the free buffer
-                            for it in range(items):
-                                c = GROUPS_PER_SUB * half + w_p0 + it
-                                for qq in range(QUAD):
-                                    gl = rotated(c, qq)
-                                    w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor)
-                                                            ^ n_run))
-                                    scale = n_group_scale(w_sc[2 * qq], w_sc[2 * qq + 1],
-                                                          np.uint32(n_selector(gl) + n_sel_run), run)
-                                    for j in range(4):
-                                        w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale,
-                                                                       NEG_ZERO_BF16X2)
-                                p = c - GROUPS_PER_SUB * half
-                                for kbl in range(2):
-                                    for h in range(2):
-                                        j = 2 * kbl + h
-                                        st_shared_v4_u32(b_addr + chunk_offset(w_row, 2 * (2 * p + kbl) + h),
-                                                         w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
-                            cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
-                            # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
-                            # buffer written next) are done
-                            hp.wgmma_wait_group_1()
-                            # 3. the tokens: A fragments of both group steps
-                            for p in range(GROUPS_PER_SUB):
-                                c = GROUPS_PER_SUB * half + p
-                                for i in range(2):
-                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run))
-                                                                        + 8 * i * m_row_bytes)
-                                for i in range(2):
-                                    scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1],
-                                                          np.uint32(m_sel0[c] + m_sel_run), run)
-                                    for j in range(4):
-                                        # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
-                                        a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
-                                            m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
-                            # 4. meet the other warpgroup: the buffer is complete, then issue
-                            cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                            hp.wgmma_fence()
-                            for kb in range(K_STEPS):
-                                desc = hp.wgmma_smem_descriptor_device(
-                                    b_addr + kb * 2 * WGMMA_K, SW128_LEADING_BYTES, SW128_ATOM_BYTES, "128B")
-                                acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
-                                                a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]),
-                                          desc, np.uint32(1))
-                            hp.wgmma_commit_group()
-                            buffer += np.uint32(1)
-                            if buffer == BF16_BUFFERS:
-                                buffer = np.uint32(0)
+                        b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                        # 1. the weights: bf16 B operand rows into the free buffer
+                        c_w = first_gi % ROTATION_RUN + w_step   # this thread's group step in run 0
+                        for it in range(items):
+                            w_row = w_row0 + lanes_per_step * it
+                            st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
+                            w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
+                            for qq in range(QUAD):
+                                gl = rotated(c_w, qq)
+                                w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor) ^ n_run))
+                                scale = n_group_scale(w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1],
+                                                      np.uint32(n_selector(gl) + n_sel_run), run)
+                                for j in range(4):
+                                    w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale, NEG_ZERO_BF16X2)
+                            for kbl in range(2):
+                                for h in range(2):
+                                    j = 2 * kbl + h
+                                    st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
+                                                     w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
+                        cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                        # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
+                        # buffer written next) are done
+                        hp.wgmma_wait_group_1()
+                        # 3. the tokens: A fragments of the sub-step's group steps
+                        for p in range(groups_per_sub):
+                            c = (first_gi + p) % ROTATION_RUN
+                            for i in range(2):
+                                m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run)) + 8 * i * m_row_bytes)
+                            for i in range(2):
+                                scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel0[c] + m_sel_run),
+                                                      run)
+                                for j in range(4):
+                                    # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
+                                    a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
+                                        m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
+                        # 4. meet the other warpgroup: the buffer is complete, then issue
+                        cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                        hp.wgmma_fence()
+                        for kb in range(k_steps):
+                            desc = hp.wgmma_smem_descriptor_device(
+                                b_addr + (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K, SW128_LEADING_BYTES,
+                                SW128_ATOM_BYTES, "128B")
+                            acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
+                                            a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
+                        hp.wgmma_commit_group()
+                        buffer += np.uint32(1)
+                        if buffer == BF16_BUFFERS:
+                            buffer = np.uint32(0)
                     # every read of the raw stage is done (the MMAs read the bf16 buffers)
                     cuda.syncwarp()
                     if lane == 0:
@@ -414,14 +441,17 @@ def make_kernel_function(spec: WgmmaSpec):
                 hp.accumulators_to_array(acc, acc_out)
                 out_scale = expert_scales[expert] * epilogue_scale
                 out_address = np.int64(cm.generic_address(out))
-                token_base = t0 + m_row
-                for i in range(num_acc):
-                    # wgmma_accumulator_position: row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 q + (i & 1)
-                    token = token_base + 8 * ((i >> 1) & 1)
-                    row = r0 + 8 * (i >> 2) + 2 * q + (i & 1)
-                    cm.store_global_u16_if(out_address + (token * n + row) * 2,
-                                           f32_to_bf16_bits(acc_out[i] * out_scale),
-                                           np.uint32((token < t1) & (row < r1)))
+                for i in range(0, num_acc, 2):
+                    # wgmma_accumulator_position: row g + 8 ((i >> 1) & 1), columns 8 (i >> 2) + 2 q + (0, 1)
+                    token = t0 + m_row + 8 * ((i >> 1) & 1)
+                    row = r0 + 8 * (i >> 2) + 2 * q
+                    lo_ok = np.uint32((token < t1) & (row < r1))
+                    hi_ok = np.uint32((token < t1) & (row + 1 < r1))
+                    pair_ok = lo_ok & hi_ok & n_pairs_aligned
+                    cm.store_global_u16x2_if(out_address + (token * n + row) * 2,
+                                             f32_to_bf16_bits(acc_out[i] * out_scale),
+                                             f32_to_bf16_bits(acc_out[i + 1] * out_scale),
+                                             pair_ok, lo_ok & ~pair_ok, hi_ok & ~pair_ok)
 
     return grouped_matmul_h200_wgmma
 
@@ -454,9 +484,14 @@ def check_can_implement(problem, config) -> WgmmaSpec:
     stages = wgmma_config.num_pipeline_stages
     if stages == AUTO_STAGES:
         stages = real_max
+    probe = _spec_for(formats, wgmma_config, 1)
+    if real_max == 0:
+        raise ValueError(f"mma_bn={wgmma_config.mma_bn} does not fit the H200 for {formats[0]} x {formats[1]}: "
+                         f"{BF16_BUFFERS} bf16 buffers of {probe.buffer_bytes} B and one raw stage of "
+                         f"{probe.ring.smem.stage_bytes} B exceed {H200_SMEM_PER_SM} B; use mma_bn=128")
     if not 1 <= stages <= real_max:
         raise ValueError(f"{stages} pipeline stages do not fit the H200 beside {BF16_BUFFERS} bf16 buffers of "
-                         f"{wgmma_config.mma_bn * BF16_ROW_BYTES} B: at most {real_max} for {formats[0]} x "
+                         f"{probe.buffer_bytes} B: at most {real_max} for {formats[0]} x "
                          f"{formats[1]}, mma_bn={wgmma_config.mma_bn}; use num_pipeline_stages <= {real_max} or "
                          f"{AUTO_STAGES} (auto)")
     return _spec_for(formats, wgmma_config, stages)

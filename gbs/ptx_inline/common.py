@@ -235,6 +235,16 @@ store_global_u16_if = ptx_intrinsic(
     [("address", "u64"), ("value", "u16"), ("predicate", "u32")],
     doc="Store the 16-bit ``value`` at the global address ``address`` if ``predicate`` is nonzero.")
 
+store_global_u16x2_if = ptx_intrinsic(
+    "store_global_u16x2_if",
+    "{\n .reg .pred pp, pl, ph;\n .reg .b32 w;\n setp.ne.u32 pp, $3, 0;\n setp.ne.u32 pl, $4, 0;\n"
+    " setp.ne.u32 ph, $5, 0;\n mov.b32 w, {$1, $2};\n @pp st.global.b32 [$0], w;\n"
+    " @pl st.global.u16 [$0], $1;\n @ph st.global.u16 [$0+2], $2;\n}",
+    [("address", "u64"), ("lo", "u16"), ("hi", "u16"), ("pair", "u32"), ("lo_only", "u32"), ("hi_only", "u32")],
+    doc="""Store two adjacent 16-bit values at global ``address`` (``lo``) and ``address + 2`` (``hi``):
+one 32-bit store if ``pair`` is nonzero (the caller guarantees both are wanted and ``address`` is
+4-byte aligned), else ``lo`` alone if ``lo_only`` and ``hi`` alone if ``hi_only`` are nonzero.""")
+
 red_add_f32_if = ptx_intrinsic(
     "red_add_f32_if",
     "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n @p red.global.add.f32 [$0], $1;\n}",
