@@ -23,8 +23,7 @@ from gbs.ptx_inline import offline
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
-FP4_PAIRS = ("nvfp4", "mxfp4")   # 256-element K slices: 128-kappa sub-steps, so mma_bn 256 does not fit
-FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN if not (bn == 256 and fmt in FP4_PAIRS)]
+FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN]
 
 
 def spec_of(fmt: str, mma_bn: int, stages: int | None = None) -> hw.WgmmaSpec:
@@ -55,14 +54,14 @@ def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_b_operand_k_is_a_permutation_of_the_slice(fmt):
     spec = spec_of(fmt, 128)
-    seen = [hw.b_operand_k(spec, sub, kappa) for sub in range(hw.SUBS_PER_SLICE) for kappa in range(spec.sub_k)]
+    seen = [hw.b_operand_k(spec, sub, kappa) for sub in range(spec.subs_per_slice) for kappa in range(spec.sub_k)]
     assert sorted(seen) == list(range(spec.k_slice))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weight_writer_puts_every_element_at_its_kappa(fmt):
     spec = spec_of(fmt, 128)
-    for sub in range(hw.SUBS_PER_SLICE):
+    for sub in range(spec.subs_per_slice):
         for step in range(spec.groups_per_sub):
             for q in range(hs.QUAD):
                 for j in range(4):
@@ -140,7 +139,7 @@ def test_ring_and_buffers_fit_and_one_more_stage_does_not(fmt, bn):
     assert deeper.smem.total_bytes > H200_SMEM_PER_SM
 
 
-@pytest.mark.parametrize("fmt, bn, items, sub_k", [("nvfp4", 128, 2, 128), ("mxfp8", 256, 2, 64),
+@pytest.mark.parametrize("fmt, bn, items, sub_k", [("nvfp4", 128, 2, 128), ("nvfp4", 256, 2, 64), ("mxfp8", 256, 2, 64),
                                                    ("mxfp8", 128, 1, 64), ("w4a8", 256, 2, 64)])
 def test_sub_step_shape(fmt, bn, items, sub_k):
     spec = spec_of(fmt, bn)
@@ -171,18 +170,12 @@ def test_wgmma_config_checks_its_knobs():
     assert hw.WgmmaConfig.of(hs.StreamConfig(False, 256, 1, 3)) == hw.WgmmaConfig(256, 3)
 
 
-@pytest.mark.parametrize("fmt", FP4_PAIRS)
-def test_wide_tile_that_cannot_fit_says_which_does(fmt):
-    with pytest.raises(ValueError, match="mma_bn=256 does not fit .* use mma_bn=128"):
-        hw.check_can_implement(_problem(fmt), hw.WgmmaConfig(256))
-
-
 def test_k_not_a_multiple_of_the_slice_is_refused():
     with pytest.raises(ValueError, match="pad K"):
         hw.check_can_implement(_problem("nvfp4", k=384), hw.WgmmaConfig(128))
 
 
-MAX_SCALAR_SPILL_ACCESSES = 32   # NVFP4 at the 216-register budget: ~12 words of the tile walk spilled outside the K loop
+MAX_SCALAR_SPILL_ACCESSES = 64   # scalars of the tile walk and epilogue parked outside the K loop (ptxas 13.5: <= 45)
 
 
 @pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("mxfp8", 128), ("w4a8", 128)])
@@ -195,7 +188,7 @@ def test_sass_has_hgmma_and_no_local_memory_in_the_k_loop(fmt, bn):
     instructions = offline.sass_instructions(offline.disassemble(cubin))
     hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{bn}x16.F32.BF16")]
     local = [(i, ins.split()[0]) for i, ins in enumerate(instructions) if re.match(r"(LDL|STL)\b", ins)]
-    assert len(hgmma) == hw.SUBS_PER_SLICE * spec.k_steps, "the slice's wgmmas, unrolled"
+    assert len(hgmma) == spec.subs_per_slice * spec.k_steps, "the slice's wgmmas, unrolled"
     assert not [op for i, op in local if hgmma[0] <= i <= hgmma[-1]], "no local memory in the K loop"
     assert len(local) <= MAX_SCALAR_SPILL_ACCESSES, local
 
@@ -205,7 +198,7 @@ def test_sass_has_hgmma_and_no_local_memory_in_the_k_loop(fmt, bn):
 # ----------------------------------------------------------------------------------------------
 GPU_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
 GPU_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
-GPU_CASES = [(fmt, 128) for fmt in FORMATS] + [("mxfp8", 256), ("w4a8", 256)]
+GPU_CASES = [(fmt, 128) for fmt in FORMATS] + [("nvfp4", 256), ("mxfp8", 256), ("w4a8", 256)]
 
 
 @pytest.mark.gpu

@@ -68,7 +68,14 @@ TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
 WGMMA_K = 16
 SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
 BF16_ROW_BYTES = 2 * SW128_KAPPA
-SUBS_PER_SLICE = 2            # a raw K slice is consumed in two sub-steps (halves: A fragment sets alternate)
+A_FRAGMENT_SETS = 2           # consecutive sub-steps alternate two register sets of A fragments
+WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa buffers of 256 rows do not fit)
+# Registers per thread after setmaxnreg: the producer warpgroup only walks tiles and issues TMA (it
+# spills a little below ~64 registers, outside any hot loop) and the consumers need every register
+# they can get (accumulators + two A fragment sets + decode temporaries); 4 x 32 x 40 + 8 x 32 x 232
+# = 64512 = 384 x 168, the launch allocation (see h200_stream's constants).
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
 # Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's; a
 # buffer is rewritten at u + 3, after every thread waited for u's MMAs (wait_group 1 at u + 1) and
 # met the others at u + 1's barrier. Two would need a second barrier per sub-step.
@@ -146,8 +153,14 @@ class WgmmaSpec:
 
     @property
     def sub_k(self) -> int:
-        """kappa (K elements) per sub-step: half a raw K slice, 128 (FP4 x FP4) or 64."""
-        return self.k_slice // SUBS_PER_SLICE
+        """kappa (K elements) per sub-step: half a raw K slice (128 for FP4 x FP4, else 64), or 64
+        with ``mma_bn`` 256."""
+        return WIDE_SUB_K if self.mma_bn == 256 else self.k_slice // 2
+
+    @property
+    def subs_per_slice(self) -> int:
+        """Sub-steps per raw K slice: 2 or 4 (even: the A fragment sets alternate inside a slice)."""
+        return self.k_slice // self.sub_k
 
     @property
     def k_steps(self) -> int:
@@ -157,7 +170,7 @@ class WgmmaSpec:
     @property
     def groups_per_sub(self) -> int:
         """8-element groups each quad lane decodes per sub-step and row: 4 (one rotation run) or 2."""
-        return self.ring.m_side.groups // SUBS_PER_SLICE
+        return self.ring.m_side.groups // self.subs_per_slice
 
     @property
     def column_blocks(self) -> int:
@@ -265,8 +278,8 @@ def make_kernel_function(spec: WgmmaSpec):
     producer_warps = ring_spec.producer_warps
     if not ring_spec.uses_setmaxnreg:
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
-    producer_regs = hp.setmaxnreg_dec(hs.PRODUCER_WARPGROUP_REGISTERS)
-    consumer_regs = hp.setmaxnreg_inc(hs.CONSUMER_WARPGROUP_REGISTERS)
+    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
     barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
     routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     num_acc = mma_bn // 2
@@ -290,7 +303,8 @@ def make_kernel_function(spec: WgmmaSpec):
     chunk_offset = _device(b_buffer_offset)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
-    a_frag_words, rotation_run = SUBS_PER_SLICE * 4 * k_steps, hs.ROTATION_RUN
+    a_frag_words, rotation_run = A_FRAGMENT_SETS * 4 * k_steps, hs.ROTATION_RUN
+    subs_per_slice = spec.subs_per_slice
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
     CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS = (
         hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD,
@@ -374,60 +388,64 @@ def make_kernel_function(spec: WgmmaSpec):
                                 np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
                             w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
                     st_m = np.uint32(st + m_row_addr)
-                    for half in range(SUBS_PER_SLICE):
-                        a_set = 4 * k_steps * half
-                        first_gi = groups_per_sub * half
-                        run = first_gi // ROTATION_RUN   # the sub-step's rotation run (its groups stay in it)
-                        m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
-                        m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
-                        b_addr = np.uint32(buffers + buffer * buffer_bytes)
-                        # 1. the weights: bf16 B operand rows into the free buffer
-                        c_w = first_gi % ROTATION_RUN + w_step   # this thread's group step in run 0
-                        for it in range(items):
-                            w_row = w_row0 + lanes_per_step * it
-                            st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
-                            w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
-                            for qq in range(QUAD):
-                                gl = rotated(c_w, qq)
-                                w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor) ^ n_run))
-                                scale = n_group_scale(w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1],
-                                                      np.uint32(n_selector(gl) + n_sel_run), run)
-                                for j in range(4):
-                                    w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale, NEG_ZERO_BF16X2)
-                            for kbl in range(2):
-                                for h in range(2):
-                                    j = 2 * kbl + h
-                                    st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
-                                                     w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
-                        cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
-                        # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
-                        # buffer written next) are done
-                        hp.wgmma_wait_group_1()
-                        # 3. the tokens: A fragments of the sub-step's group steps
-                        for p in range(groups_per_sub):
-                            c = (first_gi + p) % ROTATION_RUN
-                            for i in range(2):
-                                m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run)) + 8 * i * m_row_bytes)
-                            for i in range(2):
-                                scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel0[c] + m_sel_run),
-                                                      run)
-                                for j in range(4):
-                                    # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
-                                    a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
-                                        m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
-                        # 4. meet the other warpgroup: the buffer is complete, then issue
-                        cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                        hp.wgmma_fence()
-                        for kb in range(k_steps):
-                            desc = hp.wgmma_smem_descriptor_device(
-                                b_addr + (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K, SW128_LEADING_BYTES,
-                                SW128_ATOM_BYTES, "128B")
-                            acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
-                                            a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
-                        hp.wgmma_commit_group()
-                        buffer += np.uint32(1)
-                        if buffer == BF16_BUFFERS:
-                            buffer = np.uint32(0)
+                    # sub-steps in pairs, the inner one unrolled: the A set and the group steps' place in
+                    # their rotation run are then constants (register and table indices)
+                    for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
+                        for parity in range(A_FRAGMENT_SETS):
+                            a_set = 4 * k_steps * parity
+                            first_c = groups_per_sub * parity % ROTATION_RUN   # first group step, in its run
+                            # the sub-step's rotation run (its groups stay in one)
+                            run = groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity) // ROTATION_RUN
+                            m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
+                            m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
+                            b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                            # 1. the weights: bf16 B operand rows into the free buffer
+                            c_w = first_c + w_step   # this thread's group step in run 0
+                            for it in range(items):
+                                w_row = w_row0 + lanes_per_step * it
+                                st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
+                                w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
+                                for qq in range(QUAD):
+                                    gl = rotated(c_w, qq)
+                                    w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor) ^ n_run))
+                                    scale = n_group_scale(w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1],
+                                                          np.uint32(n_selector(gl) + n_sel_run), run)
+                                    for j in range(4):
+                                        w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale, NEG_ZERO_BF16X2)
+                                for kbl in range(2):
+                                    for h in range(2):
+                                        j = 2 * kbl + h
+                                        st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
+                                                         w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
+                            cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                            # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
+                            # buffer written next) are done
+                            hp.wgmma_wait_group_1()
+                            # 3. the tokens: A fragments of the sub-step's group steps
+                            for p in range(groups_per_sub):
+                                c = first_c + p
+                                for i in range(2):
+                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run)) + 8 * i * m_row_bytes)
+                                for i in range(2):
+                                    scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel0[c] + m_sel_run),
+                                                          run)
+                                    for j in range(4):
+                                        # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
+                                        a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
+                                            m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
+                            # 4. meet the other warpgroup: the buffer is complete, then issue
+                            cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                            hp.wgmma_fence()
+                            for kb in range(k_steps):
+                                desc = hp.wgmma_smem_descriptor_device(
+                                    b_addr + (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K, SW128_LEADING_BYTES,
+                                    SW128_ATOM_BYTES, "128B")
+                                acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
+                                                a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
+                            hp.wgmma_commit_group()
+                            buffer += np.uint32(1)
+                            if buffer == BF16_BUFFERS:
+                                buffer = np.uint32(0)
                     # every read of the raw stage is done (the MMAs read the bf16 buffers)
                     cuda.syncwarp()
                     if lane == 0:
