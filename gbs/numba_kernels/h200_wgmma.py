@@ -528,16 +528,23 @@ def prefers(problem) -> bool:
     return tokens_per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT
 
 
-# wgmma_plan: mma_bn 128 until the 256-wide tile stops spilling (ptxas 13.5: 392 B of spills at the
-# 216-register consumer budget, 128 accumulators + two A fragment sets; 128 wide: no spills).
-WGMMA_PLAN_MMA_BN = 128
+# wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
+# FP4 x FP4 (128-kappa sub-steps at mma_bn 128): NVFP4 bn128 454.8 TFLOP/s, bn256 414.7; MXFP4 443.3
+# vs 430.3; 7168 x 2048: NVFP4 396.0 vs 318.4. With an FP8 operand (64-kappa sub-steps either way)
+# the wide tile halves the token decode per MMA: MXFP8 bn256 421.7 vs bn128 391.9; W4A8 418.4 vs
+# 360.6 (run 20). Loading every raw word of a sub-step before decoding (run 20) moved these by -3..+1 %:
+# not kept.
+WGMMA_PLAN_MMA_BN_FP4 = 128
+WGMMA_PLAN_MMA_BN_FP8 = 256
 
 
 def wgmma_plan(problem, decision=None) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the SM100
     ``decision`` (if any) does not carry over (its tiles are for tcgen05; this kernel's tile is
-    128 tokens by ``mma_bn`` weight rows, one CTA per SM), the deepest ring that fits."""
-    return WgmmaConfig(WGMMA_PLAN_MMA_BN, AUTO_STAGES)
+    128 tokens by ``mma_bn`` weight rows, one CTA per SM); the measured tile width for the format
+    pair (above) and the deepest ring that fits."""
+    both_fp4 = problem.a_format.packed and problem.b_format.packed
+    return WgmmaConfig(WGMMA_PLAN_MMA_BN_FP4 if both_fp4 else WGMMA_PLAN_MMA_BN_FP8, AUTO_STAGES)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
