@@ -430,6 +430,19 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
+def _load_gbs_auto():
+    """What ``gbs.grouped_matmul(problem)`` runs on an H200 (``gbs.api.h200_kernel``: the wgmma kernel
+    for prefill, the streaming kernel otherwise, each with its measured plan)."""
+    from .api import h200_kernel
+    from .numba_kernels.launch import to_device
+
+    def prepare(problem: GroupedProblem, config):
+        kernel, knobs = h200_kernel(problem)
+        return kernel.prepare(to_device(problem), knobs)
+
+    return prepare
+
+
 def _load_h200_wgmma():
     """The H200 wgmma (prefill) kernel with ``h200_wgmma.wgmma_plan``'s knobs."""
     from .numba_kernels import h200_wgmma
@@ -446,13 +459,15 @@ def launch_knobs(launcher) -> str:
     spec = getattr(launcher, "spec", None)
     if spec is None:
         return ""
-    return (f"{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
+    kernel = "wgmma " if getattr(launcher, "kernel", "") == "h200_wgmma" else ""
+    return (f"{kernel}{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
             f"splits{launcher.k_splits} ctas{launcher.num_ctas}")
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()``; a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
-BACKEND_LOADERS = {"simt": _load_simt, "h200_stream": functools.partial(_load_h200_stream, True),
+BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": _load_gbs_auto,
+                   "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
                    "h200_wgmma": _load_h200_wgmma}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)

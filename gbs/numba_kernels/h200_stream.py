@@ -1530,6 +1530,7 @@ class StreamLaunch:
     k_splits: int = 1
     split_sums: object = None       # the split-K workspace (fp32, (total_tokens, N)) and tile counters
     split_counters: object = None
+    kernel: str = "h200_stream"     # which kernel family runs (h200_wgmma's launches say so)
 
     def __call__(self, stream=None) -> None:
         if self._launch is not None:   # no tiles (no tokens): nothing to run

@@ -62,6 +62,7 @@ from gbs.reference import poison_output
 # ----------------------------------------------------------------------------------------------
 # Constants
 # ----------------------------------------------------------------------------------------------
+KERNEL_NAME = "h200_wgmma"
 WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N (256 threads decode 2 x N items per sub-step)
 CONSUMER_WARPGROUPS = 2
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
@@ -575,7 +576,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     max_tiles = hs.max_tiles_bound(spec.ring, problem_device.total_tokens, problem_device.num_active_experts,
                                    problem_device.n)
     if problem_device.total_tokens == 0:
-        return hs.StreamLaunch(spec.ring, device_out, 0, 0, None)
+        return hs.StreamLaunch(spec.ring, device_out, 0, 0, None, kernel=KERNEL_NAME)
     for name, arr in problem_device.arrays().items():
         if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
@@ -594,7 +595,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
             np.int64(k_slices), np.int64(max_tiles), no_split_sums, no_split_counters, np.int64(1),
             np.int64(k_slices))
     prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream, keepalive=(maps, problem_device))
-    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared)
+    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, kernel=KERNEL_NAME)
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
