@@ -25,7 +25,7 @@ EXPERT_IDS = [2, 0, 1, -1, 3]
 # split-K runs, small prefill pair (8 warps) with split-K, not swapped, wide N
 STREAM_CONFIGS = [((True, 8, 1, 2), 1), ((True, 16, 1, 2), 2), ((True, 64, 2, 3), 2), ((False, 128, 1, 2), 1),
                   ((True, 256, 1, 2), 1)]
-WGMMA_MMA_BN = h200_wgmma.WGMMA_MMA_BN
+WGMMA_MMA_BN = (128, 256)
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 
 

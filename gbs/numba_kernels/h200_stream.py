@@ -771,15 +771,13 @@ class RingDeviceFunctions:
     cta_output_rows: object
 
 
-def make_ring(spec: StreamSpec, consumer_warps: int | None = None) -> RingDeviceFunctions:
+def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     """Device functions of ``spec``'s ring: a fresh set per call (see ``schedule.device_functions``).
-    ``consumer_warps``: warps per CTA that read each stage and release it (default
-    ``spec.consumer_warps``; the wgmma kernel adds its weight-decode warpgroup).
 
     ``produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
     shared_expert_ids, n, k_slices, max_tiles, k_splits, slices_per_split)`` runs in every thread of
     the producer warps: thread 0 initialises ``full[s]`` (count 1) and ``empty[s]`` (count
-    ``consumer_warps * cta_group``: one arrival per consumer warp of each CTA of the pair) in
+    ``spec.consumer_warps * cta_group``: one arrival per consumer warp of each CTA of the pair) in
     ``bars``, all meet at ``block_sync``, then thread 0 walks the CTA's work items and fills the
     ring (module docstring). Consumers call ``block_sync`` once and walk the same items with
     ``next_work``."""
@@ -798,7 +796,7 @@ def make_ring(spec: StreamSpec, consumer_warps: int | None = None) -> RingDevice
     sf_rows_per_slice = spec.scale_box[1]
     sf_band_bytes = spec.m_side.sf_atoms_per_slice * SF_ATOM_BYTES
     tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
-    empty_count = (spec.consumer_warps if consumer_warps is None else consumer_warps) * cta_group
+    empty_count = spec.consumer_warps * cta_group
     token_band_of = _device(token_scale_band)
     weight_band_of = _device(weight_scale_band)
 

@@ -11,34 +11,41 @@ The streaming kernel (``h200_stream``) feeds ``mma.sync`` from registers that ev
 decodes itself: right for decode, where the weight bytes bound the time, but prefill reaches only
 ~157 TFLOP/s that way (NVFP4, 4096 x 7168, 8 x 1024 tokens). Hopper has no FP4 MMA and no block-scale
 hardware, so here the operands are decoded to bf16 (exactly, scale applied: ``h200_stream``'s rule)
-and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 512 threads, four warpgroups):
+and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
 
-* Producer warpgroup: ``h200_stream``'s TMA ring (``make_ring``: the same tile walk, tensor maps,
-  128x4 scale atoms) for a ``128 x 128`` tile: 128 tokens (wgmma M) by 128 weight rows (wgmma N).
-* Weight decoders (one warpgroup): per sub-step (half a raw K slice: 128 elements of K when both
-  operands are FP4, else 64) each thread decodes its weight rows' groups from the raw stage and
-  stores them, scaled, as the wgmma B operand (canonical K-major, 128B swizzle) into one of
-  ``BF16_BUFFERS`` shared buffers; ``B_FULL`` / ``B_EMPTY`` named barriers hand each buffer to the
-  MMA warpgroups and back. A warp's 32 lanes cover 8 rows x 4 group steps (16 x 2), so the raw
-  loads hit distinct banks (ncu on the first version, where a warp read 32 rows at one column:
-  3.9-way bank conflicts).
-* Two MMA warpgroups, 64 tokens each: decode their token rows straight into wgmma A fragments
-  (registers; two sets that alternate, since an in-flight wgmma still reads the previous set),
-  wait for the buffer, issue ``wgmma.mma_async.m64n128k16.f32.bf16.bf16`` per 16 elements of K,
-  commit, and go on with the next sub-step; ``wait_group 1`` tells them the MMAs of two sub-steps ago
-  are done, and they hand that buffer back. The decoders run ahead by up to two buffers, also
-  across tiles, so the weight decode overlaps both the MMAs and the epilogue.
-* Epilogue (MMA warpgroups): ``wait_group 0``, ``C = bf16(acc * 2**epilogue_log2 * expert_scales[e])``,
-  paired 4-byte stores where both columns are in range (rows of skipped slots are never written).
+* The ring is ``h200_stream``'s (``make_ring``: same tile walk, TMA maps, 128x4 scale atoms, producer
+  warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma M) by ``mma_bn`` weight rows
+  (wgmma N, 128 or 256). ``setmaxnreg`` leaves the producer 40 registers and gives the consumers 232.
+* Two consumer warpgroups, 64 tokens each. Per sub-step (half a raw K slice, so 128 elements of K
+  when both operands are FP4, else 64; 64 with ``mma_bn`` 256):
+  - the 256 threads decode the tile's weight rows from the raw stage, scaled, into the wgmma B
+    operand (canonical K-major, 128B swizzle, ``b_buffer_offset``) in one of ``BF16_BUFFERS`` shared
+    buffers; a warp's 32 lanes cover 8 rows x 4 group steps (16 x 2), so its raw loads hit distinct
+    banks (ncu on a first version, where a warp read 32 rows at one column: 3.9-way conflicts);
+  - each thread decodes its token rows straight into wgmma A fragments (registers; two sets that
+    alternate, since an in-flight wgmma still reads the previous set);
+  - ``wait_group 1`` (the MMAs of two sub-steps ago are done), a named barrier of the 256 threads
+    (the buffer is complete), then each warpgroup issues ``wgmma.mma_async.m64n{mma_bn}k16.f32.bf16.bf16``
+    per 16 elements of K, commits, and decodes the next sub-step while they run. With three buffers
+    a buffer is rewritten only after every thread passed a wait that covers its MMAs.
+* Epilogue: ``wait_group 0``, ``C = bf16(acc * 2**epilogue_log2 * expert_scales[e])``, paired 4-byte
+  stores where both columns are in range (rows of skipped slots are never written).
 
 The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
-``kappa`` is a permutation of the real k; ``b_operand_k`` gives it, the weight decoders write every
-element at its ``kappa`` (``b_buffer_offset``), and the host tests check the two agree element by element.
+``kappa`` is a permutation of the real k; ``b_operand_k`` gives it, the weight decode writes every
+element at its ``kappa``, and the host tests check the two agree element by element.
 
-Constraints (``check_can_implement``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn`` 128 (see
-``WGMMA_MMA_BN``); K a multiple of the K slice (256 elements when both operands are FP4, else 128);
-16-byte aligned device arrays (TMA); the ring plus the bf16 buffers within the H200's 227 KiB per block.
+Where the time goes (ncu, run 17; bench run 21: NVFP4 456 TFLOP/s = 0.58x torch bf16): issue slots 44 %
+busy with 2.25 warps per scheduler (one CTA per SM: shared memory and registers), 0.67 eligible; the
+decode is ~500 instructions per thread and 128-kappa sub-step against ~1500 cycles of MMA, and with two
+warps per scheduler its latency is not hidden. A variant with a dedicated weight-decode warpgroup
+(512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
+scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
+
+Constraints (``check_can_implement``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn`` 128 or 256;
+K a multiple of the K slice (256 elements when both operands are FP4, else 128); 16-byte aligned
+device arrays (TMA); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
@@ -66,33 +73,24 @@ from gbs.reference import poison_output
 # Constants
 # ----------------------------------------------------------------------------------------------
 KERNEL_NAME = "h200_wgmma"
-# Weight rows per tile (wgmma N): 128 only. The kernel's 512 threads give ptxas a 128-register launch
-# bound, and one m64n256 wgmma needs 128 accumulators + 4 A registers + its descriptor at once: ptxas
-# refuses it (C7602, "insufficient registers") whatever setmaxnreg grants the MMA warpgroups.
-WGMMA_MMA_BN = (128,)
-MMA_WARPGROUPS = 2
+WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N (256 threads decode 2 x N items per sub-step)
+CONSUMER_WARPGROUPS = 2
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
 WGMMA_K = 16
 SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
 BF16_ROW_BYTES = 2 * SW128_KAPPA
 A_FRAGMENT_SETS = 2           # consecutive sub-steps alternate two register sets of A fragments
-# Warpgroups: the producer (TMA), the weight decoders (raw weights -> bf16 B buffers) and two MMA
-# warpgroups (tokens -> A fragments, wgmma). Registers per thread after setmaxnreg: the producer only
-# walks tiles and issues TMA; the decoders hold their rows' scales and one group's words; the MMA
-# warpgroups hold the accumulators and two A fragment sets. 128 x 40 + 128 x 96 + 256 x 184 = 64512
-# <= 512 x 128, the launch allocation (more and setmaxnreg.inc would wait forever).
-PRODUCER_WARPS = 4
-DECODER_WARPS = 4
-MMA_WARPS = MMA_WARPGROUPS * 4
+WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa buffers of 256 rows do not fit)
+# Registers per thread after setmaxnreg: the producer warpgroup only walks tiles and issues TMA (it
+# spills a little below ~64 registers, outside any hot loop) and the consumers need every register
+# they can get (accumulators + two A fragment sets + decode temporaries); 4 x 32 x 40 + 8 x 32 x 232
+# = 64512 = 384 x 168, the launch allocation (see h200_stream's constants).
 PRODUCER_REGISTERS = 40
-DECODER_REGISTERS = 96
-MMA_REGISTERS = 184
-# Named barriers (0 is __syncthreads): "buffer b is written" (decoders arrive, MMA warpgroups wait)
-# and "buffer b is read" (MMA warpgroups arrive once their wgmma on it completed, decoders wait).
-B_FULL_BARRIER0 = 1
-# Three B buffers: the decoders write buffer u % 3 while the MMAs of u - 1 (and u - 2) may run.
+CONSUMER_REGISTERS = 232
+# Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's; a
+# buffer is rewritten at u + 3, after every thread waited for u's MMAs (wait_group 1 at u + 1) and
+# met the others at u + 1's barrier. Two would need a second barrier per sub-step.
 BF16_BUFFERS = 3
-B_EMPTY_BARRIER0 = B_FULL_BARRIER0 + BF16_BUFFERS
 SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte offset, the buffers' alignment
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
@@ -103,7 +101,7 @@ class WgmmaConfig:
     """The knobs this kernel takes: the tile's weight rows (wgmma N) and the ring depth (``AUTO_STAGES``
     = the deepest that fits)."""
 
-    mma_bn: int = 128
+    mma_bn: int = 256
     num_pipeline_stages: int = AUTO_STAGES
 
     def __post_init__(self):
@@ -158,7 +156,7 @@ class WgmmaSpec:
 
     @property
     def threads(self) -> int:
-        return hs.WARP_SIZE * (PRODUCER_WARPS + DECODER_WARPS + MMA_WARPS)
+        return self.ring.threads
 
     @property
     def k_slice(self) -> int:
@@ -166,13 +164,14 @@ class WgmmaSpec:
 
     @property
     def sub_k(self) -> int:
-        """kappa (K elements) per sub-step: half a raw K slice (128 for FP4 x FP4, else 64)."""
-        return self.k_slice // self.subs_per_slice
+        """kappa (K elements) per sub-step: half a raw K slice (128 for FP4 x FP4, else 64), or 64
+        with ``mma_bn`` 256."""
+        return WIDE_SUB_K if self.mma_bn == 256 else self.k_slice // 2
 
     @property
     def subs_per_slice(self) -> int:
-        """Sub-steps per raw K slice (even: the A fragment sets alternate inside a slice)."""
-        return A_FRAGMENT_SETS
+        """Sub-steps per raw K slice: 2 or 4 (even: the A fragment sets alternate inside a slice)."""
+        return self.k_slice // self.sub_k
 
     @property
     def k_steps(self) -> int:
@@ -191,8 +190,8 @@ class WgmmaSpec:
 
     @property
     def weight_items(self) -> int:
-        """Weight rows each decoder thread decodes per sub-step (one group step each)."""
-        return self.groups_per_sub * self.mma_bn // (hs.WARP_SIZE * DECODER_WARPS)
+        """Weight rows each consumer thread decodes per sub-step (one group step each)."""
+        return self.groups_per_sub * self.mma_bn // (CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
 
     @property
     def lanes_per_group_step(self) -> int:
@@ -257,9 +256,9 @@ def b_buffer_offset(mma_bn: int, row: int, kb: int, h: int) -> int:
     return (kb // 4) * mma_bn * BF16_ROW_BYTES + row * BF16_ROW_BYTES + 16 * (chunk ^ (row & SW128_CHUNK_MASK))
 
 
-def weight_item_row(spec: WgmmaSpec, decoder_thread: int, item: int) -> tuple[int, int]:
-    """(weight row, group step within the sub-step) of a decoder thread's ``item``."""
-    warp, lane = divmod(decoder_thread, hs.WARP_SIZE)
+def weight_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int]:
+    """(weight row, group step within the sub-step) of a consumer thread's ``item``."""
+    warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
     lanes = spec.lanes_per_group_step
     return lanes * (spec.weight_items * warp + item) + lane % lanes, lane // lanes
 
@@ -273,8 +272,7 @@ _device = hs._device
 def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call."""
     ring_spec = spec.ring
-    ring = hs.make_ring(ring_spec, DECODER_WARPS + MMA_WARPS)   # both roles read and release each stage
-    # numba reads device functions from plain names, not attributes
+    ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
     copy_routing, routing_views, block_sync, next_work, produce = (
         ring.copy_routing, ring.routing_views, ring.block_sync, ring.next_work, ring.produce)
     stages, lay = ring_spec.stages, ring_spec.smem
@@ -284,14 +282,15 @@ def make_kernel_function(spec: WgmmaSpec):
     atoms = m_side.sf_atoms_per_slice
     mma_bn = spec.mma_bn
     groups_per_sub, k_steps, items = spec.groups_per_sub, spec.k_steps, spec.weight_items
-    subs_per_slice, lanes_per_step = spec.subs_per_slice, spec.lanes_per_group_step
+    lanes_per_step = spec.lanes_per_group_step
     block_bytes = mma_bn * BF16_ROW_BYTES
     buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
-    handoff_threads = hs.WARP_SIZE * (DECODER_WARPS + MMA_WARPS)   # both sides of a buffer barrier
-    decoder_warp0, mma_warp0 = PRODUCER_WARPS, PRODUCER_WARPS + DECODER_WARPS
+    consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
+    producer_warps = ring_spec.producer_warps
+    if not ring_spec.uses_setmaxnreg:
+        raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
     producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
-    decoder_regs = hp.setmaxnreg_dec(DECODER_REGISTERS)
-    mma_regs = hp.setmaxnreg_inc(MMA_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
     barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
     routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     num_acc = mma_bn // 2
@@ -316,21 +315,12 @@ def make_kernel_function(spec: WgmmaSpec):
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     a_frag_words, rotation_run = A_FRAGMENT_SETS * 4 * k_steps, hs.ROTATION_RUN
+    subs_per_slice = spec.subs_per_slice
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
-    DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS, ROTATION_RUN = (
-        hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD, hs.ROUTING_SMEM_SLOTS,
-        hs.ROTATION_RUN)
-
-    @_device
-    def next_buffer(buffer):
-        return np.uint32(0) if buffer == BF16_BUFFERS - 1 else np.uint32(buffer + 1)
-
-    @_device
-    def release_stage(bar0, stage, lane):
-        """One arrival per warp on the stage's ``empty`` barrier: its reads of the raw stage are done."""
-        cuda.syncwarp()
-        if lane == 0:
-            mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS = (
+        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD,
+        hs.ROUTING_SMEM_SLOTS)
+    ROTATION_RUN = hs.ROTATION_RUN
 
     def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                   out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
@@ -341,56 +331,86 @@ def make_kernel_function(spec: WgmmaSpec):
         shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
         copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
         warp = cm.warp_index()
-        if warp < decoder_warp0:
+        if warp < producer_warps:
             producer_regs()
             produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
                     n, k_slices, max_tiles, k_splits, slices_per_split)
             cuda.syncwarp()
-        elif warp < mma_warp0:
-            # ------------------------------------------------------------ weight decoders
-            decoder_regs()
+        else:
+            consumer_regs()
             block_sync()   # the mbarriers are initialised (and the routing copied)
             walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
             lane = cm.laneid()
             base = np.int64(cm.shared_address(dyn))
             bar0 = np.int64(cm.shared_address(bars))
             pair, num_pairs = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
-            # weight rows w_row0 + lanes_per_step * it, group step w_step of each sub-step
-            w_row0 = lanes_per_step * items * (warp - decoder_warp0) + lane % lanes_per_step
+            cw = warp - producer_warps
+            g = lane >> 2
+            q = lane & 3
+            # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
+            m_row = (cw // 4) * TOKENS_PER_WARPGROUP + (cw % 4) * MMA_M + g
+            m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
+            m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
+            m_col = word_column(q, m_blocks)
+            # B side: weight rows w_row0 + lanes_per_step * it, group step w_step of each sub-step
+            w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
             w_step = lane // lanes_per_step
             buffers = np.uint32(base + buffers_off)
+            m_col0 = cuda.local.array(rotation_run, np.uint32)
+            m_sel0 = cuda.local.array(rotation_run, np.uint32)
+            for c in range(ROTATION_RUN):
+                gl0 = rotated(c, q)
+                m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
+                m_sel0[c] = m_selector(gl0)
+            m_sc = cuda.local.array(4, np.uint32)               # (s0, s1) of rows m_row, m_row + 8
             w_sc = cuda.local.array(w_sc_words, np.uint32)      # (s0, s1) per item and quarter
+            m_w = cuda.local.array(4, np.uint32)
             w_dec = cuda.local.array(w_dec_words, np.uint32)    # [quarter][register]
+            # two sets (the sub-steps of a slice alternate): an in-flight wgmma still reads the other's
+            a_frag = cuda.local.array(a_frag_words, np.uint32)
+            acc_out = cuda.local.array(num_acc, float32)
+            acc = zero_acc()
             buffer = np.uint32(0)
-            sub_steps = np.int64(0)   # written so far: each buffer is first free, then freed by the MMAs
             stage = np.int64(0)
             phase = np.int64(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
+            n_pairs_aligned = np.uint32(n % 2 == 0)   # bf16 pairs (token, 2 c) are 4-byte aligned
             for work in range(pair, max_tiles, num_pairs):
                 slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
                 if slot < 0:
                     break
+                group_start = np.int64(walk_offsets[slot])
+                m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
                 n_sf_row0 = r0 % SF_ATOM_ROWS
+                acc = zero_acc()
                 for _ in range(k_slices):
-                    wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+                    full = bar0 + MBARRIER_BYTES * stage
+                    wait_parity_or_trap(full, phase)
                     st = np.uint32(base + stage * stage_bytes)
+                    for i in range(2):
+                        address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
+                                                                      atoms))
+                        m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
                     for it in range(items):
                         for qq in range(QUAD):
                             address = np.uint32(st + n_sf_off + sf_offset(
                                 np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
                             w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
-                    # sub-steps in pairs, the inner one unrolled: the group steps' place in their
-                    # rotation run is then a constant
+                    st_m = np.uint32(st + m_row_addr)
+                    # sub-steps in pairs, the inner one unrolled: the A set and the group steps' place in
+                    # their rotation run are then constants (register and table indices)
                     for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
                         for parity in range(A_FRAGMENT_SETS):
+                            a_set = 4 * k_steps * parity
                             first_c = groups_per_sub * parity % ROTATION_RUN   # first group step, in its run
+                            # the sub-step's rotation run (its groups stay in one)
                             run = groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity) // ROTATION_RUN
-                            n_run, n_sel_run = np.uint32(run * n_run_bytes), np.uint32(run * n_sel_step)
-                            if sub_steps >= BF16_BUFFERS:   # the MMAs that read this buffer are done
-                                cm.named_barrier_sync(B_EMPTY_BARRIER0 + buffer, handoff_threads)
+                            m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
+                            m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
                             b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                            # 1. the weights: bf16 B operand rows into the free buffer
                             c_w = first_c + w_step   # this thread's group step in run 0
                             for it in range(items):
                                 w_row = w_row0 + lanes_per_step * it
@@ -409,82 +429,10 @@ def make_kernel_function(spec: WgmmaSpec):
                                         st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
                                                          w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
                             cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
-                            cm.named_barrier_arrive(B_FULL_BARRIER0 + buffer, handoff_threads)
-                            buffer = next_buffer(buffer)
-                            sub_steps += 1
-                    release_stage(bar0, stage, lane)
-                    stage += 1
-                    if stage == stages:
-                        stage = 0
-                        phase ^= 1
-            # The MMA warpgroups announce sub-step u read at their step u + 2, so they make the
-            # arrivals of sub-steps 0 .. U - 3 (U = sub_steps): the decoders waited for 0 .. U - 4 in
-            # the loop; this takes U - 3's, so that no named barrier is left half-arrived at exit.
-            if sub_steps >= BF16_BUFFERS:
-                cm.named_barrier_sync(B_EMPTY_BARRIER0 + buffer, handoff_threads)
-        else:
-            # ------------------------------------------------------------ MMA warpgroups
-            mma_regs()
-            block_sync()   # the mbarriers are initialised (and the routing copied)
-            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-            lane = cm.laneid()
-            base = np.int64(cm.shared_address(dyn))
-            bar0 = np.int64(cm.shared_address(bars))
-            pair, num_pairs = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
-            mw = warp - mma_warp0
-            g = lane >> 2
-            q = lane & 3
-            # token rows m_row and m_row + 8 of the tile (warpgroup mw // 4, warp mw % 4)
-            m_row = (mw // 4) * TOKENS_PER_WARPGROUP + (mw % 4) * MMA_M + g
-            m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
-            m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
-            m_col = word_column(q, m_blocks)
-            buffers = np.uint32(base + buffers_off)
-            m_col0 = cuda.local.array(rotation_run, np.uint32)
-            m_sel0 = cuda.local.array(rotation_run, np.uint32)
-            for c in range(ROTATION_RUN):
-                gl0 = rotated(c, q)
-                m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
-                m_sel0[c] = m_selector(gl0)
-            m_sc = cuda.local.array(4, np.uint32)               # (s0, s1) of rows m_row, m_row + 8
-            m_w = cuda.local.array(4, np.uint32)
-            # two sets (consecutive sub-steps alternate): an in-flight wgmma still reads the other's
-            a_frag = cuda.local.array(a_frag_words, np.uint32)
-            acc_out = cuda.local.array(num_acc, float32)
-            acc = zero_acc()
-            buffer = np.uint32(0)
-            sub_steps = np.int64(0)
-            stage = np.int64(0)
-            phase = np.int64(0)
-            cursor_slot = np.int64(0)
-            cursor_first = np.int64(0)
-            n_pairs_aligned = np.uint32(n % 2 == 0)   # bf16 pairs (token, 2 c) are 4-byte aligned
-            for work in range(pair, max_tiles, num_pairs):
-                slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
-                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
-                if slot < 0:
-                    break
-                m_sf_row0 = (t0 - np.int64(walk_offsets[slot])) % SF_ATOM_ROWS
-                acc = zero_acc()
-                for _ in range(k_slices):
-                    wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
-                    st = np.uint32(base + stage * stage_bytes)
-                    for i in range(2):
-                        address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
-                                                                      atoms))
-                        m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
-                    st_m = np.uint32(st + m_row_addr)
-                    for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
-                        for parity in range(A_FRAGMENT_SETS):
-                            a_set = 4 * k_steps * parity
-                            first_c = groups_per_sub * parity % ROTATION_RUN
-                            run = groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity) // ROTATION_RUN
-                            m_run, m_sel_run = np.uint32(run * m_run_bytes), np.uint32(run * m_sel_step)
-                            # this warpgroup's MMAs of two sub-steps ago are done: their A set is free
-                            # again and their buffer can be handed back to the decoders
+                            # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
+                            # buffer written next) are done
                             hp.wgmma_wait_group_1()
-                            if sub_steps >= A_FRAGMENT_SETS:
-                                cm.named_barrier_arrive(B_EMPTY_BARRIER0 + next_buffer(buffer), handoff_threads)
+                            # 3. the tokens: A fragments of the sub-step's group steps
                             for p in range(groups_per_sub):
                                 c = first_c + p
                                 for i in range(2):
@@ -496,8 +444,8 @@ def make_kernel_function(spec: WgmmaSpec):
                                         # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
                                         a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
                                             m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
-                            cm.named_barrier_sync(B_FULL_BARRIER0 + buffer, handoff_threads)   # B is written
-                            b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                            # 4. meet the other warpgroup: the buffer is complete, then issue
+                            cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
                             hp.wgmma_fence()
                             for kb in range(k_steps):
                                 desc = hp.wgmma_smem_descriptor_device(
@@ -506,9 +454,13 @@ def make_kernel_function(spec: WgmmaSpec):
                                 acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
                                                 a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
                             hp.wgmma_commit_group()
-                            buffer = next_buffer(buffer)
-                            sub_steps += 1
-                    release_stage(bar0, stage, lane)
+                            buffer += np.uint32(1)
+                            if buffer == BF16_BUFFERS:
+                                buffer = np.uint32(0)
+                    # every read of the raw stage is done (the MMAs read the bf16 buffers)
+                    cuda.syncwarp()
+                    if lane == 0:
+                        mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
                     stage += 1
                     if stage == stages:
                         stage = 0
@@ -587,11 +539,23 @@ def prefers(problem) -> bool:
     return tokens_per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT
 
 
+# wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
+# FP4 x FP4 (128-kappa sub-steps at mma_bn 128): NVFP4 bn128 454.8 TFLOP/s, bn256 414.7; MXFP4 443.3
+# vs 430.3; 7168 x 2048: NVFP4 396.0 vs 318.4. With an FP8 operand (64-kappa sub-steps either way)
+# the wide tile halves the token decode per MMA: MXFP8 bn256 421.7 vs bn128 391.9; W4A8 418.4 vs
+# 360.6 (run 20). Loading every raw word of a sub-step before decoding (run 20) moved these by -3..+1 %:
+# not kept.
+WGMMA_PLAN_MMA_BN_FP4 = 128
+WGMMA_PLAN_MMA_BN_FP8 = 256
+
+
 def wgmma_plan(problem, decision=None) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the SM100
     ``decision`` (if any) does not carry over (its tiles are for tcgen05; this kernel's tile is
-    128 tokens by 128 weight rows, one CTA per SM), with the deepest ring that fits."""
-    return WgmmaConfig(WGMMA_MMA_BN[0], AUTO_STAGES)
+    128 tokens by ``mma_bn`` weight rows, one CTA per SM); the measured tile width for the format
+    pair (above) and the deepest ring that fits."""
+    both_fp4 = problem.a_format.packed and problem.b_format.packed
+    return WgmmaConfig(WGMMA_PLAN_MMA_BN_FP4 if both_fp4 else WGMMA_PLAN_MMA_BN_FP8, AUTO_STAGES)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
