@@ -74,6 +74,9 @@ def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
     assert kernel is h200_wgmma and knobs == h200_wgmma.wgmma_plan(prefill)
     kernel, knobs = h200_kernel(decode)
     assert kernel is h200_stream and knobs == h200_stream.h200_plan(decode, dispatch_for(decode))
+    # 32 tokens per expert: FP4 x FP4 on wgmma, an FP8 operand on the streaming kernel (measured, run 21)
+    assert h200_kernel(BENCH_CASES["small_prefill_up"].problem("mxfp4"))[0] is h200_wgmma
+    assert h200_kernel(BENCH_CASES["small_prefill_up"].problem("mxfp8"))[0] is h200_stream
     # a caller's config is honoured by the streaming kernel (all SM100 knobs), not re-routed
     kernel, _ = h200_kernel(prefill, dispatch_for(prefill))
     assert kernel is h200_stream

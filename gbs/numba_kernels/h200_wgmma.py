@@ -526,17 +526,26 @@ def check_can_implement(problem, config) -> WgmmaSpec:
     return _spec_for(formats, wgmma_config, stages)
 
 
-# "auto" on an H200 runs this kernel when the experts average at least this many tokens (one full
-# token tile). Measured (bench, 2026-11-30, commit 1736c40, 4096 x 7168): 8 x 1024 tokens: NVFP4
-# 1179 us here vs 3064 us h200_stream; 32 x 32: NVFP4 568 vs 540, MXFP8 637 vs 517 (the streaming
-# kernel's 16-token tiles waste less of the MMA on 32-token groups), MXFP4 554 vs 619.
-WGMMA_MIN_TOKENS_PER_EXPERT = 128
+# "auto" on an H200 runs this kernel when the experts average at least this many tokens. Measured
+# (bench run 21, 2026-11-30, commit 6598132, 4096 x 7168): 8 x 1024 tokens: every format 2.5-2.9x
+# faster here than on h200_stream; 32 x 32: NVFP4 534.4 us here vs 539.2, MXFP4 547.8 vs 618.6, but
+# MXFP8 586.1 vs 518.1 (FP8 bytes decode at half the cost per byte, so the streaming kernel's 16-token
+# tiles, which waste less MMA on 32-token groups, win); 64 x 4 (decode): 1055 vs 381. Between 4 and 32
+# tokens nothing is measured: FP4 x FP4 switches at the lowest measured point where this kernel wins.
+WGMMA_MIN_TOKENS_PER_EXPERT_FP4 = 32     # both operands FP4
+WGMMA_MIN_TOKENS_PER_EXPERT = 128        # an FP8 operand: one full 128-token tile
+
+
+def min_tokens_per_expert(problem) -> int:
+    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem``'s formats."""
+    both_fp4 = problem.a_format.packed and problem.b_format.packed
+    return WGMMA_MIN_TOKENS_PER_EXPERT_FP4 if both_fp4 else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
 def prefers(problem) -> bool:
     """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only)."""
     tokens_per_expert = -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
-    return tokens_per_expert >= WGMMA_MIN_TOKENS_PER_EXPERT
+    return tokens_per_expert >= min_tokens_per_expert(problem)
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -628,4 +637,4 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "can_implement", "check_can_implement", "prepare",
-           "grouped_matmul_h200", "max_pipeline_stages", "prefers", "wgmma_plan"]
+           "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "wgmma_plan"]
