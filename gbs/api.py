@@ -8,8 +8,8 @@
   ``__cuda_array_interface__`` / DLPack arrays already on the GPU): run on the caller's memory with no
   copies, enqueued on the caller's stream (asynchronous), the output returned as the same kind of
   array as the problem's ``a`` (a ``torch.bfloat16`` tensor for torch; ``uint16`` bf16 bits for CuPy
-  and Numba). Only ``"h200_stream"`` takes device problems so far; the others say so, and
-  ``gbs.interop.to_host`` is the explicit copy. See ``gbs.interop`` for what is accepted and checked.
+  and Numba). Only the H200 kernels (``"h200_stream"``, ``"h200_wgmma"``) take device problems so far;
+  the others say so, and ``gbs.interop.to_host`` is the explicit copy. See ``gbs.interop`` for what is accepted and checked.
 
 Backends, best first where the hardware allows:
 

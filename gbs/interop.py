@@ -34,7 +34,8 @@ big arrays). ``validate=False`` skips that copy and its synchronisation (CUDA-gr
 routing produced on the device): the kernel then trusts the routing, and bad offsets make it write
 out of bounds. ``expert_scales`` values are never read on the host.
 
-Backends: only ``"h200_stream"`` (``"auto"`` on an sm_90 GPU) runs device problems. ``"simt"`` and
+Backends: only the H200 kernels (``"h200_stream"``, ``"h200_wgmma"``; ``"auto"`` on an sm_90 GPU picks
+between them as ``gbs.api.h200_kernel`` does) run device problems. ``"simt"`` and
 ``"sm100"`` copy host ``GroupedProblem``s to the device themselves: a ``NotImplementedError`` says so;
 ``"reference"`` computes on the host: a ``TypeError`` points to ``to_host(problem)``, the explicit copy
 (every array, the whole weight stack included).
@@ -54,7 +55,7 @@ torch, ``cupy.cuda.get_current_stream()`` for CuPy), otherwise on the legacy def
 ``ptr``). Inputs must be ready in that stream's order, as for any torch / CuPy operation (a new torch
 / CuPy output is allocated by that library on its current stream: with another ``stream=``, pass
 ``out``). The call is asynchronous: it returns once the kernel is enqueued. Host work per call: the
-dispatch and ``h200_stream.prepare`` (tensor maps encoded and copied to the device on the stream, any
+dispatch and the kernel's ``prepare`` (tensor maps encoded and copied to the device on the stream, any
 workspace the config needs, a JIT compile the first time a kernel spec is seen); the routing copy
 above happens in ``device_problem``. ``prepare`` here does all of it once and returns a
 ``DeviceLaunch`` whose calls only enqueue the kernel. No autograd: outputs are plain tensors.
@@ -554,7 +555,7 @@ class DeviceLaunch:
     stream: int          # the CUDA stream handle the kernel is enqueued on (0: the legacy default stream)
     kernel_problem: Any  # launch.DeviceProblem: Numba views of the caller's memory, what the kernel reads
     kernel_out: Any      # the Numba view of ``out`` the kernel writes
-    stream_launch: Any   # h200_stream.StreamLaunch
+    stream_launch: Any   # h200_stream.StreamLaunch (both H200 kernels return one)
 
     def __call__(self) -> None:
         self.stream_launch()
@@ -585,7 +586,7 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
     handle = problem.stream_for(stream)
     dlpack_stream = handle or DLPACK_LEGACY_DEFAULT_STREAM
     out_array = None if out is None else _output_array(problem, out, dlpack_stream)
-    launch.require_gpu(h200_stream.SM90, "the H200 streaming kernel")
+    launch.require_gpu(h200_stream.SM90, f"the H200 kernel ({kernel.__name__.rsplit('.', 1)[-1]})")
     from numba import cuda
 
     current = cuda.get_current_device().id
