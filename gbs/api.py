@@ -20,10 +20,12 @@ Backends, best first where the hardware allows:
   picks it when the dispatch decides (``config=None``) and the experts average at least
   ``h200_wgmma.min_tokens_per_expert`` tokens (32 for FP4 x FP4, 128 with an FP8 operand); its knobs
   are ``h200_wgmma.wgmma_plan``'s;
-* ``"h200_stream"``: the H200 (Hopper, sm_90a) kernel: TMA ring of ``num_pipeline_stages`` K slices,
-  software block scales, ``mma.sync`` bf16 (chosen by ``"auto"`` on compute capability 9.0). The
-  SM100 decision is mapped onto it: same ``ab_swapped`` / ``mma_bn`` / ``cta_group``, stages capped
-  at what fits the H200's shared memory with this kernel's real stage bytes;
+* ``"h200_stream"``: the H200 (Hopper, sm_90a) streaming kernel: TMA ring of ``num_pipeline_stages``
+  K slices, software block scales, ``mma.sync`` bf16 (what ``"auto"`` runs on compute capability 9.0
+  for decode, and for every problem given a ``config``). Without a config the SM100 decision is
+  mapped onto it (``h200_stream.h200_plan``); a given config keeps ``ab_swapped`` / ``mma_bn`` /
+  ``cta_group``, its stages capped at what fits the H200's shared memory with this kernel's real
+  stage bytes;
 * ``"simt"``: the plain Numba CUDA kernel (any CUDA GPU, or Numba's simulator with
   ``NUMBA_ENABLE_CUDASIM=1``);
 * ``"reference"``: the exact CPU reference (``gbs.reference``), always available.
@@ -39,7 +41,9 @@ default the poison sentinel of ``gbs.reference.poison_output``. Device problems:
 """
 from __future__ import annotations
 
-from .dispatch import KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
+import dataclasses
+
+from .dispatch import AUTO_STAGES, KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
 from .reference import reference_grouped_matmul
 
@@ -78,7 +82,9 @@ def _compute_capability() -> tuple[int, int]:
 
 
 def select_backend(backend: str = "auto") -> str:
-    """The backend ``backend`` resolves to on this machine."""
+    """The backend family ``backend`` resolves to on this machine (no problem needed): on an H200
+    ``"auto"`` gives ``"h200_stream"``, and ``h200_kernel`` then picks between the two H200 kernels per
+    problem (``grouped_matmul`` does both)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -132,7 +138,9 @@ def h200_kernel(problem, config: KernelConfig | None = None, backend: str = "aut
     if backend == "h200_wgmma":
         if config is None:
             return h200_wgmma, h200_wgmma.wgmma_plan(problem)
-        return h200_wgmma, h200_wgmma.WgmmaConfig.of(resolve_config(problem, config))
+        # the config's tile, on this kernel's deepest ring (the SM100 stage counts are B200 numbers)
+        tile = h200_wgmma.WgmmaConfig.of(resolve_config(problem, config))
+        return h200_wgmma, dataclasses.replace(tile, num_pipeline_stages=AUTO_STAGES)
     if backend != "h200_stream":
         raise ValueError(f"not an H200 backend: {backend!r}")
     return h200_stream, h200_stream_knobs(problem, config)

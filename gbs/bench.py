@@ -449,7 +449,7 @@ def _load_h200_wgmma():
     from .numba_kernels.launch import to_device
 
     def prepare(problem: GroupedProblem, config):
-        return h200_wgmma.prepare(to_device(problem), h200_wgmma.wgmma_plan(problem, config))
+        return h200_wgmma.prepare(to_device(problem), h200_wgmma.wgmma_plan(problem))
 
     return prepare
 

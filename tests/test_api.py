@@ -85,3 +85,19 @@ def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
         h200_kernel(decode, dispatch_for(decode), "h200_wgmma")
     with pytest.raises(ValueError, match="not an H200 backend"):
         h200_kernel(decode, None, "simt")
+
+
+def test_wgmma_backend_takes_a_configs_tile_on_its_own_ring():
+    """``backend="h200_wgmma"`` with a KernelConfig: the config's tile, this kernel's deepest ring (the
+    SM100 stage count is a B200 number)."""
+    from gbs.api import h200_kernel
+    from gbs.bench import BENCH_CASES
+    from gbs.dispatch import AUTO_STAGES
+    from gbs.numba_kernels import h200_wgmma
+
+    problem = BENCH_CASES["large_prefill_up"].problem("mxfp8")
+    decision = dispatch_for(problem)   # MXFP8's default route: not swapped, mma_bn 128, cta_group 1
+    kernel, knobs = h200_kernel(problem, decision, "h200_wgmma")
+    assert kernel is h200_wgmma
+    assert knobs == h200_wgmma.WgmmaConfig(decision.mma_bn, AUTO_STAGES)
+    assert h200_wgmma.check_can_implement(problem, knobs).mma_bn == decision.mma_bn

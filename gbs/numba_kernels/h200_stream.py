@@ -1301,6 +1301,18 @@ def formula_pipeline_stages(a_format: str, b_format: str, config, smem_limit: in
     return terms.stages
 
 
+def check_config_formats(formats: tuple[str, str], config) -> None:
+    """A ``KernelConfig`` must have been decided for the problem's formats (``formats``: the problem's
+    (a, b) format names); other configs carry no formats. ValueError naming the mismatch."""
+    if not isinstance(config, KernelConfig):
+        return
+    for side, want in (("a_format", formats[0]), ("b_format", formats[1])):
+        got = getattr(config, side)
+        # upstream routes no E5M2: its problems run on the E4M3 decision (gbs.api.dispatch_for)
+        if got != want and not (want == "mxfp8_e5m2" and got == "mxfp8"):
+            raise ValueError(f"config was decided for {side}={got!r} but the problem's {side} is {want!r}")
+
+
 def check_can_implement(problem, config) -> StreamSpec:
     """Static checks before any device work; returns the resolved ``StreamSpec``.
 
@@ -1317,12 +1329,7 @@ def check_can_implement(problem, config) -> StreamSpec:
     if formats not in PROBLEM_FORMATS.values():
         raise ValueError(f"unsupported operand formats A={formats[0]} x B={formats[1]}; supported: "
                          f"{sorted(PROBLEM_FORMATS.values())}")
-    if isinstance(config, KernelConfig):
-        for side, want in (("a_format", formats[0]), ("b_format", formats[1])):
-            got = getattr(config, side)
-            # upstream routes no E5M2: its problems run on the E4M3 decision (gbs.api.dispatch_for)
-            if got != want and not (want == "mxfp8_e5m2" and got == "mxfp8"):
-                raise ValueError(f"config was decided for {side}={got!r} but the problem's {side} is {want!r}")
+    check_config_formats(formats, config)
     stream_config = StreamConfig.of(config)
     probe = _spec_for(formats, stream_config, 1)
     k_slice = probe.k_slice
@@ -1537,7 +1544,8 @@ class StreamLaunch:
             self._launch(stream)
 
 
-def _device_out(problem: launch.DeviceProblem, out):
+def _device_out(problem: launch.DeviceProblem, out, align: int = 2):
+    """The output as a device array of bf16 bits, checked (``align``: byte alignment its kernel needs)."""
     shape = (problem.total_tokens, problem.n)
     if out is None:
         return cuda.device_array(shape, dtype=np.uint16)
@@ -1550,6 +1558,9 @@ def _device_out(problem: launch.DeviceProblem, out):
         arr = arr.view(np.uint16)
     if tuple(arr.shape) != shape or not arr.is_c_contiguous():
         raise ValueError(f"out must be a C-contiguous {shape} (total_tokens, N) array, got {tuple(arr.shape)}")
+    if launch.device_address(arr) % align:
+        raise ValueError(f"out must be {align}-byte aligned on the device (this kernel stores bf16 pairs), got "
+                         f"address {launch.device_address(arr):#x}: pass an array that starts at an allocation")
     return arr
 
 
@@ -1575,6 +1586,8 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     for name, arr in problem_device.arrays().items():
         if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
+    if num_ctas is not None:   # before any compile
+        schedule.check_num_ctas(num_ctas, spec.cta_group)
     kernel = compiled_kernel(spec)
     k_slices = problem_device.k // spec.k_slice
     if k_splits is None:

@@ -16,12 +16,13 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
 * The ring is ``h200_stream``'s (``make_ring``: same tile walk, TMA maps, 128x4 scale atoms, producer
   warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma M) by ``mma_bn`` weight rows
   (wgmma N, 128 or 256). ``setmaxnreg`` leaves the producer 40 registers and gives the consumers 232.
-* Two consumer warpgroups, 64 tokens each. Per sub-step (half a raw K slice, so 128 elements of K
-  when both operands are FP4, else 64; 64 with ``mma_bn`` 256):
+* Two consumer warpgroups, 64 tokens each. Per sub-step (``WgmmaSpec.sub_k``: 64 elements of K, or
+  128 = half a raw K slice when both operands are FP4 and ``mma_bn`` is 128):
   - the 256 threads decode the tile's weight rows from the raw stage, scaled, into the wgmma B
     operand (canonical K-major, 128B swizzle, ``b_buffer_offset``) in one of ``BF16_BUFFERS`` shared
-    buffers; a warp's 32 lanes cover 8 rows x 4 group steps (16 x 2), so its raw loads hit distinct
-    banks (ncu on a first version, where a warp read 32 rows at one column: 3.9-way conflicts);
+    buffers; a warp's 32 lanes cover 8 rows x 4 group steps, so its raw loads hit distinct banks
+    (16 rows x 2 steps with 64-element sub-steps: at most 2 words per bank; ncu on a first version,
+    where a warp read 32 rows at one column: 3.9-way conflicts);
   - each thread decodes its token rows straight into wgmma A fragments (registers; two sets that
     alternate, since an in-flight wgmma still reads the previous set);
   - ``wait_group 1`` (the MMAs of two sub-steps ago are done), a named barrier of the 256 threads
@@ -43,9 +44,10 @@ warps per scheduler its latency is not hidden. A variant with a dedicated weight
 (512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
 scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
 
-Constraints (``check_can_implement``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn`` 128 or 256;
-K a multiple of the K slice (256 elements when both operands are FP4, else 128); 16-byte aligned
-device arrays (TMA); the ring plus the bf16 buffers within the H200's 227 KiB per block.
+Constraints (``check_can_implement``, ``prepare``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn``
+128 or 256; K a multiple of the K slice (256 elements when both operands are FP4, else 128); N and the
+token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output (paired bf16 stores);
+the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ from gbs.reference import poison_output
 # Constants
 # ----------------------------------------------------------------------------------------------
 KERNEL_NAME = "h200_wgmma"
-WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N (256 threads decode 2 x N items per sub-step)
+WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N
 CONSUMER_WARPGROUPS = 2
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
 WGMMA_K = 16
@@ -87,13 +89,15 @@ WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa 
 # = 64512 = 384 x 168, the launch allocation (see h200_stream's constants).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
-# Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's; a
-# buffer is rewritten at u + 3, after every thread waited for u's MMAs (wait_group 1 at u + 1) and
-# met the others at u + 1's barrier. Two would need a second barrier per sub-step.
+# Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's. At sub-step
+# v the wait (wait_group 1, before v's commit) covers the MMAs of v - 2 and older, so buffer u % 3 is
+# rewritten at u + 3 only after every thread's wait at u + 2 and u + 2's barrier. Two buffers would
+# need a second barrier per sub-step (``tests/test_h200_wgmma.py`` models the order).
 BF16_BUFFERS = 3
 SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte offset, the buffers' alignment
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
+OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ class WgmmaSmem:
 # ----------------------------------------------------------------------------------------------
 def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
     """Real k (inside the K slice) that wgmma's k index ``kappa`` (0 .. sub_k - 1) of sub-step
-    ``sub`` (0 or 1) carries.
+    ``sub`` (0 .. subs_per_slice - 1) carries.
 
     A fragments (``h200_stream``'s decode): quad lane ``q`` holds, for its rotated group ``gl`` at
     step ``gi = groups_per_sub * sub + p``, register ``j`` = elements (j, j + 4) (FP4 pairing; FP8 x
@@ -507,17 +511,14 @@ def check_can_implement(problem, config) -> WgmmaSpec:
     returns the resolved ``WgmmaSpec``. TypeError / ValueError saying what is wrong."""
     wgmma_config = WgmmaConfig.of(config)
     ring_config = hs.StreamConfig(False, wgmma_config.mma_bn, 1, 1)
-    hs.check_can_implement(problem, ring_config)   # formats, K slice, TMA rows, sizes
+    hs.check_can_implement(problem, ring_config)   # problem, formats, K slice, TMA rows, sizes
     formats = hs._problem_formats(problem)
+    hs.check_config_formats(formats, config)   # a KernelConfig decided for these formats
     real_max = max_pipeline_stages(*formats, wgmma_config)
     stages = wgmma_config.num_pipeline_stages
     if stages == AUTO_STAGES:
         stages = real_max
     probe = _spec_for(formats, wgmma_config, 1)
-    if real_max == 0:
-        raise ValueError(f"mma_bn={wgmma_config.mma_bn} does not fit the H200 for {formats[0]} x {formats[1]}: "
-                         f"{BF16_BUFFERS} bf16 buffers of {probe.buffer_bytes} B and one raw stage of "
-                         f"{probe.ring.smem.stage_bytes} B exceed {H200_SMEM_PER_SM} B; use mma_bn=128")
     if not 1 <= stages <= real_max:
         raise ValueError(f"{stages} pipeline stages do not fit the H200 beside {BF16_BUFFERS} bf16 buffers of "
                          f"{probe.buffer_bytes} B: at most {real_max} for {formats[0]} x "
@@ -558,11 +559,11 @@ WGMMA_PLAN_MMA_BN_FP4 = 128
 WGMMA_PLAN_MMA_BN_FP8 = 256
 
 
-def wgmma_plan(problem, decision=None) -> WgmmaConfig:
-    """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the SM100
-    ``decision`` (if any) does not carry over (its tiles are for tcgen05; this kernel's tile is
-    128 tokens by ``mma_bn`` weight rows, one CTA per SM); the measured tile width for the format
-    pair (above) and the deepest ring that fits."""
+def wgmma_plan(problem) -> WgmmaConfig:
+    """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the measured tile
+    width for the format pair (above) and the deepest ring that fits. The SM100 decision does not
+    carry over (its tiles are for tcgen05; this kernel's tile is 128 tokens by ``mma_bn`` weight rows,
+    one CTA per SM)."""
     both_fp4 = problem.a_format.packed and problem.b_format.packed
     return WgmmaConfig(WGMMA_PLAN_MMA_BN_FP4 if both_fp4 else WGMMA_PLAN_MMA_BN_FP8, AUTO_STAGES)
 
@@ -586,12 +587,15 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
             stream=0) -> hs.StreamLaunch:
     """Compile (cached), build the tensor maps, marshal the arguments; returns a launch object
     (``h200_stream.StreamLaunch``) that enqueues with no host copies or syncs. ``out`` and
-    ``num_ctas`` as in ``h200_stream.prepare`` (one CTA per SM by default: 227 KiB each)."""
+    ``num_ctas`` as in ``h200_stream.prepare`` (one CTA per SM by default: 227 KiB each); ``out`` must
+    be 4-byte aligned (the epilogue stores bf16 pairs), as every allocation is."""
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
     spec = check_can_implement(problem_device, config)
-    device_out = hs._device_out(problem_device, out)
+    device_out = hs._device_out(problem_device, out, align=OUT_ALIGN)
+    if num_ctas is not None:   # before any compile
+        num_ctas = require_int("num_ctas", num_ctas, 1)
     max_tiles = hs.max_tiles_bound(spec.ring, problem_device.total_tokens, problem_device.num_active_experts,
                                    problem_device.n)
     if problem_device.total_tokens == 0:
@@ -602,7 +606,6 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     kernel = compiled_kernel(spec)
     if num_ctas is None:
         num_ctas = hs.default_num_ctas(spec, max_tiles, kernel.registers)
-    num_ctas = require_int("num_ctas", num_ctas, 1)
     k_slices = problem_device.k // spec.k_slice
     no_split_sums, no_split_counters = cuda.device_array((1, 1), np.float32), cuda.device_array(1, np.uint32)
     arrays = problem_device.arrays()
@@ -619,10 +622,10 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
 
 def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
                         num_ctas: int | None = None) -> np.ndarray:
-    """Run the wgmma kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)); ``out`` as in
-    ``h200_stream.grouped_matmul_h200``. Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
+    """Run the wgmma kernel on a host problem (``config=None``: ``wgmma_plan``'s knobs); returns ``C``
+    (bf16, (total_tokens, N)); ``out`` as in ``h200_stream.grouped_matmul_h200``. Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
-    config = WgmmaConfig() if config is None else config
+    config = wgmma_plan(problem) if config is None else config
     check_can_implement(problem, config)
     shape = (problem.total_tokens, problem.n)
     if out is None:
