@@ -430,26 +430,16 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
-def _load_gbs_auto():
-    """What ``gbs.grouped_matmul(problem)`` runs on an H200 (``gbs.api.h200_kernel``: the wgmma kernel
-    for prefill, the streaming kernel otherwise, each with its measured plan)."""
+def _load_h200_kernel(backend: str):
+    """``gbs.api.h200_kernel``'s kernel and knobs for ``backend`` without a config: ``"auto"`` is what
+    ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
+    otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``."""
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
 
     def prepare(problem: GroupedProblem, config):
-        kernel, knobs = h200_kernel(problem)
+        kernel, knobs = h200_kernel(problem, None, backend)
         return kernel.prepare(to_device(problem), knobs)
-
-    return prepare
-
-
-def _load_h200_wgmma():
-    """The H200 wgmma (prefill) kernel with ``h200_wgmma.wgmma_plan``'s knobs."""
-    from .numba_kernels import h200_wgmma
-    from .numba_kernels.launch import to_device
-
-    def prepare(problem: GroupedProblem, config):
-        return h200_wgmma.prepare(to_device(problem), h200_wgmma.wgmma_plan(problem))
 
     return prepare
 
@@ -466,10 +456,10 @@ def launch_knobs(launcher) -> str:
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()``; a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
-BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": _load_gbs_auto,
+BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
-                   "h200_wgmma": _load_h200_wgmma}
+                   "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma")}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 
