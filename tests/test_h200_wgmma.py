@@ -33,12 +33,24 @@ def spec_of(fmt: str, mma_bn: int, stages: int | None = None) -> hw.WgmmaSpec:
     return hw.WgmmaSpec(a, b, mma_bn, stages)
 
 
+def sub_step_group(spec: hw.WgmmaSpec, sub: int, step: int, q: int) -> int:
+    """The group (inside its quarter) quad lane ``q`` reads at group step ``step`` of sub-step ``sub``, the
+    way the kernel addresses it: ``rotated(first_c + step, q)`` in run 0, moved by whole runs."""
+    first_c, run = hw.sub_step_groups(spec.groups_per_sub, sub // hw.A_FRAGMENT_SETS, sub % hw.A_FRAGMENT_SETS)
+    return int(hs.rotated_group(first_c + step, q)) + hs.ROTATION_RUN * run
+
+
+def real_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> int:
+    """Real k (inside the K slice) of register ``j``'s half ``hi`` of that group."""
+    return (q * (spec.k_slice // hs.QUAD) + sub_step_group(spec, sub, step, q) * hs.GROUP_ELEMENTS
+            + hs.pair_elements(j, spec.ring.pairing)[hi])
+
+
 def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> tuple[int, int]:
     """(kappa, real k) of the element the kernel's weight decode writes for group step ``step`` of
-    sub-step ``sub``, quad lane ``q``'s quarter, register ``j``, half ``hi``: the thread reads group
-    ``rotated(groups_per_sub * sub + step, q)`` and stores register j as word q of the chunk
-    ``b_buffer_offset(kb = 2 step + j // 2, h = j % 2)``; kappa is where that byte sits in the
-    canonical layout (column block kappa // 64, 128B swizzle)."""
+    sub-step ``sub``, quad lane ``q``'s quarter, register ``j``, half ``hi``: register j goes to word q
+    of the chunk ``b_buffer_offset(kb = 2 step + j // 2, h = j % 2)``; kappa is where that byte sits in
+    the canonical layout (column block kappa // 64, 128B swizzle)."""
     kb, h = 2 * step + j // 2, j % 2
     offset = hw.b_buffer_offset(spec.mma_bn, 5, kb, h) + 4 * q + 2 * hi   # any row: 5
     block, in_block = divmod(offset, spec.mma_bn * hw.BF16_ROW_BYTES)
@@ -46,9 +58,7 @@ def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -
     for byte in range(hw.BF16_ROW_BYTES):
         if hp.kmajor_sw128_offset(5, byte) == in_block:
             kappa = block * hw.SW128_KAPPA + byte // 2
-    gl = int(hs.rotated_group(spec.groups_per_sub * sub + step, q))
-    real = q * (spec.k_slice // hs.QUAD) + gl * hs.GROUP_ELEMENTS + hs.pair_elements(j, spec.ring.pairing)[hi]
-    return kappa, real
+    return kappa, real_k(spec, sub, step, q, j, hi)
 
 
 @pytest.mark.parametrize("fmt, bn", FITTING)
@@ -102,20 +112,31 @@ def test_weight_loads_of_a_warp_hit_distinct_banks(fmt):
     assert worst <= (1 if spec.lanes_per_group_step == 8 else 2)
 
 
-def test_a_fragment_registers_carry_the_same_kappa():
-    """The kernel puts register j of row half i at a-register ``2 (j % 2) + i`` of k16 step
-    ``2 p + j // 2``; wgmma reads that register as (row g + 8 i, k 2 q + 8 (j % 2)) and k + 1: the
-    kappa the weight writer uses for the same (q, j)."""
-    for thread in range(hp.WGMMA_THREADS):
-        lane = thread % 32
-        g, q = lane // 4, lane % 4
-        for j in range(4):
-            for i in range(2):
-                reg = 2 * (j % 2) + i
-                row, k = hp.wgmma_a_register_position(thread, 2 * reg)
-                row1, k1 = hp.wgmma_a_register_position(thread, 2 * reg + 1)
-                assert (row, row1) == (16 * (thread // 32) + g + 8 * i,) * 2
-                assert (k, k1) == (2 * q + 8 * (j % 2), 2 * q + 8 * (j % 2) + 1)
+@pytest.mark.parametrize("fmt, bn", FITTING)
+def test_a_fragments_carry_the_elements_b_operand_k_expects(fmt, bn):
+    """The kernel stores register j of group step p and row half i at ``a_fragment_index(p, j, i)``: A
+    register ``index % 4`` of k16 step ``index // 4``. wgmma reads that register as (row g + 8 i, k, k + 1)
+    (``wgmma_a_register_position``); kappa ``16 (index // 4) + k`` must carry the real k that the
+    thread decoded there, for the same permutation the weight writer uses."""
+    spec = spec_of(fmt, bn)
+    for sub in range(spec.subs_per_slice):
+        for thread in range(0, hp.WGMMA_THREADS, 5):   # every quad lane and row, in a few warps
+            lane = thread % 32
+            g, q = lane // 4, lane % 4
+            for p in range(spec.groups_per_sub):
+                for j in range(4):
+                    for i in range(2):
+                        index = hw.a_fragment_index(p, j, i)
+                        kb, reg = divmod(index, 4)
+                        for hi in range(2):
+                            row, k = hp.wgmma_a_register_position(thread, 2 * reg + hi)
+                            assert row == 16 * (thread // 32) + g + 8 * i
+                            assert hw.b_operand_k(spec, sub, hw.WGMMA_K * kb + k) == real_k(spec, sub, p, q, j, hi)
+
+
+def test_a_fragment_indices_fill_one_set():
+    indices = sorted(hw.a_fragment_index(p, j, i) for p in range(4) for j in range(4) for i in range(2))
+    assert indices == list(range(32))
 
 
 def test_b_buffer_offset_is_the_canonical_sw128_layout():

@@ -78,6 +78,8 @@ KERNEL_NAME = "h200_wgmma"
 WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N
 CONSUMER_WARPGROUPS = 2
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
+WARPGROUP_WARPS = hs.WARPGROUP_WARPS
+ROWS_PER_WARP = TOKENS_PER_WARPGROUP // WARPGROUP_WARPS   # 16 token rows of a warpgroup's 64 per warp
 WGMMA_K = 16
 SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
 BF16_ROW_BYTES = 2 * SW128_KAPPA
@@ -260,6 +262,22 @@ def b_buffer_offset(mma_bn: int, row: int, kb: int, h: int) -> int:
     return (kb // 4) * mma_bn * BF16_ROW_BYTES + row * BF16_ROW_BYTES + 16 * (chunk ^ (row & SW128_CHUNK_MASK))
 
 
+def sub_step_groups(groups_per_sub: int, sub_pair: int, parity: int) -> tuple[int, int]:
+    """(first group step inside its rotation run, the rotation run) of sub-step ``2 sub_pair + parity``,
+    whose ``groups_per_sub`` (2 or 4) group steps ``gi = groups_per_sub * sub`` .. stay inside one run
+    of 4. A pair of sub-steps covers ``2 groups_per_sub`` groups, a whole number of runs, so the first
+    step depends on the parity only (a constant once the pair is unrolled)."""
+    return (groups_per_sub * parity % hs.ROTATION_RUN,
+            groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity) // hs.ROTATION_RUN)
+
+
+def a_fragment_index(p: int, j: int, i: int) -> int:
+    """Index, in one A fragment set, of decoded register ``j`` of group step ``p`` and row half ``i``
+    (rows g and g + 8): k16 step ``2 p + j // 2``, wgmma A register ``2 (j % 2) + i`` of it (the
+    mma.sync m16n8k16 A layout per warp: ``hopper.wgmma_a_register_position``)."""
+    return 4 * (2 * p + j // 2) + 2 * (j % 2) + i
+
+
 def weight_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int]:
     """(weight row, group step within the sub-step) of a consumer thread's ``item``."""
     warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
@@ -316,13 +334,15 @@ def make_kernel_function(spec: WgmmaSpec):
     word_column = _device(hs.scale_word_column)
     column = _device(hs.group_column)
     chunk_offset = _device(b_buffer_offset)
+    step_groups = _device(sub_step_groups)
+    a_index = _device(a_fragment_index)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     a_frag_words, rotation_run = A_FRAGMENT_SETS * 4 * k_steps, hs.ROTATION_RUN
     subs_per_slice = spec.subs_per_slice
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
-    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, MMA_M, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS = (
-        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.MMA_M, hs.NEG_ZERO_BF16X2, hs.QUAD,
+    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS = (
+        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD,
         hs.ROUTING_SMEM_SLOTS)
     ROTATION_RUN = hs.ROTATION_RUN
 
@@ -347,12 +367,12 @@ def make_kernel_function(spec: WgmmaSpec):
             lane = cm.laneid()
             base = np.int64(cm.shared_address(dyn))
             bar0 = np.int64(cm.shared_address(bars))
-            pair, num_pairs = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
+            cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
             cw = warp - producer_warps
             g = lane >> 2
             q = lane & 3
             # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
-            m_row = (cw // 4) * TOKENS_PER_WARPGROUP + (cw % 4) * MMA_M + g
+            m_row = (cw // WARPGROUP_WARPS) * TOKENS_PER_WARPGROUP + (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + g
             m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
             m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
             m_col = word_column(q, m_blocks)
@@ -380,7 +400,7 @@ def make_kernel_function(spec: WgmmaSpec):
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
             n_pairs_aligned = np.uint32(n % 2 == 0)   # bf16 pairs (token, 2 c) are 4-byte aligned
-            for work in range(pair, max_tiles, num_pairs):
+            for work in range(cta, max_tiles, num_ctas):
                 slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
                 if slot < 0:
@@ -408,9 +428,7 @@ def make_kernel_function(spec: WgmmaSpec):
                     for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
                         for parity in range(A_FRAGMENT_SETS):
                             a_set = 4 * k_steps * parity
-                            first_c = groups_per_sub * parity % ROTATION_RUN   # first group step, in its run
-                            # the sub-step's rotation run (its groups stay in one)
-                            run = groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity) // ROTATION_RUN
+                            first_c, run = step_groups(groups_per_sub, sub_pair, parity)
                             m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
                             m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
                             b_addr = np.uint32(buffers + buffer * buffer_bytes)
@@ -446,7 +464,7 @@ def make_kernel_function(spec: WgmmaSpec):
                                                           run)
                                     for j in range(4):
                                         # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
-                                        a_frag[a_set + 4 * (2 * p + j // 2) + 2 * (j % 2) + i] = fma_bf16x2(
+                                        a_frag[a_set + a_index(p, j, i)] = fma_bf16x2(
                                             m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
                             # 4. meet the other warpgroup: the buffer is complete, then issue
                             cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
