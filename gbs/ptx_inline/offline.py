@@ -143,6 +143,41 @@ def uses_local_memory(sass: str) -> bool:
     return any(re.match(r"(LDL|STL)\b", ins) for ins in sass_instructions(sass))
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(.*?)\s*;")
+_BACKWARD_BRANCH = re.compile(r"^BRA\b.*?(0x[0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One loop of a SASS listing: a branch back from ``end`` to ``start`` (byte addresses) and the
+    opcodes between them, inner loops included (what one trip of the loop may execute)."""
+
+    start: int
+    end: int
+    opcodes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.opcodes)
+
+    def count(self, prefix: str) -> int:
+        """Instructions whose opcode starts with ``prefix`` (``"HGMMA"``, ``"LDL"``, ``"LDS"``)."""
+        return sum(op.startswith(prefix) for op in self.opcodes)
+
+
+def sass_loops(sass: str) -> list[SassLoop]:
+    """Every loop of a listing (``cuobjdump -sass``), innermost (smallest) first: the reading behind
+    statements such as "the hot loop is 343 instructions" or "no local memory in the K loop"."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
+    loops = []
+    for address, instruction in lines:
+        branch = _BACKWARD_BRANCH.match(instruction)
+        if branch and int(branch.group(1), 16) < address:
+            start = int(branch.group(1), 16)
+            loops.append(SassLoop(start, address, tuple(ins.split()[0] for a, ins in lines if start <= a <= address)))
+    return sorted(loops, key=lambda loop: loop.size)
+
+
 @dataclass(frozen=True)
 class Resources:
     registers: int

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Offline SASS facts of the H200 kernels (no GPU): for each spec, registers, local memory, and the
+innermost loop that holds the tensor-core instructions (HMMA for ``h200_stream``, HGMMA for
+``h200_wgmma``) with its instruction mix. This is how the instruction counts quoted in the kernels'
+docstrings and in ``notes/`` are read; compare before / after a decode change. ~8 s per spec.
+
+Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES | wgmma:FMT:MMA_BN ...]
+Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+from gbs.numba_kernels import h200_stream, h200_wgmma
+from gbs.problem import PROBLEM_FORMATS
+from gbs.ptx_inline import offline
+
+DEFAULT_SPECS = ("stream:nvfp4:T:8:1:2", "stream:mxfp4:T:8:1:2", "stream:mxfp8:T:8:1:2",
+                 "wgmma:nvfp4:128", "wgmma:mxfp4:128", "wgmma:mxfp8:256")
+MIX_OPCODES = 8   # most frequent opcodes shown per loop
+
+
+def parse_spec(text: str):
+    """(spec, kernel module, tensor-core opcode prefix) of a command-line spec."""
+    kind, fmt, *knobs = text.split(":")
+    if fmt not in PROBLEM_FORMATS:
+        raise ValueError(f"{text!r}: format must be one of {sorted(PROBLEM_FORMATS)}")
+    a_format, b_format = PROBLEM_FORMATS[fmt]
+    if kind == "stream" and len(knobs) == 4 and knobs[0] in ("T", "F"):
+        spec = h200_stream.StreamSpec(a_format, b_format, knobs[0] == "T", int(knobs[1]), int(knobs[2]),
+                                      int(knobs[3]))
+        return spec, h200_stream, "HMMA"
+    if kind == "wgmma" and len(knobs) == 1:
+        config = h200_wgmma.WgmmaConfig(int(knobs[0]))
+        stages = h200_wgmma.max_pipeline_stages(a_format, b_format, config)
+        return h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages), h200_wgmma, "HGMMA"
+    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES or wgmma:FMT:MMA_BN")
+
+
+def report(text: str) -> str:
+    spec, kernel, mma_prefix = parse_spec(text)
+    cubin = offline.compile_cubin(kernel.make_kernel_function(spec), h200_stream.kernel_signature(),
+                                  offline.SM90A, launch_bounds=(spec.threads, 1))
+    sass = offline.disassemble(cubin)
+    resources = offline.resource_usage(cubin)
+    mma_loops = [loop for loop in offline.sass_loops(sass) if loop.count(mma_prefix)]
+    lines = [f"{text}: {resources.registers} registers (entry), {resources.local_bytes} B local, "
+             f"{len(offline.sass_instructions(sass))} instructions"]
+    if mma_loops:
+        hot = mma_loops[0]
+        mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(
+            op.split(".")[0] for op in hot.opcodes).most_common(MIX_OPCODES))
+        lines.append(f"  innermost {mma_prefix} loop: {hot.size} instructions, {hot.count(mma_prefix)} {mma_prefix}, "
+                     f"{hot.count('LDL') + hot.count('STL')} local accesses; {mix}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("specs", nargs="*", default=list(DEFAULT_SPECS))
+    args = parser.parse_args(argv)
+    for text in args.specs:
+        print(report(text), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

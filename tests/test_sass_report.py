@@ -1,0 +1,49 @@
+"""``offline.sass_loops`` (the loop reading behind the SASS instruction counts quoted in docs and notes)
+and ``scripts/h200_sass_report.py`` (CPU only: compiles offline for sm_90a)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from gbs.ptx_inline import offline
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "h200_sass_report.py"
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0030*/              @P0 BRA 0x10 ;
+        /*0040*/                   LDL R5, [R1] ;
+        /*0050*/              @!P1 BRA 0x0 ;
+        /*0060*/                   BRA 0x60 ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("h200_sass_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sass_loops_finds_nested_backward_branches_innermost_first():
+    loops = offline.sass_loops(LISTING)
+    assert [(loop.start, loop.end) for loop in loops] == [(0x10, 0x30), (0x0, 0x50)]   # BRA 0x60 is no loop
+    inner, outer = loops
+    assert inner.opcodes == ("LDS", "HMMA.16816.F32.BF16", "BRA")
+    assert inner.count("HMMA") == 1 and inner.count("LDL") == 0
+    assert outer.size == 6 and outer.count("LDL") == 1
+
+
+def test_report_reads_the_decode_kernels_hot_loop():
+    text = load_script().report("stream:nvfp4:T:8:1:2")
+    assert "innermost HMMA loop" in text and "16 HMMA, 0 local accesses" in text
+
+
+@pytest.mark.parametrize("bad", ["stream:nvfp4:8:1:2", "wgmma:fp16:128", "gemm:nvfp4:128"])
+def test_report_rejects_malformed_specs(bad):
+    with pytest.raises(ValueError, match="want|format must be"):
+        load_script().parse_spec(bad)
