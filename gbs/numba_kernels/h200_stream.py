@@ -1397,6 +1397,12 @@ H200_SMALL_N_MMA_BN = (8, 16)   # token tile widths the small-N mapping chooses 
 H200_SMALL_N_STAGES = 2
 
 
+def average_tokens_per_expert(problem) -> int:
+    """Tokens per active expert, rounded up, from host metadata only (``estimated_total_m``): what the
+    H200 mappings (``h200_plan``, ``h200_wgmma.prefers``) decide on."""
+    return -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
+
+
 def h200_plan(problem, decision) -> StreamConfig:
     """The knobs this kernel runs an SM100 ``decision`` (a ``KernelConfig`` / ``TileConfig``) with
     when the caller did not choose them (``gbs.grouped_matmul`` with ``config=None``), from host
@@ -1404,7 +1410,7 @@ def h200_plan(problem, decision) -> StreamConfig:
     average more than ``H200_SMALL_N_MAX_TOKENS`` tokens keep their tile knobs, with the deepest ring
     that fits (``h200_stream_config``)."""
     stream_config = StreamConfig.of(decision)
-    tokens_per_expert = -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
+    tokens_per_expert = average_tokens_per_expert(problem)
     if tokens_per_expert > H200_SMALL_N_MAX_TOKENS:
         return h200_stream_config(problem, dataclasses.replace(stream_config, num_pipeline_stages=AUTO_STAGES))
     mma_bn = next((bn for bn in H200_SMALL_N_MMA_BN if bn >= tokens_per_expert), H200_SMALL_N_MMA_BN[-1])

@@ -555,16 +555,20 @@ WGMMA_MIN_TOKENS_PER_EXPERT_FP4 = 32     # both operands FP4
 WGMMA_MIN_TOKENS_PER_EXPERT = 128        # an FP8 operand: one full 128-token tile
 
 
+def _both_fp4(problem) -> bool:
+    """Both operands FP4: 256-element K slices, 128-element sub-steps at mma_bn 128 (the measured rules
+    below differ from those with an FP8 operand)."""
+    return problem.a_format.packed and problem.b_format.packed
+
+
 def min_tokens_per_expert(problem) -> int:
     """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem``'s formats."""
-    both_fp4 = problem.a_format.packed and problem.b_format.packed
-    return WGMMA_MIN_TOKENS_PER_EXPERT_FP4 if both_fp4 else WGMMA_MIN_TOKENS_PER_EXPERT
+    return WGMMA_MIN_TOKENS_PER_EXPERT_FP4 if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
 def prefers(problem) -> bool:
     """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only)."""
-    tokens_per_expert = -(-problem.estimated_total_m // max(problem.num_active_experts, 1))
-    return tokens_per_expert >= min_tokens_per_expert(problem)
+    return hs.average_tokens_per_expert(problem) >= min_tokens_per_expert(problem)
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -582,8 +586,7 @@ def wgmma_plan(problem) -> WgmmaConfig:
     width for the format pair (above) and the deepest ring that fits. The SM100 decision does not
     carry over (its tiles are for tcgen05; this kernel's tile is 128 tokens by ``mma_bn`` weight rows,
     one CTA per SM)."""
-    both_fp4 = problem.a_format.packed and problem.b_format.packed
-    return WgmmaConfig(WGMMA_PLAN_MMA_BN_FP4 if both_fp4 else WGMMA_PLAN_MMA_BN_FP8, AUTO_STAGES)
+    return WgmmaConfig(WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8, AUTO_STAGES)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
