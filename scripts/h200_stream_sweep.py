@@ -6,8 +6,11 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
         nvfp4:decode_up:T:8:1:2:auto  nvfp4:kimi_decode:T:8:1:2:1  nvfp4:kimi_decode:T:8:1:2:7
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
-or ``auto``; a point may add ``:num_ctas``), or ``wgmma:format:case:mma_bn:stages[:num_ctas]`` for the
-wgmma prefill kernel (``h200_wgmma``; stages an int or ``auto``). Cases are ``gbs.bench.BENCH_CASES``. Timing is the
+or ``auto``; a point may add ``:num_ctas``), ``wgmma:format:case:mma_bn:stages[:num_ctas]`` for the
+wgmma prefill kernel (``h200_wgmma``; stages an int or ``auto``), or ``plan:backend:format:case`` for
+what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
+``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
+``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. Needs an sm_90 GPU.
 """
@@ -17,9 +20,24 @@ import argparse
 import sys
 
 from gbs import bench
+from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.numba_kernels.launch import to_device
+
+
+PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
+
+
+def parse_case(text: str, point: str) -> bench.BenchCase:
+    """A ``BENCH_CASES`` name or ``N,K,slots,tokens_per_expert``."""
+    if text in bench.BENCH_CASES:
+        return bench.BENCH_CASES[text]
+    fields = text.split(",")
+    if len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        raise ValueError(f"point {point!r}: case {text!r} is neither one of {sorted(bench.BENCH_CASES)} "
+                         f"nor N,K,slots,tokens_per_expert (positive integers)")
+    return bench.BenchCase(text.replace(",", "x"), *map(int, fields))
 
 
 def parse_wgmma_point(text: str):
@@ -27,26 +45,34 @@ def parse_wgmma_point(text: str):
     if len(parts) not in (5, 6):
         raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas]")
     _, fmt, case, bn, stages = parts[:5]
-    if case not in bench.BENCH_CASES:
-        raise ValueError(f"point {text!r}: case in {sorted(bench.BENCH_CASES)}")
     config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages))
     num_ctas = int(parts[5]) if len(parts) == 6 else None
-    return fmt, bench.BENCH_CASES[case], config, None, num_ctas
+    return fmt, parse_case(case, text), config, None, num_ctas
+
+
+def parse_plan_point(text: str):
+    parts = text.split(":")
+    if len(parts) != 4 or parts[1] not in PLAN_BACKENDS:
+        raise ValueError(f"point {text!r}: want plan:backend:format:case, backend in {PLAN_BACKENDS}")
+    _, backend, fmt, case = parts
+    return fmt, parse_case(case, text), backend, None, None
 
 
 def parse_point(text: str):
     if text.startswith("wgmma:"):
         return parse_wgmma_point(text)
+    if text.startswith("plan:"):
+        return parse_plan_point(text)
     parts = text.split(":")
     if len(parts) not in (7, 8):
         raise ValueError(f"point {text!r}: want format:case:T|F:mma_bn:cta_group:stages:k_splits[:num_ctas]")
     fmt, case, swapped, bn, cg, stages, splits = parts[:7]
-    if case not in bench.BENCH_CASES or swapped not in ("T", "F"):
-        raise ValueError(f"point {text!r}: case in {sorted(bench.BENCH_CASES)}, ab_swapped T or F")
+    if swapped not in ("T", "F"):
+        raise ValueError(f"point {text!r}: ab_swapped T or F")
     config = h200_stream.StreamConfig(swapped == "T", int(bn), int(cg), int(stages))
     k_splits = None if splits == "auto" else int(splits)
     num_ctas = int(parts[7]) if len(parts) == 8 else None
-    return fmt, bench.BENCH_CASES[case], config, k_splits, num_ctas
+    return fmt, parse_case(case, text), config, k_splits, num_ctas
 
 
 def main(argv=None) -> int:
@@ -68,7 +94,10 @@ def main(argv=None) -> int:
         problem = problems[key]
         copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
         try:
-            if isinstance(config, h200_wgmma.WgmmaConfig):
+            if isinstance(config, str):
+                kernel, knobs = h200_kernel(problem, None, config)
+                launches = [kernel.prepare(to_device(problem), knobs) for _ in range(copies)]
+            elif isinstance(config, h200_wgmma.WgmmaConfig):
                 launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas) for _ in range(copies)]
             else:
                 launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
