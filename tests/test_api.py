@@ -87,6 +87,24 @@ def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
         h200_kernel(decode, None, "simt")
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "w4a8"])
+def test_h200_auto_leaves_no_token_count_to_the_wide_streaming_tiles(fmt):
+    """Past the streaming kernel's small-N mapping (at most ``H200_SMALL_N_MAX_TOKENS`` per expert) its
+    token tiles lose 2.4-5x to the wgmma kernel (sweep run 24): "auto" must route every such problem to
+    the wgmma kernel, and keep decode (4 tokens per expert) on the streaming kernel."""
+    from gbs.api import h200_kernel
+    from gbs.bench import BenchCase
+    from gbs.numba_kernels import h200_stream, h200_wgmma
+
+    def kernel_at(tokens):
+        return h200_kernel(BenchCase("t", 256, 256, 4, tokens).problem(fmt))[0]
+
+    limit = h200_stream.H200_SMALL_N_MAX_TOKENS
+    assert kernel_at(limit + 1) is h200_wgmma and kernel_at(4 * limit) is h200_wgmma
+    assert kernel_at(4) is h200_stream and kernel_at(limit // 2) is h200_stream
+    assert h200_wgmma.min_tokens_per_expert(BenchCase("t", 256, 256, 4, 1).problem(fmt)) <= limit + 1
+
+
 def test_wgmma_backend_takes_a_configs_tile_on_its_own_ring():
     """``backend="h200_wgmma"`` with a KernelConfig: the config's tile, this kernel's deepest ring (the
     SM100 stage count is a B200 number)."""

@@ -546,13 +546,19 @@ def check_can_implement(problem, config) -> WgmmaSpec:
 
 
 # "auto" on an H200 runs this kernel when the experts average at least this many tokens. Measured
-# (bench run 21, 2026-11-30, commit 6598132, 4096 x 7168): 8 x 1024 tokens: every format 2.5-2.9x
-# faster here than on h200_stream; 32 x 32: NVFP4 534.4 us here vs 539.2, MXFP4 547.8 vs 618.6, but
-# MXFP8 586.1 vs 518.1 (FP8 bytes decode at half the cost per byte, so the streaming kernel's 16-token
-# tiles, which waste less MMA on 32-token groups, win); 64 x 4 (decode): 1055 vs 381. Between 4 and 32
-# tokens nothing is measured: FP4 x FP4 switches at the lowest measured point where this kernel wins.
+# (sweep run 24, 2026-11-30, commit f1a0cc0, 4096 x 7168, 32 experts; notes/h200/2026-11-30-sweep-tokens-run24.*),
+# this kernel vs h200_stream under h200_plan, us:
+#   tokens/expert   NVFP4           MXFP4           MXFP8
+#   16              533.8 / 319.4   546.9 / 364.7   584.9 / 312.0
+#   32 (run 21)     534.4 / 539.2   547.8 / 618.6   586.1 / 518.1
+#   64              533.7 / 900.0   548.8 / 1396.7  592.0 / 1430.1
+#   128             538.5 / 1541.7  554.4 / 1413.8  595.2 / 1432.6
+# This kernel's time is flat up to 128 tokens (one token tile per expert: the weight decode sets it);
+# the streaming kernel's small-N mapping ends at h200_stream.H200_SMALL_N_MAX_TOKENS (32) and wider
+# token tiles there lose 2.4-5x. So FP4 x FP4 switches at 32 (ties or wins), an FP8 operand (whose
+# bytes the streaming kernel decodes at half the cost per byte: 518 vs 586 at 32) just above it.
 WGMMA_MIN_TOKENS_PER_EXPERT_FP4 = 32     # both operands FP4
-WGMMA_MIN_TOKENS_PER_EXPERT = 128        # an FP8 operand: one full 128-token tile
+WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1   # an FP8 operand: past the small-N mapping
 
 
 def _both_fp4(problem) -> bool:
