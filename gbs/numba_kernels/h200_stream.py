@@ -1099,6 +1099,10 @@ def make_kernel_function(spec: StreamSpec):
                             d_gl = item % n_groups
                             d_q = (item // n_groups) % QUAD
                             d_row = item // (QUAD * n_groups)
+                            # token columns past the tile's tokens only feed accumulator columns the
+                            # epilogue never stores (MMA columns are independent): leave them stale
+                            if d_row >= t1 - t0:
+                                continue
                             address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
                                                                           word_column(d_q, n_blocks), atoms))
                             d_s0, d_s1 = n_load_scales(address, d_q)
