@@ -36,7 +36,7 @@ import numpy as np
 
 from . import peers as peer_lib
 from .problem import PROBLEM_FORMATS, GroupedProblem, operand_shape, resolve_formats
-from .quant import E4M3, group_scale_offsets, swizzle_scales
+from .quant import B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, E4M3, group_scale_offsets, swizzle_scales
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
@@ -430,14 +430,22 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
-def _load_h200_kernel(backend: str):
+def _load_h200_kernel(backend: str, b_layout: str = B_LAYOUT_PACKED):
     """``gbs.api.h200_kernel``'s kernel and knobs for ``backend`` without a config: ``"auto"`` is what
     ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
-    otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``."""
+    otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``.
+    ``b_layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``, untimed) before the runs."""
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
 
+    relaid = {}   # id of the last problem -> (it, its re-laid copy): one re-layout per bench case
+
     def prepare(problem: GroupedProblem, config):
+        if b_layout != B_LAYOUT_PACKED and problem.b_format.packed:
+            if id(problem) not in relaid or relaid[id(problem)][0] is not problem:
+                relaid.clear()
+                relaid[id(problem)] = (problem, problem.with_b_layout(b_layout))
+            problem = relaid[id(problem)][1]
         kernel, knobs = h200_kernel(problem, None, backend)
         return kernel.prepare(to_device(problem), knobs)
 
@@ -454,9 +462,11 @@ def launch_knobs(launcher) -> str:
             f"splits{launcher.k_splits} ctas{launcher.num_ctas}")
 
 
-# Backend name -> loader returning ``prepare(problem, config) -> launch()``; a loader raises
+# Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what
+# ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
+                   "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", B_LAYOUT_E2M1_H200),
                    "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
                    "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma")}
@@ -578,12 +588,12 @@ SPEEDUP_HEADERS = {"torch_bf16": "x_bf16", "torch_fp8_rowwise": "x_fp8", "triton
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (skipped / failed methods show their reason)."""
     speedups = "".join(f" {SPEEDUP_HEADERS[p]:>6}" for p in peer_lib.PEER_NAMES)
-    header = (f"{'case':<18} {'fmt':<6} {'method':<18} {'us':>9} {'p10-p90 us':>17} {'TFLOP/s':>8} "
+    header = (f"{'case':<18} {'fmt':<6} {'method':<20} {'us':>9} {'p10-p90 us':>17} {'TFLOP/s':>8} "
               f"{'GB/s':>7} {'%read':>6} {'%bf16':>6} {'%fp8':>6}{speedups}  config / note")
     lines = [header, "-" * len(header)]
     for r in rows:
         case = f"{r['case']}"
-        head = f"{case:<18} {r['format']:<6} {r['method']:<18}"
+        head = f"{case:<18} {r['format']:<6} {r['method']:<20}"
         if r["median_us"] is None:
             lines.append(f"{head} {r['status']}: {r['note']}")
             continue

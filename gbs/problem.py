@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .quant import (
+    B_LAYOUT_PACKED,
+    B_LAYOUTS,
     BlockFormat,
     BlockScaled,
     _ceil_div,
@@ -117,9 +119,25 @@ class GroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
+    b_layout: str = B_LAYOUT_PACKED   # the bytes of b: a name of gbs.quant.B_LAYOUTS
 
     def __post_init__(self):
         self.validate()
+
+    def with_b_layout(self, b_layout: str) -> "GroupedProblem":
+        """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.B_LAYOUTS``: ``"packed"``, or
+        ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions). One-time
+        weight preparation: returns a new problem (``b`` copied), the result of the matmul is the same."""
+        if b_layout not in B_LAYOUTS:
+            raise ValueError(f"b_layout must be one of {sorted(B_LAYOUTS)}, got {b_layout!r}")
+        b = self.b
+        if self.b_layout != B_LAYOUT_PACKED:
+            b = B_LAYOUTS[self.b_layout].unswizzle(b)
+        if b_layout != B_LAYOUT_PACKED:
+            if not self.b_format.packed:
+                raise ValueError(f"b_layout {b_layout!r} re-lays FP4 (E2M1) weights; b is {self.b_format.name}")
+            b = B_LAYOUTS[b_layout].swizzle(b)
+        return dataclasses.replace(self, b=b if b is not self.b else b.copy(), b_layout=b_layout)
 
     # -- derived (format_name, num_experts, total_tokens: ProblemShape) ---------------------------
     @property
@@ -147,11 +165,14 @@ class GroupedProblem(ProblemShape):
         return BlockScaled(self.a, scales, self.a_format)
 
     def b_operand(self, expert: int) -> BlockScaled:
-        """B[expert] as a ``BlockScaled`` with linear scales."""
+        """B[expert] as a ``BlockScaled`` with linear scales (in ``pack_fp4`` order whatever ``b_layout``)."""
         from .quant import unswizzle_scales
 
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
-        return BlockScaled(self.b[expert], scales, self.b_format)
+        b = self.b[expert]
+        if self.b_layout != B_LAYOUT_PACKED:
+            b = B_LAYOUTS[self.b_layout].unswizzle(b)
+        return BlockScaled(b, scales, self.b_format)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes each tensor occupies (the whole B, not only the active experts)."""
@@ -175,6 +196,7 @@ class GroupedProblem(ProblemShape):
         for fmt in (self.a_format, self.b_format):
             _expect(k % fmt.block_size == 0,
                     f"K = {k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
+        check_b_layout(self.b_layout, self.b_format)
 
         if not isinstance(self.b, np.ndarray) or self.b.ndim != 3:
             raise ValueError(f"b must be a 3-D (num_experts, N, K bytes) array, got "
@@ -219,6 +241,31 @@ class GroupedProblem(ProblemShape):
         _expect_array("a_scales", self.a_scales, np.uint8, (bands, _ceil_div(a_cols, 4), 32, 4, 4))
         _expect_array("b_scales", self.b_scales, np.uint8,
                       (num_experts, _ceil_div(n, 128), _ceil_div(b_cols, 4), 32, 4, 4))
+
+
+def check_b_layout(b_layout, b_format: BlockFormat) -> str:
+    """``b_layout`` if it is a layout of ``gbs.quant.B_LAYOUTS`` that ``b_format`` weights can have (the
+    H200 order re-lays FP4 only); else ValueError."""
+    if not isinstance(b_layout, str) or b_layout not in B_LAYOUTS:
+        raise ValueError(f"b_layout must be one of {sorted(B_LAYOUTS)}, got {b_layout!r}")
+    if b_layout != B_LAYOUT_PACKED and not b_format.packed:
+        raise ValueError(f"b_layout {b_layout!r} re-lays FP4 (E2M1) weights; b is {b_format.name}")
+    return b_layout
+
+
+def b_layout_of(problem) -> str:
+    """The byte layout of ``problem.b`` (``"packed"`` for problems without the field, e.g. device
+    problems of ``gbs.interop``)."""
+    return getattr(problem, "b_layout", B_LAYOUT_PACKED)
+
+
+def require_packed_b(problem, backend: str) -> None:
+    """ValueError unless ``problem.b`` is in ``pack_fp4`` order: for kernels that read the raw bytes
+    and do not know the H200 re-layout."""
+    layout = b_layout_of(problem)
+    if layout != B_LAYOUT_PACKED:
+        raise ValueError(f"{backend} reads b in {B_LAYOUT_PACKED!r} order; this problem's b is {layout!r} "
+                         f"(use problem.with_b_layout({B_LAYOUT_PACKED!r}), or an H200 backend)")
 
 
 def build_problem(activations: np.ndarray, weights, group_sizes, expert_ids, *, fmt: str = "nvfp4",

@@ -17,7 +17,8 @@ Conventions (``../shared/spec/formats.md``):
 * UE8M0 exponents: ``"rceil"`` (default, never clips: ``e = ceil(log2(amax / max_elem))``) or
   ``"floor"`` (OCP MX v1.0: ``e = floor(log2(amax)) - emax_elem``, can clip the block maximum),
   computed exactly from the float bits, clamped to [-127, 127]; an all-zero block gets 0x00.
-* FP4 packing: two codes per byte, element ``2i`` in the low nibble.
+* FP4 packing: two codes per byte, element ``2i`` in the low nibble (``B_LAYOUT_PACKED``); FP4
+  weights may be re-laid once for the H200 kernels (``E2M1H200Order``).
 
 NaN / Inf policy (``nonfinite=``):
 
@@ -233,6 +234,99 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     out[..., 0::2] = packed & 0x0F
     out[..., 1::2] = packed >> 4
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# FP4 weight byte layouts
+# ----------------------------------------------------------------------------------------------
+B_LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (every format's default)
+B_LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
+
+
+def _e2m1_h200_destinations() -> tuple[int, ...]:
+    """Destination bit of each source bit ``4 i + b`` of a 32-bit word (element i, bit b: 0 = m,
+    1 = e0, 2 = e1, 3 = sign); see ``E2M1H200Order``."""
+    dest = [0] * 32
+    for j, shift in enumerate(E2M1H200Order.SLOT_SHIFTS):          # elements j, j + 4: a clean slot
+        for half, element in ((0, j), (16, j + 4)):
+            for bit, target in enumerate(E2M1H200Order.BF16_TARGET_BITS):
+                dest[4 * element + bit] = target + half - shift
+    for half, element in ((0, 3), (16, 7)):                          # elements 3, 7: the spread slot
+        for bit, position in enumerate(E2M1H200Order.SPREAD_SLOT_BITS):
+            dest[4 * element + bit] = position + half
+    return tuple(dest)
+
+
+@dataclass(frozen=True)
+class E2M1H200Order:
+    """Packed E2M1 weights with the 32 bits of every aligned 4-byte word (8 elements, element i in
+    nibble i after ``pack_fp4``) permuted, so that the H200 kernels decode them in fewer instructions.
+
+    The kernels turn elements ``(j, j + 4)`` of a word into one bf16x2 register whose halves read as
+    ``value * 2**-126``: magnitude bits (m, e0, e1) on bf16 bits 6, 7, 8 and the sign on bit 15 (+16
+    for the high half), i.e. the bits of ``BF16_MASK``. From ``pack_fp4`` order that takes a mask, a
+    multiply and a mask per register, plus a shift per word (13 instructions per word). Here register
+    ``j`` < 3 is already in place up to a left shift (``SLOT_SHIFTS``: ``(word << 3 j) & BF16_MASK``,
+    1 or 2 instructions), and elements 3 and 7 fill the 8 bits left over (``SPREAD_SLOT_BITS``: m, e0,
+    e1, sign at bits 14, 10, 11, 13 and +16), decoded as ``(((word >> 8) & SPREAD_MASK) *
+    SPREAD_MULTIPLIER) & BF16_MASK`` (4): 9 instructions per word. Three left shifts are all a
+    word can hold: the slots ``BF16_MASK >> s`` are disjoint only for s in {0, 3, 6}.
+
+    A bijection of the bits of each word: ``swizzle`` / ``unswizzle`` (numpy, one-time; every 4-byte
+    word of each weight row, so the row's bytes must be a multiple of 4: K a multiple of 8). Scales
+    are unchanged, so is the K order the kernels see. ``GroupedProblem.with_b_layout`` applies it.
+    """
+
+    BF16_TARGET_BITS = (6, 7, 8, 15)          # m, e0, e1, sign of the low bf16 half
+    BF16_MASK = 0x81C081C0                     # those bits in both halves
+    SLOT_SHIFT_STEP = 3                        # register j < 3 sits at BF16_MASK >> (SLOT_SHIFT_STEP * j)
+    SLOT_SHIFTS = (0, SLOT_SHIFT_STEP, 2 * SLOT_SHIFT_STEP)
+    SPREAD_SLOT_BITS = (14, 10, 11, 13)        # m, e0, e1, sign of element 3 (element 7: +16)
+    SPREAD_PRESHIFT = 8
+    SPREAD_MASK = 0x006C006C                   # SPREAD_SLOT_BITS >> SPREAD_PRESHIFT, both halves
+    SPREAD_MULTIPLIER = (1 << 0) | (1 << 5) | (1 << 10)   # three shifted copies; BF16_MASK keeps the right bits
+
+    @staticmethod
+    def _words(packed: np.ndarray) -> np.ndarray:
+        packed = np.ascontiguousarray(packed, dtype=np.uint8)
+        if packed.ndim < 1 or packed.shape[-1] % 4:
+            raise ValueError(f"E2M1H200Order works on 4-byte words: the last axis ({packed.shape[-1:]}) "
+                             "must be a multiple of 4 bytes (K a multiple of 8)")
+        return packed.view("<u4")
+
+    @classmethod
+    def _permute(cls, packed: np.ndarray, inverse: bool) -> np.ndarray:
+        words = cls._words(packed)
+        tables = _E2M1_H200_TABLES[inverse]   # per byte of the word: its 256 values' destination bits
+        out = tables[0][words & np.uint32(0xFF)]
+        for i in range(1, 4):
+            out |= tables[i][(words >> np.uint32(8 * i)) & np.uint32(0xFF)]
+        return out.view(np.uint8)
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        """``pack_fp4`` bytes (..., K/2) -> the same shape in this order (a new array)."""
+        return cls._permute(packed, inverse=False)
+
+    @classmethod
+    def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
+        """Inverse of ``swizzle``."""
+        return cls._permute(ordered, inverse=True)
+
+
+def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:
+    """(4, 256) uint32: where the set bits of each byte value, at byte i of a word, go under ``dest``."""
+    values = np.arange(256, dtype=np.uint32)
+    tables = np.zeros((4, 256), np.uint32)
+    for src, dst in enumerate(dest):
+        tables[src // 8] |= ((values >> np.uint32(src % 8)) & np.uint32(1)) << np.uint32(dst)
+    return tables
+
+
+_E2M1_H200_DEST = _e2m1_h200_destinations()
+_E2M1_H200_TABLES = (_byte_tables(_E2M1_H200_DEST),
+                     _byte_tables(tuple(int(i) for i in np.argsort(_E2M1_H200_DEST))))
+B_LAYOUTS = {B_LAYOUT_PACKED: None, B_LAYOUT_E2M1_H200: E2M1H200Order}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import sys
 from gbs import bench
 from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
+from gbs.quant import B_LAYOUTS
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.numba_kernels.launch import to_device
 
@@ -80,6 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("points", nargs="+")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--budget-s", type=float, default=1.0, help="timed seconds per point")
+    parser.add_argument("--b-layout", default="packed", choices=sorted(B_LAYOUTS),
+                        help="weights re-laid once before timing (GroupedProblem.with_b_layout; FP4 weights)")
     args = parser.parse_args(argv)
     points = [parse_point(p) for p in args.points]
     read_tbps, _ = bench.measure_read_bandwidth()
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
         key = (fmt, case.name)
         if key not in problems:
             problems[key] = case.problem(fmt)
+            if args.b_layout != "packed" and problems[key].b_format.packed:
+                problems[key] = problems[key].with_b_layout(args.b_layout)
         problem = problems[key]
         copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
         try:
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
         gbps = bench.useful_bytes(problem) / (timing.median_us * 1e3)
         tflops = bench.useful_flops(problem) / (timing.median_us * 1e6)
         spec = first.spec
-        row = dict(point=text, status="ok", format=fmt, case=case.name, ab_swapped=spec.ab_swapped,
+        row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, ab_swapped=spec.ab_swapped,
                    mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
                    k_splits=first.k_splits, num_ctas=first.num_ctas, median_us=timing.median_us,
                    p10_us=timing.p10_us, p90_us=timing.p90_us, gbps=gbps, tflops=tflops,

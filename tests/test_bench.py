@@ -106,7 +106,8 @@ def test_quick_and_full_selections():
     assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
     assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
-    assert bench.select_methods() == ("simt", "gbs_auto", "h200_stream", "h200_stream_sm100_knobs", "h200_wgmma",
+    assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "h200_stream", "h200_stream_sm100_knobs",
+                                      "h200_wgmma",
                                       "torch_bf16",
                                       "torch_fp8_rowwise", "triton_dot_scaled", "copy")
 

@@ -43,7 +43,9 @@ from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_activations, random_weights
 from gbs.ptx_inline import offline
 from gbs.quant import (
+    B_LAYOUT_E2M1_H200,
     BF16,
+    E2M1H200Order,
     BlockScaled,
     decode_elements,
     decode_scales,
@@ -1024,6 +1026,92 @@ def test_gpu_prepared_launch_reruns_identically_and_keeps_skipped_rows():
     out = first.view(BF16)
     poisoned = np.where(skipped[:, None], ref.view(np.uint16), first).view(BF16)
     assert check_acceptance(problem, poisoned, ref).passed, diagnose(problem, prepared.spec, out, ref)
+
+
+def test_h200_weight_order_decodes_to_the_packed_registers():
+    """Every register the kernel decodes from a re-laid word equals ``e2m1_pair_bits`` of the packed
+    word (so a kernel on re-laid weights computes bit for bit what it computes on packed ones)."""
+    rng = np.random.default_rng(11)
+    words = np.concatenate([rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32),
+                            np.array([0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x01234567], np.uint32)])
+    relaid = E2M1H200Order.swizzle(words.view(np.uint8)).view(np.uint32)
+    with np.errstate(over="ignore"):   # the spread multiply wraps at 32 bits on purpose (as on the GPU)
+        for word, ordered in zip(words, relaid):
+            for j in range(4):
+                assert hs.e2m1_h200_pair_bits(ordered, j) == hs.e2m1_pair_bits(word, j), (hex(word), j)
+
+
+def test_h200_weight_order_is_a_bit_permutation_of_each_word():
+    rng = np.random.default_rng(12)
+    packed = rng.integers(0, 256, (2, 3, 64), dtype=np.uint8)
+    relaid = E2M1H200Order.swizzle(packed)
+    assert relaid.shape == packed.shape and not np.array_equal(relaid, packed)
+    np.testing.assert_array_equal(E2M1H200Order.unswizzle(relaid), packed)
+    ones = lambda x: np.unpackbits(x.reshape(-1, 4), axis=1).sum(axis=1)   # noqa: E731
+    np.testing.assert_array_equal(ones(relaid), ones(packed))   # bits move only inside their word
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        E2M1H200Order.swizzle(packed[..., :6])
+
+
+def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply():
+    problem = _problem("nvfp4", n=128, k=512, group_sizes=[5, 0, 3], expert_ids=[1, -1, 0])
+    relaid = problem.with_b_layout(B_LAYOUT_E2M1_H200)
+    np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
+                                  reference_grouped_matmul(problem).view(np.uint16))
+    np.testing.assert_array_equal(relaid.with_b_layout("packed").b, problem.b)
+    config = hs.StreamConfig(True, 8, 1)
+    assert hs.check_can_implement(relaid, config).b_layout == B_LAYOUT_E2M1_H200
+    assert hs.check_can_implement(problem, config).b_layout == "packed"
+    assert hs.check_can_implement(relaid, config).m_side.layout == B_LAYOUT_E2M1_H200
+    assert hs.check_can_implement(relaid, config).n_side.layout == "packed"   # tokens stay packed
+    with pytest.raises(ValueError, match="re-lays FP4"):
+        _problem("mxfp8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(B_LAYOUT_E2M1_H200)
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        problem.with_b_layout("tiled")
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout="tiled")
+    from gbs.numba_kernels import simt
+    with pytest.raises(ValueError, match="SIMT kernel reads b in 'packed' order"):
+        simt.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
+
+
+def test_h200_weight_layout_shortens_the_decode_loop():
+    """The point of the re-layout, read from the SASS (ptxas, sm_90a): the decode config's hot loop
+    (4 groups of 16 registers) loses at least 50 of its ~358 instructions, with no spills."""
+    sizes = {}
+    for layout in ("packed", B_LAYOUT_E2M1_H200):
+        spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout=layout)
+        cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(spec.threads, 1))
+        assert offline.resource_usage(cubin).local_bytes == 0
+        hot = [loop for loop in offline.sass_loops(offline.disassemble(cubin)) if loop.count("HMMA")][0]
+        sizes[layout] = hot.size
+    assert sizes[B_LAYOUT_E2M1_H200] <= sizes["packed"] - 50, sizes
+
+
+H200_LAYOUT_CASES = [   # (format, shape, ab_swapped, mma_bn, cta_group, k_splits): weights on M and on N
+    ("nvfp4", "n512_k7168", True, 8, 1, 1), ("mxfp4", "n4096_k2048", True, 16, 1, 3),
+    ("w4a8", "n4096_k2048", False, 128, 1, 1), ("nvfp4", "n512_k7168", True, 64, 2, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", H200_LAYOUT_CASES, ids=lambda c: f"{c[0]}-{'swap' if c[2] else 'noswap'}{c[3]}-cg{c[4]}")
+def test_gpu_h200_weight_layout_gives_the_same_bits(case):
+    """Weights re-laid in ``E2M1H200Order`` decode to the same bf16 registers, so the output is
+    bit-identical to the packed weights' without split-K (whose atomic adds land in any order) and
+    passes the reference either way."""
+    fmt, shape, sw, bn, cg, splits = case
+    problem, ref = gpu_problem(fmt, shape)
+    config = hs.StreamConfig(sw, bn, cg)
+    relaid = problem.with_b_layout(B_LAYOUT_E2M1_H200)
+    assert hs.check_can_implement(relaid, config).b_layout == B_LAYOUT_E2M1_H200
+    out = hs.grouped_matmul_h200(relaid, config, k_splits=splits)
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"
+    if splits == 1:
+        packed = hs.grouped_matmul_h200(problem, config, k_splits=1)
+        np.testing.assert_array_equal(out.view(np.uint16), packed.view(np.uint16))
 
 
 SPLIT_CASES = [   # (format, ab_swapped, mma_bn, cta_group, k_splits)

@@ -273,6 +273,22 @@ def test_gpu_matches_the_reference(fmt, bn):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("w4a8", 256)])
+def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn):
+    """Weights in ``E2M1H200Order`` (decoded by the shared weight reader) give bit-identical output."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = synthetic_problem(fmt, n=1024 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
+                                num_experts=8, seed=zlib.crc32(f"wgmma-layout/{fmt}".encode()))
+    config = hw.WgmmaConfig(bn, AUTO_STAGES)
+    packed = hw.grouped_matmul_h200(problem, config)
+    relaid = problem.with_b_layout("e2m1_h200")
+    assert hw.check_can_implement(relaid, config).ring.weight_side.layout == "e2m1_h200"
+    np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
+    assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
+
+
+@pytest.mark.gpu
 def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
     if launch.gpu_compute_capability() != hs.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")

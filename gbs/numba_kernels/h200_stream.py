@@ -97,7 +97,7 @@ from gbs import schedule
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, KernelConfig, pipeline_smem_terms, require_int
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import PROBLEM_FORMATS, GroupedProblem
+from gbs.problem import PROBLEM_FORMATS, GroupedProblem, b_layout_of, check_b_layout
 from gbs.ptx_inline import cluster as cl
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import copy as cp
@@ -107,7 +107,8 @@ from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2,
 from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
-from gbs.quant import BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, get_format
+from gbs.quant import (B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS,
+                       SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, get_format)
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -243,6 +244,7 @@ class OperandSide:
     row_bytes: int      # bytes of one row's K slice (128, or 64 for FP4 in a 128-element slice)
     k_slice: int        # K elements per stage
     scale_bands: int    # 128-row scale bands staged per stage
+    layout: str = B_LAYOUT_PACKED   # byte layout of the operand (``gbs.quant.B_LAYOUTS``; weights only)
 
     @property
     def fmt(self):
@@ -360,6 +362,7 @@ class StreamSpec:
     cta_group: int
     stages: int
     split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
+    b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -367,6 +370,7 @@ class StreamSpec:
             raise ValueError(f"unsupported operand formats A={pair[0]} x B={pair[1]}; "
                              f"supported: {sorted(PROBLEM_FORMATS.values())}")
         schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
+        check_b_layout(self.b_layout, get_format(self.b_format))
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")
@@ -390,8 +394,9 @@ class StreamSpec:
 
     def _side(self, role: str, rows: int, scale_bands: int) -> OperandSide:
         fmt = self.a_format if role == "tokens" else self.b_format
+        layout = B_LAYOUT_PACKED if role == "tokens" else self.b_layout
         return OperandSide(role, get_format(fmt).name, rows, get_format(fmt).row_bytes(self.k_slice),
-                           self.k_slice, scale_bands)
+                           self.k_slice, scale_bands, layout)
 
     @property
     def m_side(self) -> OperandSide:
@@ -545,6 +550,25 @@ def e2m1_pair_bits(word, j):
     return np.uint32((nibbles * (E2M1_SPREAD >> odd)) & E2M1_KEEP)
 
 
+# E2M1H200Order's decode constants as plain module names (numba reads globals, not class attributes)
+H200_ORDER_MASK = E2M1H200Order.BF16_MASK
+H200_ORDER_SHIFT_STEP = E2M1H200Order.SLOT_SHIFT_STEP
+H200_ORDER_PRESHIFT = E2M1H200Order.SPREAD_PRESHIFT
+H200_ORDER_SPREAD_MASK = E2M1H200Order.SPREAD_MASK
+H200_ORDER_MULTIPLIER = E2M1H200Order.SPREAD_MULTIPLIER
+
+
+def e2m1_h200_pair_bits(word, j):
+    """``e2m1_pair_bits`` of the original word, from a word in ``E2M1H200Order`` (weights re-laid once
+    with ``GroupedProblem.with_b_layout``): registers 0..2 are a mask of the word shifted left by 0, 3
+    or 6; register 3 gathers its 8 spread bits with one multiply."""
+    word = np.uint32(word)
+    if j < 3:
+        return np.uint32((word << np.uint32(H200_ORDER_SHIFT_STEP * j)) & np.uint32(H200_ORDER_MASK))
+    spread = (word >> np.uint32(H200_ORDER_PRESHIFT)) & np.uint32(H200_ORDER_SPREAD_MASK)
+    return np.uint32((spread * np.uint32(H200_ORDER_MULTIPLIER)) & np.uint32(H200_ORDER_MASK))
+
+
 def fp8_pair_bits(word0, word1, j, e5m2, stride4):
     """bf16x2 bits of register ``j`` (0..3) of an 8-element FP8 group ``word0 | word1 << 32``, each
     reading as ``value * 2**-120`` (E4M3) or ``value * 2**-112`` (E5M2).
@@ -683,7 +707,7 @@ def _make_side_reader(side: OperandSide, pairing: str):
     groups_per_block = side.groups // blocks
     ue4m3 = side.fmt.scale_dtype == "ue4m3"
     ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 else None
-    e2m1_bits = _device(e2m1_pair_bits)
+    e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == B_LAYOUT_E2M1_H200 else e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
     ue8m0_bits = _device(ue8m0_scale_bits)
     byte_index = _device(scale_byte_index)
@@ -1364,7 +1388,8 @@ def check_can_implement(problem, config) -> StreamSpec:
             f"use num_pipeline_stages <= {real_max} or {AUTO_STAGES} (auto)")
     if problem.n >= 2 ** 31 or problem.total_tokens >= 2 ** 31:
         raise ValueError("N and the token count must be below 2**31 (TMA coordinates are s32)")
-    return _spec_for(formats, stream_config, stages)
+    return dataclasses.replace(_spec_for(formats, stream_config, stages),
+                               b_layout=check_b_layout(b_layout_of(problem), problem.b_format))
 
 
 def h200_stream_config(problem, config) -> StreamConfig:

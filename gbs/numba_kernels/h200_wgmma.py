@@ -51,6 +51,7 @@ the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -61,14 +62,14 @@ from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import GroupedProblem
+from gbs.problem import GroupedProblem, b_layout_of, check_b_layout
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
 from gbs.ptx_inline.mbarrier import wait_parity_or_trap
 from gbs.ptx_inline.shared import st_shared_v4_u32
-from gbs.quant import BF16, SF_ATOM_ROWS, get_format
+from gbs.quant import B_LAYOUT_PACKED, BF16, SF_ATOM_ROWS, get_format
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -146,15 +147,18 @@ class WgmmaSpec:
     b_format: str
     mma_bn: int
     stages: int
+    b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
 
     def __post_init__(self):
         WgmmaConfig(self.mma_bn, self.stages)
-        self.ring   # format pair and stage checks
+        self.ring   # format pair, layout and stage checks
 
     @property
     def ring(self) -> hs.StreamSpec:
-        """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps."""
-        return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages)
+        """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps (its weight
+        reader also decodes for this kernel, in the weights' layout)."""
+        return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages,
+                             b_layout=self.b_layout)
 
     @property
     def cta_group(self) -> int:
@@ -542,7 +546,8 @@ def check_can_implement(problem, config) -> WgmmaSpec:
                          f"{probe.buffer_bytes} B: at most {real_max} for {formats[0]} x "
                          f"{formats[1]}, mma_bn={wgmma_config.mma_bn}; use num_pipeline_stages <= {real_max} or "
                          f"{AUTO_STAGES} (auto)")
-    return _spec_for(formats, wgmma_config, stages)
+    return dataclasses.replace(_spec_for(formats, wgmma_config, stages),
+                               b_layout=check_b_layout(b_layout_of(problem), problem.b_format))
 
 
 # "auto" on an H200 runs this kernel when the experts average at least this many tokens. Measured

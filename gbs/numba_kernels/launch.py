@@ -35,7 +35,7 @@ import numpy as np
 
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
 from gbs.problem import ProblemShape
-from gbs.quant import BlockFormat, get_format
+from gbs.quant import B_LAYOUT_PACKED, BlockFormat, get_format
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
@@ -111,6 +111,7 @@ class DeviceProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
+    b_layout: str = B_LAYOUT_PACKED   # the bytes of b (``gbs.quant.B_LAYOUTS``)
 
     def arrays(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PROBLEM_ARRAY_DTYPES}
@@ -181,11 +182,12 @@ def to_device(problem, *, stream=0) -> DeviceProblem:
     ``PROBLEM_ARRAY_DTYPES``, each a numpy array (copied) or a ``__cuda_array_interface__`` object
     (used in place: keep it alive while kernels read it). FP8 and FP4 bytes go as uint8.
     """
-    from gbs.problem import GroupedProblem, problem_format_name
+    from gbs.problem import GroupedProblem, b_layout_of, check_b_layout, problem_format_name
 
     if isinstance(problem, GroupedProblem):
         problem.validate()
-    missing = [f.name for f in dataclasses.fields(DeviceProblem) if not hasattr(problem, f.name)]
+    missing = [f.name for f in dataclasses.fields(DeviceProblem)
+               if not hasattr(problem, f.name) and f.default is dataclasses.MISSING]
     if missing:
         raise TypeError(f"problem lacks {missing}: pass a GroupedProblem or an object with its fields")
     ints = {}
@@ -195,8 +197,9 @@ def to_device(problem, *, stream=0) -> DeviceProblem:
             raise TypeError(f"{name} must be an int, got {value!r}")
         ints[name] = int(value)
     arrays = {name: _as_device_array(name, getattr(problem, name), stream) for name in PROBLEM_ARRAY_DTYPES}
-    device = DeviceProblem(a_format=get_format(problem.a_format), b_format=get_format(problem.b_format),
-                           **ints, **arrays)
+    b_format = get_format(problem.b_format)
+    device = DeviceProblem(a_format=get_format(problem.a_format), b_format=b_format, **ints, **arrays,
+                           b_layout=check_b_layout(b_layout_of(problem), b_format))
     problem_format_name(device.a_format, device.b_format)   # ValueError for an unsupported pair
     _check_device_shapes(device)
     return device
