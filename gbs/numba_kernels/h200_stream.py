@@ -27,7 +27,8 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
 * Decoded-token slots (``StreamSpec.predecoded_tokens``: swapped configs with at most 32 token
   columns, the decode regime): after the ``full`` wait the 4 consumer warps decode the stage's token
   slice ONCE, together, into bf16 B fragments (scaled) in one of two shared slots, meet at a named
-  barrier, and then each reads a group's fragments with one 16-byte load; wider token tiles decode
+  barrier, and then each reads a group's fragments with one 16-byte load (token rows past the tile's
+  tokens are skipped: they only feed accumulator columns that are never stored); wider token tiles decode
   their tokens in registers, per warp.
 * Split-K (``choose_k_splits``, its own ``StreamSpec.split_k`` build): with fewer tiles than resident
   CTAs, each tile's K slices are cut into runs taken by different CTAs; runs add fp32 partial tiles
@@ -72,10 +73,13 @@ registers decoded at ~3 instructions each (mask, one IMAD that spreads magnitude
 ``e2m1_pair_bits``; ptxas folds the odd registers' shift into the IMAD), 16 HMUL2.BF16 for the
 scales, 4 PRMT (NVFP4 block-scale selection), 4 HMMA, and one LOP3 per address: groups are walked
 in unrolled rotation runs of 4 with per-thread column tables, prefetching the next group's words
-into the other of two register buffers. Per stage add the token decode (1/4 of it per warp), the
-scale conversion and a named barrier (~20 % on top). ncu on the H200 (notes/h200, run 9): issue
-slots 66 % busy, ALU pipe 66 %, FMA-heavy 56 %, DRAM 52 %: instruction-bound, 60 % of the read
-ceiling. FP8 decodes twice the bytes per instruction and streams at 86 %.
+into the other of two register buffers (358 instructions per run). Per stage add the token decode
+(1/4 of it per warp), the scale conversion and a named barrier (~20 % on top). ncu on the H200
+(notes/h200, run 9): issue slots 66 % busy, ALU pipe 66 %, FMA-heavy 56 %, DRAM 52 %: instruction-bound,
+60 % of the read ceiling. Weights re-laid once in ``gbs.quant.E2M1H200Order`` (``b_layout``
+"e2m1_h200", ``e2m1_h200_pair_bits``) decode in 9 instead of 13 integer instructions per word: 294 per
+run, 72 % of the read ceiling (bench run 30), bit-identical output. FP8 decodes twice the bytes per
+instruction and streams at 85 %.
 
 Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
 are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned

@@ -37,7 +37,8 @@ contiguous quarter of the K slice, 8-element groups visited in rotated order), s
 ``kappa`` is a permutation of the real k; ``b_operand_k`` gives it, the weight decode writes every
 element at its ``kappa``, and the host tests check the two agree element by element.
 
-Where the time goes (ncu, run 17; bench run 21: NVFP4 456 TFLOP/s = 0.58x torch bf16): issue slots 44 %
+Where the time goes (ncu, run 17; bench run 30: NVFP4 460 TFLOP/s = 0.60x torch bf16, 475 with the weights
+in ``gbs.quant.E2M1H200Order``, which the shared weight reader decodes with fewer instructions): issue slots 44 %
 busy with 2.25 warps per scheduler (one CTA per SM: shared memory and registers), 0.67 eligible; the
 decode is ~500 instructions per thread and 128-kappa sub-step against ~1500 cycles of MMA, and with two
 warps per scheduler its latency is not hidden. A variant with a dedicated weight-decode warpgroup
