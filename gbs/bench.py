@@ -585,15 +585,18 @@ SPEEDUP_HEADERS = {"torch_bf16": "x_bf16", "torch_fp8_rowwise": "x_fp8", "triton
                    "copy": "x_copy"}
 
 
+METHOD_WIDTH = max(map(len, METHODS))   # the method column fits every method name
+
+
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (skipped / failed methods show their reason)."""
     speedups = "".join(f" {SPEEDUP_HEADERS[p]:>6}" for p in peer_lib.PEER_NAMES)
-    header = (f"{'case':<18} {'fmt':<6} {'method':<20} {'us':>9} {'p10-p90 us':>17} {'TFLOP/s':>8} "
+    header = (f"{'case':<18} {'fmt':<6} {'method':<{METHOD_WIDTH}} {'us':>9} {'p10-p90 us':>17} {'TFLOP/s':>8} "
               f"{'GB/s':>7} {'%read':>6} {'%bf16':>6} {'%fp8':>6}{speedups}  config / note")
     lines = [header, "-" * len(header)]
     for r in rows:
         case = f"{r['case']}"
-        head = f"{case:<18} {r['format']:<6} {r['method']:<20}"
+        head = f"{case:<18} {r['format']:<6} {r['method']:<{METHOD_WIDTH}}"
         if r["median_us"] is None:
             lines.append(f"{head} {r['status']}: {r['note']}")
             continue

@@ -362,7 +362,8 @@ def test_table_shows_every_row_and_the_reasons():
     assert "decided swap1 bn64 cg2 st6" in simt_line and "(decode:" in simt_line
     assert "earlier 67.8 us" in table[4]
     # columns line up: the median sits under the "us" header on every timed line
-    us_column = slice(18 + 1 + 6 + 1 + 18 + 1, 18 + 1 + 6 + 1 + 18 + 1 + 9)
+    us_start = 18 + 1 + 6 + 1 + bench.METHOD_WIDTH + 1
+    us_column = slice(us_start, us_start + 9)
     assert table[0][us_column].strip() == "us"
     timed = [line for line in table[2:] if "skipped" not in line and "FAIL" not in line]
     assert [float(line[us_column]) for line in timed] == [100.0, 50.0, 200.0, 25.0]
