@@ -438,14 +438,16 @@ def _load_h200_kernel(backend: str, b_layout: str = B_LAYOUT_PACKED):
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
 
-    relaid = {}   # id of the last problem -> (it, its re-laid copy): one re-layout per bench case
+    last = [None, None]   # the last problem and its re-laid copy: one re-layout per bench case
 
     def prepare(problem: GroupedProblem, config):
-        if b_layout != B_LAYOUT_PACKED and problem.b_format.packed:
-            if id(problem) not in relaid or relaid[id(problem)][0] is not problem:
-                relaid.clear()
-                relaid[id(problem)] = (problem, problem.with_b_layout(b_layout))
-            problem = relaid[id(problem)][1]
+        if b_layout != B_LAYOUT_PACKED:
+            if not problem.b_format.packed:
+                raise NotImplementedError(f"no {b_layout} re-layout for {problem.b_format.name} weights")
+            if last[0] is not problem:
+                last[:] = [None, None]   # drop the previous case's copy before making this one
+                last[:] = [problem, problem.with_b_layout(b_layout)]
+            problem = last[1]
         kernel, knobs = h200_kernel(problem, None, backend)
         return kernel.prepare(to_device(problem), knobs)
 

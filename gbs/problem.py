@@ -119,7 +119,9 @@ class GroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    b_layout: str = B_LAYOUT_PACKED   # the bytes of b: a name of gbs.quant.B_LAYOUTS
+    # the bytes of b: a name of gbs.quant.B_LAYOUTS. A tag, not checked against the bytes: change it only
+    # with ``with_b_layout`` (``dataclasses.replace`` of ``b`` alone keeps the tag)
+    b_layout: str = B_LAYOUT_PACKED
 
     def __post_init__(self):
         self.validate()
@@ -128,14 +130,11 @@ class GroupedProblem(ProblemShape):
         """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.B_LAYOUTS``: ``"packed"``, or
         ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions). One-time
         weight preparation: returns a new problem (``b`` copied), the result of the matmul is the same."""
-        if b_layout not in B_LAYOUTS:
-            raise ValueError(f"b_layout must be one of {sorted(B_LAYOUTS)}, got {b_layout!r}")
+        check_b_layout(b_layout, self.b_format)
         b = self.b
         if self.b_layout != B_LAYOUT_PACKED:
             b = B_LAYOUTS[self.b_layout].unswizzle(b)
         if b_layout != B_LAYOUT_PACKED:
-            if not self.b_format.packed:
-                raise ValueError(f"b_layout {b_layout!r} re-lays FP4 (E2M1) weights; b is {self.b_format.name}")
             b = B_LAYOUTS[b_layout].swizzle(b)
         return dataclasses.replace(self, b=b if b is not self.b else b.copy(), b_layout=b_layout)
 
@@ -254,8 +253,8 @@ def check_b_layout(b_layout, b_format: BlockFormat) -> str:
 
 
 def b_layout_of(problem) -> str:
-    """The byte layout of ``problem.b`` (``"packed"`` for problems without the field, e.g. device
-    problems of ``gbs.interop``)."""
+    """The byte layout of ``problem.b`` (``"packed"`` for objects without the field, e.g. the
+    ``SimpleNamespace`` views ``gbs.ablate`` and ``launch.to_device`` callers may pass)."""
     return getattr(problem, "b_layout", B_LAYOUT_PACKED)
 
 

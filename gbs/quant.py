@@ -257,7 +257,6 @@ def _e2m1_h200_destinations() -> tuple[int, ...]:
     return tuple(dest)
 
 
-@dataclass(frozen=True)
 class E2M1H200Order:
     """Packed E2M1 weights with the 32 bits of every aligned 4-byte word (8 elements, element i in
     nibble i after ``pack_fp4``) permuted, so that the H200 kernels decode them in fewer instructions.
@@ -288,7 +287,10 @@ class E2M1H200Order:
 
     @staticmethod
     def _words(packed: np.ndarray) -> np.ndarray:
-        packed = np.ascontiguousarray(packed, dtype=np.uint8)
+        packed = np.asarray(packed)
+        if packed.dtype != np.uint8:   # a value cast would corrupt the codes: bytes only
+            raise TypeError(f"E2M1H200Order takes packed FP4 bytes as uint8, got {packed.dtype}")
+        packed = np.ascontiguousarray(packed)
         if packed.ndim < 1 or packed.shape[-1] % 4:
             raise ValueError(f"E2M1H200Order works on 4-byte words: the last axis ({packed.shape[-1:]}) "
                              "must be a multiple of 4 bytes (K a multiple of 8)")

@@ -22,9 +22,9 @@ import sys
 from gbs import bench
 from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
-from gbs.quant import B_LAYOUTS
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.numba_kernels.launch import to_device
+from gbs.quant import B_LAYOUT_PACKED, B_LAYOUTS
 
 
 PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("points", nargs="+")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--budget-s", type=float, default=1.0, help="timed seconds per point")
-    parser.add_argument("--b-layout", default="packed", choices=sorted(B_LAYOUTS),
+    parser.add_argument("--b-layout", default=B_LAYOUT_PACKED, choices=sorted(B_LAYOUTS),
                         help="weights re-laid once before timing (GroupedProblem.with_b_layout; FP4 weights)")
     args = parser.parse_args(argv)
     points = [parse_point(p) for p in args.points]
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         key = (fmt, case.name)
         if key not in problems:
             problems[key] = case.problem(fmt)
-            if args.b_layout != "packed" and problems[key].b_format.packed:
+            if args.b_layout != B_LAYOUT_PACKED and problems[key].b_format.packed:
                 problems[key] = problems[key].with_b_layout(args.b_layout)
         problem = problems[key]
         copies = bench.rotation_count(sum(problem.nbytes().values()), l2)

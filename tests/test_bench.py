@@ -422,8 +422,9 @@ def test_launch_knobs_names_what_ran():
 
 @pytest.mark.parametrize("fmt, relaid", [("nvfp4", True), ("w4a8", True), ("mxfp8", False)])
 def test_h200_layout_method_relays_fp4_weights_once_per_case(fmt, relaid, monkeypatch):
-    """``gbs_auto_h200_layout`` hands the kernels the re-laid weights (FP4 only), re-laying each bench
-    case once however many rotation copies are prepared (host-only: kernel and copy are stubbed)."""
+    """``gbs_auto_h200_layout`` hands the kernels the re-laid weights, re-laying each bench case once
+    however many rotation copies are prepared, and skips FP8 weights (no re-layout: the row would only
+    repeat ``gbs_auto``). Host-only: kernel and copy are stubbed."""
     import gbs.api
     import gbs.numba_kernels.launch as launch
     from gbs.quant import E2M1H200Order
@@ -436,9 +437,13 @@ def test_h200_layout_method_relays_fp4_weights_once_per_case(fmt, relaid, monkey
     monkeypatch.setattr(E2M1H200Order, "swizzle", classmethod(lambda cls, b: relayouts.append(1) or swizzle(b)))
     prepare = bench.BACKEND_LOADERS["gbs_auto_h200_layout"]()
     problem = bench.BenchCase("t", 256, 256, 2, 3).problem(fmt)
+    if not relaid:
+        with pytest.raises(NotImplementedError, match="no e2m1_h200 re-layout for mxfp8"):
+            prepare(problem, None)
+        return
     for _ in range(3):
         prepare(problem, None)
-    assert len(relayouts) == (1 if relaid else 0)
+    assert len(relayouts) == 1
     assert all(p.b_layout == ("e2m1_h200" if relaid else "packed") for p in seen)
     if relaid:
         np.testing.assert_array_equal(E2M1H200Order.unswizzle(seen[0].b), problem.b)

@@ -1070,9 +1070,16 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
         problem.with_b_layout("tiled")
     with pytest.raises(ValueError, match="b_layout must be one of"):
         hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout="tiled")
-    from gbs.numba_kernels import simt
+    from gbs.numba_kernels import h200_wgmma, simt, sm100
     with pytest.raises(ValueError, match="SIMT kernel reads b in 'packed' order"):
         simt.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
+    with pytest.raises(ValueError, match="SM100 kernel reads b in 'packed' order"):
+        sm100.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
+    wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
+    assert wgmma_spec.b_layout == B_LAYOUT_E2M1_H200 and wgmma_spec.ring.weight_side.layout == B_LAYOUT_E2M1_H200
+    assert relaid.nbytes() == problem.nbytes()
+    with pytest.raises(TypeError, match="packed FP4 bytes as uint8"):
+        E2M1H200Order.swizzle(problem.b.view(np.int8))
 
 
 def test_h200_weight_layout_shortens_the_decode_loop():

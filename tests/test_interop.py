@@ -235,6 +235,20 @@ def test_device_problem_takes_its_sizes_and_the_dispatch_from_host_metadata(fmt,
         .estimated_total_m == 4096
 
 
+def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_copies):
+    """``device_problem(b_layout=...)`` tags the caller's re-laid weights; the kernels' view and the
+    explicit host copy keep the tag, and FP8 weights refuse it."""
+    p = ragged("nvfp4").with_b_layout("e2m1_h200")
+    dp = interop.device_problem(**fake_arrays(p), fmt="nvfp4", b_layout="e2m1_h200")
+    assert dp.b_layout == "e2m1_h200" and dp.launch_view().b_layout == "e2m1_h200"
+    assert interop.device_problem(**fake_arrays(p), fmt="nvfp4").launch_view().b_layout == "packed"
+    host = interop.to_host(dp)
+    assert host.b_layout == "e2m1_h200"
+    np.testing.assert_array_equal(host.with_b_layout("packed").b, ragged("nvfp4").b)
+    with pytest.raises(ValueError, match="re-lays FP4"):
+        interop.device_problem(**fake_arrays(ragged("mxfp8")), fmt="mxfp8", b_layout="e2m1_h200")
+
+
 def test_int32_routing_is_read_as_the_kernels_dtypes(routing_copies):
     p = ragged()
     arrays = fake_arrays(p, a_offsets=FakeCudaArray(p.a_offsets.astype(np.int32)),
