@@ -5,7 +5,9 @@ innermost loop that holds the tensor-core instructions (HMMA for ``h200_stream``
 docstrings and in ``notes/`` are read; compare before / after a decode change. ~8 s per spec.
 
 Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES | wgmma:FMT:MMA_BN ...]
-Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8.
+A spec may end in ``:e2m1_h200``: the weights re-laid for the H200 (``gbs.quant.E2M1H200Order``).
+Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8,
+and NVFP4's two with re-laid weights.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import sys
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
+from gbs.quant import B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, B_LAYOUTS
 
 DEFAULT_SPECS = ("stream:nvfp4:T:8:1:2", "stream:mxfp4:T:8:1:2", "stream:mxfp8:T:8:1:2",
-                 "wgmma:nvfp4:128", "wgmma:mxfp4:128", "wgmma:mxfp8:256")
+                 "wgmma:nvfp4:128", "wgmma:mxfp4:128", "wgmma:mxfp8:256",
+                 f"stream:nvfp4:T:8:1:2:{B_LAYOUT_E2M1_H200}", f"wgmma:nvfp4:128:{B_LAYOUT_E2M1_H200}")
 MIX_OPCODES = 8   # most frequent opcodes shown per loop
 
 
@@ -28,15 +32,20 @@ def parse_spec(text: str):
     if fmt not in PROBLEM_FORMATS:
         raise ValueError(f"{text!r}: format must be one of {sorted(PROBLEM_FORMATS)}")
     a_format, b_format = PROBLEM_FORMATS[fmt]
+    b_layout = B_LAYOUT_PACKED
+    if knobs and knobs[-1] in B_LAYOUTS:
+        b_layout = knobs.pop()
     if kind == "stream" and len(knobs) == 4 and knobs[0] in ("T", "F"):
         spec = h200_stream.StreamSpec(a_format, b_format, knobs[0] == "T", int(knobs[1]), int(knobs[2]),
-                                      int(knobs[3]))
+                                      int(knobs[3]), b_layout=b_layout)
         return spec, h200_stream, "HMMA"
     if kind == "wgmma" and len(knobs) == 1:
         config = h200_wgmma.WgmmaConfig(int(knobs[0]))
         stages = h200_wgmma.max_pipeline_stages(a_format, b_format, config)
-        return h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages), h200_wgmma, "HGMMA"
-    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES or wgmma:FMT:MMA_BN")
+        return (h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages, b_layout=b_layout), h200_wgmma,
+                "HGMMA")
+    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES or wgmma:FMT:MMA_BN "
+                     f"(either may end in :{B_LAYOUT_E2M1_H200})")
 
 
 def report(text: str) -> str:

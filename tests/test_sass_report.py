@@ -43,6 +43,13 @@ def test_report_reads_the_decode_kernels_hot_loop():
     assert "innermost HMMA loop" in text and "16 HMMA, 0 local accesses" in text
 
 
+def test_report_spec_takes_the_weight_layout():
+    script = load_script()
+    spec, _, _ = script.parse_spec("stream:nvfp4:T:8:1:2:e2m1_h200")
+    assert spec.b_layout == "e2m1_h200" and script.parse_spec("stream:nvfp4:T:8:1:2")[0].b_layout == "packed"
+    assert script.parse_spec("wgmma:nvfp4:128:e2m1_h200")[0].ring.weight_side.layout == "e2m1_h200"
+
+
 @pytest.mark.parametrize("bad", ["stream:nvfp4:8:1:2", "wgmma:fp16:128", "gemm:nvfp4:128"])
 def test_report_rejects_malformed_specs(bad):
     with pytest.raises(ValueError, match="want|format must be"):
