@@ -63,7 +63,7 @@ from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import GroupedProblem, b_layout_of, check_b_layout
+from gbs.problem import GroupedProblem, b_layout_of
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
@@ -548,7 +548,7 @@ def check_can_implement(problem, config) -> WgmmaSpec:
                          f"{formats[1]}, mma_bn={wgmma_config.mma_bn}; use num_pipeline_stages <= {real_max} or "
                          f"{AUTO_STAGES} (auto)")
     return dataclasses.replace(_spec_for(formats, wgmma_config, stages),
-                               b_layout=check_b_layout(b_layout_of(problem), problem.b_format))
+                               b_layout=b_layout_of(problem))   # the spec checks the layout
 
 
 # "auto" on an H200 runs this kernel when the experts average at least this many tokens. Measured
