@@ -18,8 +18,8 @@ Backends, best first where the hardware allows:
 * ``"h200_wgmma"``: the H200 prefill kernel (``gbs.numba_kernels.h200_wgmma``: the same TMA ring,
   weights decoded to bf16 in shared memory, tokens into registers, ``wgmma``); ``"auto"`` on an H200
   picks it when the dispatch decides (``config=None``) and the experts average at least
-  ``h200_wgmma.min_tokens_per_expert`` tokens (32 for FP4 x FP4, 33 with an FP8 operand: sweep run 24); its knobs
-  are ``h200_wgmma.wgmma_plan``'s;
+  ``h200_wgmma.min_tokens_per_expert`` tokens (33: past the streaming kernel's small-N mapping; sweep
+  runs 24 and 33); its knobs are ``h200_wgmma.wgmma_plan``'s;
 * ``"h200_stream"``: the H200 (Hopper, sm_90a) streaming kernel: TMA ring of ``num_pipeline_stages``
   K slices, software block scales, ``mma.sync`` bf16 (what ``"auto"`` runs on compute capability 9.0
   for decode, and for every problem given a ``config``). Without a config the SM100 decision is

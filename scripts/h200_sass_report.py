@@ -51,7 +51,7 @@ def parse_spec(text: str):
 def report(text: str) -> str:
     spec, kernel, mma_prefix = parse_spec(text)
     cubin = offline.compile_cubin(kernel.make_kernel_function(spec), h200_stream.kernel_signature(),
-                                  offline.SM90A, launch_bounds=(spec.threads, 1))
+                                  offline.SM90A, launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
     resources = offline.resource_usage(cubin)
     mma_loops = [loop for loop in offline.sass_loops(sass) if loop.count(mma_prefix)]

@@ -359,8 +359,56 @@ def test_predecoded_tokens_only_where_they_fit():
             assert lay.decoded_tokens % hs.DATA_ALIGN == 0
             # the consumers split the decode evenly: every thread takes whole items
             if spec.predecoded_tokens:
-                items = spec.n_side.rows * hs.QUAD * spec.n_side.groups
+                items = spec.n_side.rows * hs.QUAD * spec.n_side.groups // spec.token_decode_groups
                 assert items % (hs.WARP_SIZE * spec.consumer_warps) == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bn", [8, 16, 32])
+def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, bn):
+    """The cooperative token decode: every (token row, quad lane, group) is decoded by exactly one
+    item of one consumer thread; every thread has the same number of items, each inside one rotation
+    run (one block-scale choice per run for UE8M0) and, for whole 16-byte chunks, the 8 lanes of a
+    load phase read 8 different 16-byte bank groups (TMA's swizzle XOR included)."""
+    spec = spec_of(fmt, hs.StreamConfig(True, bn, 1))
+    side, groups, item_groups = spec.n_side, spec.n_side.groups, spec.token_decode_groups
+    threads = hs.WARP_SIZE * spec.consumer_warps
+    chunks = groups // item_groups
+    items = side.rows * hs.QUAD * chunks
+    assert items % threads == 0 and hs.ROTATION_RUN % item_groups == 0
+    assert items // threads >= 1 and (item_groups == hs.ROTATION_RUN or items == threads), \
+        "as many groups per item as keep every thread busy"
+    seen = collections.Counter()
+    for item in range(items):
+        row, q, first = hs.token_decode_item(item, chunks, item_groups)
+        assert first // hs.ROTATION_RUN == (first + item_groups - 1) // hs.ROTATION_RUN
+        for c in range(item_groups):
+            seen[(row, q, first + c)] += 1
+    assert seen == collections.Counter({(r, q, g): 1 for r in range(side.rows) for q in range(hs.QUAD)
+                                        for g in range(groups)})
+    item_bytes = item_groups * side.group_bytes
+    if item_bytes >= 16:
+        for phase_start in range(0, items, 8):
+            for piece in range(item_bytes // 16):
+                banks = []
+                for item in range(phase_start, phase_start + 8):
+                    row, q, first = hs.token_decode_item(item, chunks, item_groups)
+                    xor = hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
+                    col = int(hs.group_column(q, first + piece * 16 // side.group_bytes, side.thread_bytes,
+                                              side.group_bytes, xor))
+                    banks.append((row * side.row_bytes + col) // 16 % 8)
+                assert len(set(banks)) == 8, (phase_start, piece, banks)
+
+
+def test_small_n_builds_ask_for_three_ctas_per_sm():
+    """The 4-warp configs' launch bounds ask ptxas for min(3, what shared memory allows) CTAs per SM
+    (<= 128 registers for 3); the 8-warp configs for one (setmaxnreg redistributes 384 x 168)."""
+    for fmt in FORMATS:
+        for name, config in CONFIGS.items():
+            spec = spec_of(fmt, config, stages=2)
+            by_smem = hs.SM90_SMEM_PER_SM // spec.smem.total_bytes
+            expected = 1 if spec.uses_setmaxnreg else min(hs.SMALL_N_MIN_CTAS_PER_SM, by_smem)
+            assert spec.min_ctas_per_sm == expected >= 1, (fmt, name)
 
 
 @pytest.mark.parametrize("max_tiles, k_slices, pair_slots, want", [
@@ -712,7 +760,7 @@ def _compile_one(case):
     fmt, config = case
     spec = spec_of(fmt, CONFIGS[config])
     cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
-                                  launch_bounds=(spec.threads, 1))
+                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
     instructions = offline.sass_instructions(sass)
     ops = collections.Counter(ins.split()[0] for ins in instructions)
@@ -777,8 +825,12 @@ def test_resident_ctas_per_sm():
     four = dataclasses.replace(decode, stages=4)
     assert four.smem.total_bytes * 2 <= hs.SM90_SMEM_PER_SM
     assert hs.resident_ctas_per_sm(four, 96) == 2, "two shallower rings share the SM"
-    assert hs.resident_ctas_per_sm(dataclasses.replace(decode, stages=2), 96) == 4
-    assert hs.resident_ctas_per_sm(dataclasses.replace(decode, stages=2), 200) == 2, "register-bound"
+    shallow = dataclasses.replace(decode, stages=2)
+    assert hs.resident_ctas_per_sm(shallow, 96) == 4
+    # registers per sub-partition (16384 each): 5-warp CTAs, so 3 CTAs need 4 warps on one of them
+    assert hs.resident_ctas_per_sm(shallow, 128) == 3
+    assert hs.resident_ctas_per_sm(shallow, 133) == 2, "ncu's Block Limit Registers at 133 (run 31)"
+    assert hs.resident_ctas_per_sm(shallow, 200) == 1, "2 warps of 200 registers per sub-partition"
     wide = spec_of("nvfp4", CONFIGS["large_prefill"], stages=2)
     assert hs.resident_ctas_per_sm(wide, hs.LAUNCH_BOUND_REGISTERS) == 1, "384 x 168 registers per CTA"
 
@@ -815,6 +867,10 @@ GPU_CASES = [
     ("w4a8", "n4096_k2048", True, 8, 1, MAX, None),
     ("nvfp4", "n4096_k2048", True, 16, 1, MAX, None),
     ("nvfp4", "n512_k7168", True, 32, 1, 2, 1),
+    # the token decode's item shapes: FP8 tokens 2 groups (one 16-byte load) at bn16, FP4 4 groups at
+    # bn32 (FP8 tokens in 4-group items: the e5m2 swap32 split-K case)
+    ("w4a8", "n512_k7168", True, 16, 1, MAX, None),
+    ("mxfp4", "n4096_k2048", True, 32, 1, MAX, None),
     ("nvfp4", "n512_k7168", True, 64, 2, MAX, None),
     ("nvfp4", "n4096_k2048", True, 128, 2, 2, 2),
     ("nvfp4", "n512_k7168", True, 128, 2, MAX, None),
@@ -1089,7 +1145,7 @@ def test_h200_weight_layout_shortens_the_decode_loop():
     for layout in ("packed", B_LAYOUT_E2M1_H200):
         spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout=layout)
         cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
-                                      launch_bounds=(spec.threads, 1))
+                                      launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         assert offline.resource_usage(cubin).local_bytes == 0
         hot = [loop for loop in offline.sass_loops(offline.disassemble(cubin)) if loop.count("HMMA")][0]
         sizes[layout] = hot.size
@@ -1181,6 +1237,11 @@ def test_gpu_compiled_kernel_resources():
     assert kernel.local_bytes == 0
     assert kernel.dynamic_smem_bytes == spec.smem.dynamic_bytes
     assert kernel.dynamic_smem_bytes + kernel.static_smem_bytes <= launch.device_smem_optin_limit()
+    for bn in (8, 16):   # the small-N builds fit their launch bounds' CTAs per SM (<= 128 registers)
+        small = hs.StreamSpec("nvfp4", "nvfp4", True, bn, 1, 2)
+        built = hs.compiled_kernel(small)
+        assert built.local_bytes == 0
+        assert hs.resident_ctas_per_sm(small, built.registers) == small.min_ctas_per_sm == 3, built.registers
 
 
 def test_gpu_case_list_covers_every_format_and_knob():

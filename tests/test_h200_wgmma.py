@@ -211,7 +211,7 @@ def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn):
     stays within the budgets above."""
     spec = spec_of(fmt, bn)
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
-                                  launch_bounds=(spec.threads, 1))
+                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
     hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{bn}x16.F32.BF16")]
     local = [(i, ins.split()[0]) for i, ins in enumerate(instructions) if re.match(r"(LDL|STL)\b", ins)]

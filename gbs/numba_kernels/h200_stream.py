@@ -147,7 +147,14 @@ SM90_RESERVED_SMEM = 1024
 SM90_SMEM_PER_SM = 233472      # 228 KiB per SM for all resident blocks (their reserved KiB included)
 SM90_THREADS_PER_SM = 2048
 SM90_REGISTERS_PER_SM = 65536
+SM90_SUBPARTITIONS = 4         # each holds a quarter of the registers for the warps it runs
 REGISTER_ALLOC_STEP = 8        # registers are allocated per thread in multiples of 8
+# The 4-consumer-warp configs are built (launch bounds' minimum CTAs per SM) for up to this many
+# resident CTAs: 3 CTAs of 5 warps put 4 warps on some sub-partition, so <= 128 registers per thread
+# (4 x 32 x 128 = 16384). Measured (run 31, W4A8 streaming bn16, re-laid weights): at 133 registers
+# only 2 CTAs fit and the 396-CTA grid ran 595 us vs 472 us at 264 CTAs. 4 CTAs would need <= 96
+# registers, where ptxas spills (session 9).
+SMALL_N_MIN_CTAS_PER_SM = 3
 SCALE_ALIGN = 128              # scale atoms: plain TMA boxes, 128-byte aligned
 MBARRIER_BYTES = 8
 SWIZZLE_MASK = {128: 7, 64: 3}   # row bytes -> the XOR mask of TMA 128B / 64B swizzle (16-B chunks)
@@ -454,6 +461,17 @@ class StreamSpec:
         return self.ab_swapped and self.consumer_warps == CONSUMER_WARPS_SMALL_N
 
     @property
+    def token_decode_groups(self) -> int:
+        """8-element groups of one quad lane's quarter that one item of the cooperative token decode
+        covers (``predecoded_tokens``): as many as every consumer thread still gets a whole item of
+        (at most a rotation run: one 16-byte load for FP4). An item loads and converts its row's
+        block scales once; with one group per item (as before, run 31-32) the per-item overhead
+        made the token decode a quarter of the 16-token kernel's instructions."""
+        side = self.n_side
+        per_thread = side.rows * QUAD * side.groups // (WARP_SIZE * self.consumer_warps)
+        return max(1, min(ROTATION_RUN, per_thread))
+
+    @property
     def prefetch_groups(self) -> bool:
         """Small-N configs (one consumer warp per SM sub-partition, nothing else to hide latency
         with) load the next 8-element group's words while decoding the current one, and their N
@@ -470,6 +488,15 @@ class StreamSpec:
     def epilogue_log2(self) -> int:
         """The epilogue's exact power of two: undoes both operands' scale pre-bias."""
         return self.m_side.log2_prebias + self.n_side.log2_prebias
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """The launch bounds' minimum CTAs per SM (ptxas fits its register allocation to it): the 4-warp
+        configs ask for what their shared memory allows, up to ``SMALL_N_MIN_CTAS_PER_SM``; the
+        8-warp configs (``setmaxnreg``) for one."""
+        if self.uses_setmaxnreg:
+            return 1
+        return max(1, min(SMALL_N_MIN_CTAS_PER_SM, SM90_SMEM_PER_SM // self.smem.total_bytes))
 
     # -- shared memory -------------------------------------------------------------------------
     @property
@@ -672,6 +699,14 @@ def decoded_token_offset(row, q, gl, groups):
     flip = np.uint32(ROTATION_RUN if groups > ROTATION_RUN else 1)
     chunk = np.uint32(np.uint32(q * groups) + np.uint32(gl)) ^ np.uint32(np.uint32(row & 1) * flip)
     return np.uint32(np.uint32(row * (QUAD * groups * FRAGMENT_BYTES)) + chunk * np.uint32(FRAGMENT_BYTES))
+
+
+def token_decode_item(item, chunks, groups):
+    """(token row, quad lane, first local group) of item ``item`` of the cooperative token decode: the
+    row's quarter of quad lane ``q`` cut into ``chunks`` runs of ``groups`` consecutive groups, chunks
+    fastest, so the 8 lanes of one 16-byte load phase read one row's 8 chunks (distinct banks)."""
+    chunk = item % chunks
+    return item // (QUAD * chunks), (item // chunks) % QUAD, chunk * groups
 
 
 def swizzled_offset(row, col, row_bytes, mask):
@@ -984,9 +1019,16 @@ def make_kernel_function(spec: StreamSpec):
     decoded_off = lay.decoded_tokens
     decoded_slot_bytes = lay.decoded_token_slot_bytes
     n_groups = n_side.groups
-    decode_items = n_side.rows * QUAD * n_groups // consumer_threads   # (row, quad lane, group) per thread
+    item_groups = spec.token_decode_groups
+    item_chunks = n_groups // item_groups
+    decode_items = n_side.rows * QUAD * item_chunks // consumer_threads   # (row, quad lane, groups) per thread
+    item_bytes = item_groups * n_side.group_bytes
+    item_words = item_bytes // 4
+    piece_groups = 16 // n_side.group_bytes if item_bytes >= 16 else item_groups   # groups per 16-byte load
     decoded_row_bytes = QUAD * n_groups * FRAGMENT_BYTES
     decoded_offset = _device(decoded_token_offset)
+    token_item = _device(token_decode_item)
+    n_group_words = n_side.group_bytes // 4
     m_load, m_decode, m_load_scales, m_selector, m_group_scale = _make_side_reader(m_side, spec.pairing)
     n_load, n_decode, n_load_scales, n_selector, n_group_scale = _make_side_reader(n_side, spec.pairing)
     m_sel_step, n_sel_step = scale_selector_run_step(m_side), scale_selector_run_step(n_side)
@@ -1074,6 +1116,7 @@ def make_kernel_function(spec: StreamSpec):
             m_w = cuda.local.array(m_buffer_words, np.uint32)   # two groups' words (see the group loop)
             n_w = cuda.local.array(n_buffer_words, np.uint32)
             a_frag = cuda.local.array(a_frag_words, np.uint32)
+            d_words = cuda.local.array(item_words, np.uint32)   # one token-decode item's raw words
             consumer_tid = cw * WARP_SIZE + lane
             # per thread, loop-invariant: columns and UE4M3 scale selectors of its run-0 groups
             m_col0 = cuda.local.array(ROTATION_RUN, np.uint32)
@@ -1123,10 +1166,8 @@ def make_kernel_function(spec: StreamSpec):
                         # this stage's token slice -> bf16 B fragments (scaled) in a decoded slot
                         dslot = np.uint32(base + decoded_off + decoded_slot * decoded_slot_bytes)
                         for it in range(decode_items):
-                            item = consumer_tid + it * consumer_threads
-                            d_gl = item % n_groups
-                            d_q = (item // n_groups) % QUAD
-                            d_row = item // (QUAD * n_groups)
+                            d_row, d_q, d_first = token_item(consumer_tid + it * consumer_threads, item_chunks,
+                                                             item_groups)
                             # token columns past the tile's tokens only feed accumulator columns the
                             # epilogue never stores (MMA columns are independent): leave them stale
                             if d_row >= t1 - t0:
@@ -1134,15 +1175,29 @@ def make_kernel_function(spec: StreamSpec):
                             address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
                                                                           word_column(d_q, n_blocks), atoms))
                             d_s0, d_s1 = n_load_scales(address, d_q)
-                            d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl // ROTATION_RUN)
                             d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
-                            d_w0, d_w1 = n_load(np.uint32(st + n_data_off + d_row * n_row_bytes
-                                                          + column(d_q, d_gl, n_thread_bytes, n_group_bytes, d_xor)))
-                            st_shared_v4_u32(dslot + decoded_offset(d_row, d_q, d_gl, n_groups),
-                                             fma_bf16x2(n_decode(d_w0, d_w1, 0), d_scale, NEG_ZERO_BF16X2),
-                                             fma_bf16x2(n_decode(d_w0, d_w1, 1), d_scale, NEG_ZERO_BF16X2),
-                                             fma_bf16x2(n_decode(d_w0, d_w1, 2), d_scale, NEG_ZERO_BF16X2),
-                                             fma_bf16x2(n_decode(d_w0, d_w1, 3), d_scale, NEG_ZERO_BF16X2))
+                            d_row_addr = np.uint32(st + n_data_off + d_row * n_row_bytes)
+                            # the item's words: 16-byte loads of whole (swizzled) chunks where it spans them
+                            for piece in range(max(1, item_bytes // 16)):
+                                d_addr = d_row_addr + column(d_q, d_first + piece * piece_groups, n_thread_bytes,
+                                                             n_group_bytes, d_xor)
+                                if item_bytes >= 16:
+                                    (d_words[4 * piece], d_words[4 * piece + 1], d_words[4 * piece + 2],
+                                     d_words[4 * piece + 3]) = ld_shared_v4_u32(d_addr)
+                                elif item_bytes == 8:
+                                    d_words[0], d_words[1] = ld_shared_v2_u32(d_addr)
+                                else:
+                                    d_words[0] = ld_shared_u32(d_addr)
+                            for c in range(item_groups):
+                                d_gl = d_first + c
+                                d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl // ROTATION_RUN)
+                                d_w0 = d_words[c * n_group_words]
+                                d_w1 = d_words[c * n_group_words + n_group_words - 1]   # FP8: the group's 2nd word
+                                st_shared_v4_u32(dslot + decoded_offset(d_row, d_q, d_gl, n_groups),
+                                                 fma_bf16x2(n_decode(d_w0, d_w1, 0), d_scale, NEG_ZERO_BF16X2),
+                                                 fma_bf16x2(n_decode(d_w0, d_w1, 1), d_scale, NEG_ZERO_BF16X2),
+                                                 fma_bf16x2(n_decode(d_w0, d_w1, 2), d_scale, NEG_ZERO_BF16X2),
+                                                 fma_bf16x2(n_decode(d_w0, d_w1, 3), d_scale, NEG_ZERO_BF16X2))
                         cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
                     else:
                         for j in range(n_rows):
@@ -1515,18 +1570,23 @@ def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[Ten
 def compiled_kernel(spec: StreamSpec) -> launch.CompiledKernel:
     """The JIT-compiled kernel of ``spec`` for the current GPU (cached per spec)."""
     return launch.compile_kernel(make_kernel_function(spec), kernel_signature(), threads=spec.threads,
-                                 dynamic_smem_bytes=spec.smem.dynamic_bytes, cluster_size=spec.cta_group,
-                                 name=f"grouped_matmul_h200_stream[{spec}]")
+                                 min_blocks=spec.min_ctas_per_sm, dynamic_smem_bytes=spec.smem.dynamic_bytes,
+                                 cluster_size=spec.cta_group, name=f"grouped_matmul_h200_stream[{spec}]")
 
 
 def resident_ctas_per_sm(spec: StreamSpec, registers_per_thread: int) -> int:
     """CTAs of ``spec`` one SM holds at once: shared memory (228 KiB per SM, each CTA's reserved
-    KiB included), threads (2048) and registers (65536, allocated per warp in steps of 8 per
-    thread). A ring shallow enough for two CTAs gives each SM sub-partition two independent
-    pipelines to hide latency with (the 4-warp configs have one consumer warp per sub-partition)."""
+    KiB included), threads (2048) and registers: each of the 4 sub-partitions holds 16384 for its
+    warps (allocated per thread in steps of 8), so the SM holds 4 x (16384 // warp registers) warps,
+    whatever the CTA's warp count (133 registers: 12 warps, two 5-warp CTAs, as ncu's "Block Limit
+    Registers" says; 65536 // (160 x 136) would say three). A ring shallow enough for two CTAs gives
+    each SM sub-partition two independent pipelines to hide latency with (the 4-warp configs have one
+    consumer warp per sub-partition)."""
     by_smem = SM90_SMEM_PER_SM // spec.smem.total_bytes
     by_threads = SM90_THREADS_PER_SM // spec.threads
-    by_registers = SM90_REGISTERS_PER_SM // (spec.threads * _align(registers_per_thread, REGISTER_ALLOC_STEP))
+    warp_registers = WARP_SIZE * _align(registers_per_thread, REGISTER_ALLOC_STEP)
+    warps = SM90_SUBPARTITIONS * (SM90_REGISTERS_PER_SM // SM90_SUBPARTITIONS // warp_registers)
+    by_registers = warps // (spec.threads // WARP_SIZE)
     return max(1, min(by_smem, by_threads, by_registers))
 
 

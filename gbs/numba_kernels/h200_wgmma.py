@@ -170,6 +170,10 @@ class WgmmaSpec:
         return self.ring.threads
 
     @property
+    def min_ctas_per_sm(self) -> int:
+        return self.ring.min_ctas_per_sm   # one CTA per SM (setmaxnreg's launch allocation)
+
+    @property
     def k_slice(self) -> int:
         return self.ring.k_slice
 
@@ -551,20 +555,21 @@ def check_can_implement(problem, config) -> WgmmaSpec:
                                b_layout=b_layout_of(problem))   # the spec checks the layout
 
 
-# "auto" on an H200 runs this kernel when the experts average at least this many tokens. Measured
-# (sweep run 24, 2026-11-30, commit f1a0cc0, 4096 x 7168, 32 experts; notes/h200/2026-11-30-sweep-tokens-run24.*),
-# this kernel vs h200_stream under h200_plan, us:
+# "auto" on an H200 runs this kernel when the experts average at least this many tokens: past the
+# streaming kernel's small-N mapping (h200_stream.H200_SMALL_N_MAX_TOKENS, 32). Measured (sweep run 24,
+# 2026-11-30, commit f1a0cc0, 4096 x 7168, 32 experts; notes/h200/2026-11-30-sweep-tokens-run24.*; 32 tokens:
+# run 33, notes/h200/2026-11-30-sweep-predecode-hint-run33.*, weights in E2M1H200Order), this kernel vs
+# h200_stream under h200_plan, us:
 #   tokens/expert   NVFP4           MXFP4           MXFP8
 #   16              533.8 / 319.4   546.9 / 364.7   584.9 / 312.0
-#   32 (run 21)     534.4 / 539.2   547.8 / 618.6   586.1 / 518.1
+#   32              509.3 / 403.4   530.3 / 426.2   586.1 / 501.8   (wgmma MXFP4: run 30, MXFP8: run 21)
 #   64              533.7 / 900.0   548.8 / 1396.7  592.0 / 1430.1
 #   128             538.5 / 1541.7  554.4 / 1413.8  595.2 / 1432.6
 # This kernel's time is flat up to 128 tokens (one token tile per expert: the weight decode sets it);
-# the streaming kernel's small-N mapping ends at h200_stream.H200_SMALL_N_MAX_TOKENS (32) and wider
-# token tiles there lose 2.4-5x. So FP4 x FP4 switches at 32 (ties or wins), an FP8 operand (whose
-# bytes the streaming kernel decodes at half the cost per byte: 518 vs 586 at 32) just above it.
-WGMMA_MIN_TOKENS_PER_EXPERT_FP4 = 32     # both operands FP4
-WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1   # an FP8 operand: past the small-N mapping
+# the streaming kernel's small-N mapping (16-token tiles at 32 tokens) wins up to 32 since its token
+# decode takes whole rotation runs per item (run 33; it tied at 32 before: 534 vs 539), and its wider
+# token tiles past it lose 2.4-5x.
+WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 
 
 def _both_fp4(problem) -> bool:
@@ -574,8 +579,9 @@ def _both_fp4(problem) -> bool:
 
 
 def min_tokens_per_expert(problem) -> int:
-    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem``'s formats."""
-    return WGMMA_MIN_TOKENS_PER_EXPERT_FP4 if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
+    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem`` (every format
+    pair: the measurements above)."""
+    return WGMMA_MIN_TOKENS_PER_EXPERT
 
 
 def prefers(problem) -> bool:

@@ -262,14 +262,17 @@ def set_max_dynamic_shared_memory(overload, nbytes: int) -> None:
 
 
 def compile_kernel(pyfunc: Callable, signature, *, threads: int, dynamic_smem_bytes: int,
-                   cluster_size: int = 1, name: str | None = None) -> CompiledKernel:
-    """JIT-compile ``pyfunc`` for the current GPU with launch bounds ``(threads, 1)`` and raise its
-    dynamic shared-memory limit to ``dynamic_smem_bytes``."""
+                   cluster_size: int = 1, name: str | None = None, min_blocks: int = 1) -> CompiledKernel:
+    """JIT-compile ``pyfunc`` for the current GPU with launch bounds ``(threads, min_blocks)`` (ptxas
+    fits the registers to ``min_blocks`` CTAs per SM) and raise its dynamic shared-memory limit to
+    ``dynamic_smem_bytes``."""
     from numba import cuda
 
     if not 1 <= threads <= MAX_THREADS_PER_BLOCK or threads % 32:
         raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS_PER_BLOCK}], got {threads}")
-    overload = cuda.jit(pyfunc, launch_bounds=(threads, 1)).compile(tuple(signature))
+    if isinstance(min_blocks, (bool, np.bool_)) or not isinstance(min_blocks, (int, np.integer)) or min_blocks < 1:
+        raise ValueError(f"min_blocks must be a positive int, got {min_blocks!r}")
+    overload = cuda.jit(pyfunc, launch_bounds=(threads, int(min_blocks))).compile(tuple(signature))
     # Always opt in: the 48 KiB default caps static + dynamic, so a kernel with exactly 48 KiB of
     # dynamic shared memory and any static bytes already needs it (seen on the H200: a launch with
     # 49152 B dynamic + 2048 B static failed with CUDA_ERROR_INVALID_VALUE).

@@ -24,6 +24,11 @@ from .common import ptx_intrinsic
 _MBAR = ("mbar", "u32")
 # A correct pipeline waits microseconds; a bounded wait that exceeds this traps (the launch fails).
 WAIT_TIMEOUT_NS = 10_000_000_000
+# try_wait's suspendTimeHint in the wait loops (CUTLASS's ClusterBarrier::wait uses the same 10 ms): a
+# waiting thread sleeps until the phase completes (or the hint runs out) instead of retrying after the
+# short system-dependent default. Without it, ncu on the H200 (notes/h200, run 32) counted 17-19 % of
+# the streaming kernel's issued instructions in its producer's retry loop, taken from the consumers.
+SUSPEND_TIME_HINT_NS = 10_000_000
 
 mbarrier_init = ptx_intrinsic(
     "mbarrier_init", "mbarrier.init.shared::cta.b64 [$0], $1;", [_MBAR, ("count", "u32")],
@@ -66,7 +71,7 @@ semantics at CTA scope when it answers 1. For a bounded or instrumented wait loo
 mbarrier_wait_parity = ptx_intrinsic(
     "mbarrier_wait_parity",
     "{\n .reg .pred done;\n wait_parity_retry:\n"
-    " mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
+    f" mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1, {SUSPEND_TIME_HINT_NS};\n"
     " @!done bra wait_parity_retry;\n}",
     [_MBAR, ("parity", "u32")],
     doc="""Block until the phase with ``parity`` (0/1) of the mbarrier at ``mbar`` has completed.
@@ -89,7 +94,7 @@ The consumer waits with ``mbarrier_wait_parity_acquire_cluster``.""")
 mbarrier_wait_parity_acquire_cluster = ptx_intrinsic(
     "mbarrier_wait_parity_acquire_cluster",
     "{\n .reg .pred done;\n wait_parity_cluster_retry:\n"
-    " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
+    f" mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1, {SUSPEND_TIME_HINT_NS};\n"
     " @!done bra wait_parity_cluster_retry;\n}",
     [_MBAR, ("parity", "u32")],
     doc="""Block until phase ``parity`` of this CTA's mbarrier at ``mbar`` completes, acquiring at
@@ -105,11 +110,11 @@ def _wait_parity_or_trap(name: str, scope_suffix: str):
     compares the elapsed time with ``WAIT_TIMEOUT_NS`` after every further try. The labels are
     local to the ``{ }`` block, so the intrinsic can appear many times in one kernel."""
     text = ("{\n .reg .pred done, again;\n .reg .u64 start, now;\n"
-            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
+            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1, {SUSPEND_TIME_HINT_NS};\n"
             " @done bra wait_done;\n"
             " mov.u64 start, %globaltimer;\n"
             " wait_retry:\n"
-            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1;\n"
+            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1, {SUSPEND_TIME_HINT_NS};\n"
             " @done bra wait_done;\n"
             " mov.u64 now, %globaltimer;\n"
             " sub.u64 now, now, start;\n"

@@ -87,11 +87,12 @@ def compile_ptx(pyfunc, sig, cc) -> str:
     return ptx
 
 
-def compile_cubin(pyfunc, sig, cc, *, launch_bounds=None) -> bytes:
+def compile_cubin(pyfunc, sig, cc, *, launch_bounds=None, max_registers=None) -> bytes:
     """cubin of kernel ``pyfunc`` for ``cc`` through NVVM LTO-IR and nvJitLink.
 
     ``launch_bounds`` = (max threads per block, min blocks per SM): the register cap that
-    ``setmaxnreg`` needs to take effect."""
+    ``setmaxnreg`` needs to take effect. ``max_registers``: a per-thread cap given to the linker
+    (``cuda.jit(max_registers=...)`` does the same at run time)."""
     from numba import cuda
     from numba.cuda.cudadrv import driver
 
@@ -99,7 +100,7 @@ def compile_cubin(pyfunc, sig, cc, *, launch_bounds=None) -> bytes:
     extra = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
     with _target_device(cc):
         ltoir, _ = cuda.compile(pyfunc, sig, device=False, abi="numba", cc=cc, output="ltoir", **extra)
-    linker = driver._Linker(cc=cc, lto=True)
+    linker = driver._Linker(cc=cc, lto=True, max_registers=max_registers)
     linker.add_ltoir(ltoir)
     return linker.complete().code
 
