@@ -74,7 +74,7 @@ def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
     assert kernel is h200_wgmma and knobs == h200_wgmma.wgmma_plan(prefill)
     kernel, knobs = h200_kernel(decode)
     assert kernel is h200_stream and knobs == h200_stream.h200_plan(decode, dispatch_for(decode))
-    # 32 tokens per expert: the streaming kernel's 16-token tiles, every format (measured, run 33)
+    # 32 tokens per expert: the streaming kernel's 32-token tiles, every format (measured, runs 33-34)
     for fmt in ("nvfp4", "mxfp4", "mxfp8", "w4a8"):
         assert h200_kernel(BENCH_CASES["small_prefill_up"].problem(fmt))[0] is h200_stream, fmt
     # a caller's config is honoured by the streaming kernel (all SM100 knobs), not re-routed
@@ -102,7 +102,7 @@ def test_h200_auto_leaves_no_token_count_to_the_wide_streaming_tiles(fmt):
     limit = h200_stream.H200_SMALL_N_MAX_TOKENS
     assert kernel_at(limit + 1) is h200_wgmma and kernel_at(4 * limit) is h200_wgmma
     assert kernel_at(4) is h200_stream and kernel_at(limit // 2) is h200_stream
-    assert kernel_at(limit) is h200_stream, "32 tokens: the 16-token tiles win (run 33)"
+    assert kernel_at(limit) is h200_stream, "32 tokens: one 32-token tile per expert wins (run 34)"
     assert h200_wgmma.min_tokens_per_expert(BenchCase("t", 256, 256, 4, 1).problem(fmt)) <= limit + 1
 
 

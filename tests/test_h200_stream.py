@@ -443,7 +443,9 @@ def test_split_runs_and_its_errors():
 @pytest.mark.parametrize("fmt, total_tokens, slots, decided, want", [
     ("nvfp4", 256, 64, hs.StreamConfig(True, 8, 1, 6), hs.StreamConfig(True, 8, 1, 2)),      # decode
     ("nvfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2)),        # Kimi
-    ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),   # small prefill
+    ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2)),   # small prefill
+    ("mxfp4", 512, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),    # 16 per expert
+    ("w4a8", 640, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2)),     # 20 per expert
     ("mxfp8", 4096, 64, hs.StreamConfig(True, 64, 2, 9), hs.StreamConfig(True, 64, 2, hs.AUTO_STAGES)),
     ("mxfp8", 256, 64, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(True, 8, 1, 2)),   # default route
     ("mxfp8", 16384, 32, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(False, 128, 1, hs.AUTO_STAGES)),

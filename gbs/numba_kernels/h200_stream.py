@@ -1469,9 +1469,13 @@ def h200_stream_config(problem, config) -> StreamConfig:
 # notes/h200/README.md, runs 8, 9 and 12):
 # * Token tiles of at most 32 columns run on 4 consumer warps with the decoded-token slots; wider
 #   ones on 8 warps whose register budget allows one CTA per SM. When an expert has at most
-#   ``H200_SMALL_N_MAX_TOKENS`` tokens on average, the tile is cut to the tokens (8 or 16 columns),
+#   ``H200_SMALL_N_MAX_TOKENS`` tokens on average, the tile is cut to the tokens (8, 16 or 32 columns),
 #   without the 2-CTA pair: NVFP4 4096 x 7168, 32 x 32 tokens: swapped bn16 cg1 579.6 us, the SM100
 #   decision (bn64 cg2, 6 stages) 867.4 us; Kimi 512 x 7168, 8 x 1: bn8 cg1 38.1 us, bn64 cg2 115.5 us.
+#   32 columns (one token tile for 17-32 tokens, two CTAs per SM) since the token decode takes whole
+#   rotation runs (run 34, re-laid weights, 4096 x 7168, 32 x 32 tokens): NVFP4 bn32 328.1 us vs bn16 403.4
+#   (run 33), MXFP4 342.0 vs 426.2, W4A8 341.0 vs 461.8, MXFP8 358.9 vs 501.8. Past 32 tokens the wgmma
+#   kernel wins (NVFP4 64 tokens: bn32 634.0, bn16 769.4, wgmma 506.7; 48: bn16 596.3, wgmma 505.5).
 #   The same holds for the MXFP8 x MXFP8 default route (not swapped, bn128, no regime table upstream):
 #   4096 x 7168, 64 x 4: swapped bn8 485.2 us (86.6 % of the read ceiling), bn128 2852.7 us (bench,
 #   commit 2656874).
@@ -1481,7 +1485,7 @@ def h200_stream_config(problem, config) -> StreamConfig:
 # * Split-K runs (``choose_k_splits``) fill the GPU when tiles are few: Kimi NVFP4 bn8 4 runs of 7
 #   slices 21.0 us, 7 of 4: 22.3, 10 of 3: 25.5, unsplit 38.2 (hence ``MIN_SLICES_PER_SPLIT``).
 H200_SMALL_N_MAX_TOKENS = 32
-H200_SMALL_N_MMA_BN = (8, 16)   # token tile widths the small-N mapping chooses from
+H200_SMALL_N_MMA_BN = (8, 16, 32)   # token tile widths the small-N mapping chooses from
 H200_SMALL_N_STAGES = 2
 
 

@@ -557,18 +557,19 @@ def check_can_implement(problem, config) -> WgmmaSpec:
 
 # "auto" on an H200 runs this kernel when the experts average at least this many tokens: past the
 # streaming kernel's small-N mapping (h200_stream.H200_SMALL_N_MAX_TOKENS, 32). Measured (sweep run 24,
-# 2026-11-30, commit f1a0cc0, 4096 x 7168, 32 experts; notes/h200/2026-11-30-sweep-tokens-run24.*; 32 tokens:
-# run 33, notes/h200/2026-11-30-sweep-predecode-hint-run33.*, weights in E2M1H200Order), this kernel vs
+# 2026-11-30, commit f1a0cc0, 4096 x 7168, 32 experts; notes/h200/2026-11-30-sweep-tokens-run24.*; 32 and 48
+# tokens: runs 33-34, notes/h200/2026-11-30-sweep-*-run3[34].*, weights in E2M1H200Order), this kernel vs
 # h200_stream under h200_plan, us:
 #   tokens/expert   NVFP4           MXFP4           MXFP8
 #   16              533.8 / 319.4   546.9 / 364.7   584.9 / 312.0
-#   32              509.3 / 403.4   530.3 / 426.2   586.1 / 501.8   (wgmma MXFP4: run 30, MXFP8: run 21)
+#   32              509.3 / 328.1   530.3 / 342.0   586.1 / 358.9   (wgmma MXFP4: run 30, MXFP8: run 21)
+#   48              505.5 / 596.3
 #   64              533.7 / 900.0   548.8 / 1396.7  592.0 / 1430.1
 #   128             538.5 / 1541.7  554.4 / 1413.8  595.2 / 1432.6
 # This kernel's time is flat up to 128 tokens (one token tile per expert: the weight decode sets it);
-# the streaming kernel's small-N mapping (16-token tiles at 32 tokens) wins up to 32 since its token
-# decode takes whole rotation runs per item (run 33; it tied at 32 before: 534 vs 539), and its wider
-# token tiles past it lose 2.4-5x.
+# the streaming kernel's small-N mapping (one 32-token tile per expert at 32 tokens) wins up to 32
+# since its token decode takes whole rotation runs per item (runs 33-34; it tied at 32 before: 534 vs
+# 539), and its token tiles past it lose (48 tokens: 2 tiles of 16) up to 2.4-5x (64-128).
 WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 
 
