@@ -22,9 +22,10 @@ N, K = 200, 512
 GROUP_SIZES = [3, 0, 1, 9, 5]
 EXPERT_IDS = [2, 0, 1, -1, 3]
 # ((ab_swapped, mma_bn, cta_group, stages), k_splits): decode (decoded-token slots), the same with
-# split-K runs, small prefill pair (8 warps) with split-K, not swapped, wide N
-STREAM_CONFIGS = [((True, 8, 1, 2), 1), ((True, 16, 1, 2), 2), ((True, 64, 2, 3), 2), ((False, 128, 1, 2), 1),
-                  ((True, 256, 1, 2), 1)]
+# split-K runs, 32-token slots (token-decode items of a whole rotation run), small prefill pair (8 warps)
+# with split-K, not swapped, wide N
+STREAM_CONFIGS = [((True, 8, 1, 2), 1), ((True, 16, 1, 2), 2), ((True, 32, 1, 2), 1), ((True, 64, 2, 3), 2),
+                  ((False, 128, 1, 2), 1), ((True, 256, 1, 2), 1)]
 WGMMA_MMA_BN = (128, 256)
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 

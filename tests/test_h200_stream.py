@@ -156,6 +156,24 @@ def test_ue8m0_scale_image(element):
             assert lo == 2.0 ** (byte - 127 + offset), f"byte {byte}"
 
 
+@pytest.mark.parametrize("element", ["e2m1", "e4m3", "e5m2"])
+def test_ue8m0_pair_scale_bits_match_the_single_image(element):
+    """Two scales per call (MXFP4's two blocks per quad lane): every byte pair gives, lane by lane,
+    exactly ``ue8m0_scale_bits``' image (saturation and NaN included); the selector puts bytes
+    (0, 1) or (2, 3) of a word into the lanes."""
+    offset = hs.ELEMENT_LOG2_OFFSET[element] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
+    single = np.array([int(hs.ue8m0_scale_bits(b, offset)) & 0xFFFF for b in range(256)], np.uint32)
+    b0, b1 = (a.ravel().astype(np.uint32) for a in np.meshgrid(np.arange(256), np.arange(256)))
+    pair = hs.ue8m0_pair_scale_bits(b0 | (b1 << 16), offset)
+    assert np.array_equal(pair, single[b0] | (single[b1] << 16))
+    word = 0x44332211
+    for first in (0, 2):
+        selector = int(hs.ue8m0_pair_selector(first))
+        picked = [(word >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF if (selector >> (4 * i)) & 7 < 4 else 0
+                  for i in range(4)]
+        assert picked == [(word >> (8 * first)) & 0xFF, 0, (word >> (8 * first + 8)) & 0xFF, 0]
+
+
 def test_ue4m3_scale_image_is_exact_and_finite():
     """The device converts UE4M3 -> f16 -> f32, multiplies by 2**(c - d) and rounds to bf16; every
     non-NaN byte must land on a finite bf16 exactly."""

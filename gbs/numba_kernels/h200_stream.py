@@ -635,6 +635,31 @@ def ue8m0_scale_bits(scale_byte, exponent_offset):
     return np.uint32(bits | (bits << 16))
 
 
+UE8M0_LANES = 0x00010001        # 1 in each 16-bit lane
+UE8M0_LANE_BYTE = 0x00FF00FF
+UE8M0_LANE_QUIET = 0x00400040   # the bf16 quiet-NaN bit of each lane
+
+
+def ue8m0_pair_scale_bits(lanes, exponent_offset):
+    """``ue8m0_scale_bits`` of two scale bytes at once: ``lanes`` holds them zero-extended in its 16-bit
+    lanes (byte 0 in bits 0..7, byte 1 in bits 16..23); returns the bf16 image of each in its lane.
+    Lane sums stay below 512 (``exponent_offset`` < 257), so one 32-bit add serves both, bit 8 of a
+    lane flags the saturation to Inf and bit 8 of ``lane + 1`` the NaN byte 0xFF: 10 integer
+    instructions for two scales instead of ~9 each (MXFP4 decode's per-stage scale work, ncu run 34)."""
+    lanes = np.uint32(lanes)
+    biased = np.uint32(lanes + np.uint32(exponent_offset * UE8M0_LANES))
+    over = (biased >> np.uint32(8)) & np.uint32(UE8M0_LANES)
+    biased = (biased | np.uint32(over * np.uint32(0xFF))) & np.uint32(UE8M0_LANE_BYTE)   # min(lane, 255)
+    quiet = (np.uint32(lanes + np.uint32(UE8M0_LANES)) >> np.uint32(2)) & np.uint32(UE8M0_LANE_QUIET)
+    return np.uint32((biased << np.uint32(BF16_EXPONENT_SHIFT)) | quiet)
+
+
+def ue8m0_pair_selector(first_byte):
+    """``prmt`` selector that puts bytes ``first_byte`` and ``first_byte + 1`` of a word, zero-extended,
+    into the two 16-bit lanes (the selector's 4 picks byte 0 of a zero second operand)."""
+    return np.uint32(0x4040 | first_byte | ((first_byte + 1) << 8))
+
+
 ROTATION_RUN = 4   # groups are rotated inside aligned runs of 4 (every thread range has 4 or 8 groups)
 
 
@@ -749,6 +774,8 @@ def _make_side_reader(side: OperandSide, pairing: str):
     e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == B_LAYOUT_E2M1_H200 else e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
     ue8m0_bits = _device(ue8m0_scale_bits)
+    ue8m0_pair_bits = _device(ue8m0_pair_scale_bits)
+    pair_selector = _device(ue8m0_pair_selector)
     byte_index = _device(scale_byte_index)
     broadcast_selector = _device(bf16_broadcast_selector)
 
@@ -783,14 +810,19 @@ def _make_side_reader(side: OperandSide, pairing: str):
         def group_scale(s0, s1, selector, run):
             return prmt_b32(s0, s1, selector)
     else:
+        if not 0 <= exponent_offset < 2 ** 8:
+            raise AssertionError("ue8m0_pair_scale_bits needs lane sums below 512")
+
         @_device
         def load_scales(address, q):
             word = ld_shared_u32(address)
-            s0 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 0))) & 0xFF, exponent_offset)
-            s1 = s0
-            if blocks > 1:
-                s1 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 1))) & 0xFF, exponent_offset)
-            return s0, s1
+            if blocks == 1:
+                s0 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 0))) & 0xFF, exponent_offset)
+                return s0, s0
+            pair = ue8m0_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(byte_index(q, blocks, 0))),
+                                   exponent_offset)
+            return (prmt_b32(pair, pair, np.uint32(broadcast_selector(0))),
+                    prmt_b32(pair, pair, np.uint32(broadcast_selector(1))))
 
         @_device
         def scale_selector(gl):
