@@ -26,8 +26,9 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   skipped slots are never written.
 * Decoded-token slots (``StreamSpec.predecoded_tokens``: swapped configs with at most 32 token
   columns, the decode regime): after the ``full`` wait the 4 consumer warps decode the stage's token
-  slice ONCE, together, into bf16 B fragments (scaled) in one of two shared slots, meet at a named
-  barrier, and then each reads a group's fragments with one 16-byte load (token rows past the tile's
+  slice ONCE, together (items of up to a rotation run of one row's quad-lane quarter:
+  ``token_decode_groups``, one scale load per item), into bf16 B fragments (scaled) in one of two
+  shared slots, meet at a named barrier, and then each reads a group's fragments with one 16-byte load (token rows past the tile's
   tokens are skipped: they only feed accumulator columns that are never stored); wider token tiles decode
   their tokens in registers, per warp.
 * Split-K (``choose_k_splits``, its own ``StreamSpec.split_k`` build): with fewer tiles than resident
@@ -78,8 +79,8 @@ into the other of two register buffers (358 instructions per run). Per stage add
 (notes/h200, run 9): issue slots 66 % busy, ALU pipe 66 %, FMA-heavy 56 %, DRAM 52 %: instruction-bound,
 60 % of the read ceiling. Weights re-laid once in ``gbs.quant.E2M1H200Order`` (``b_layout``
 "e2m1_h200", ``e2m1_h200_pair_bits``) decode in 9 instead of 13 integer instructions per word: 294 per
-run, 72 % of the read ceiling (bench run 30), bit-identical output. FP8 decodes twice the bytes per
-instruction and streams at 85 %.
+run, 73 % of the read ceiling (bench run 36, with the sleeping mbarrier waits and run-sized token-decode
+items), bit-identical output. FP8 decodes twice the bytes per instruction and streams at 87 %.
 
 Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
 are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned

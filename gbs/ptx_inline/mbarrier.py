@@ -15,7 +15,9 @@ Waits come in three kinds: ``mbarrier_try_wait_parity`` answers once (for a call
 ``mbarrier_wait_parity*`` loop in PTX until the phase completes, forever if it never does;
 ``wait_parity*_or_trap`` loop the same way but ``trap`` after ``WAIT_TIMEOUT_NS`` of
 ``%globaltimer``, turning a deadlock (a missing arrival, a wrong ``expect_tx`` count or parity)
-into a launch error instead of a hung GPU.
+into a launch error instead of a hung GPU. The loops pass ``SUSPEND_TIME_HINT_NS`` to ``try_wait``
+(SASS ``NANOSLEEP.SYNCS``): the waiting warp sleeps until the phase completes instead of spinning
+through issue slots other warps need.
 """
 from __future__ import annotations
 
