@@ -156,6 +156,12 @@ REGISTER_ALLOC_STEP = 8        # registers are allocated per thread in multiples
 # only 2 CTAs fit and the 396-CTA grid ran 595 us vs 472 us at 264 CTAs. 4 CTAs would need <= 96
 # registers, where ptxas spills (session 9).
 SMALL_N_MIN_CTAS_PER_SM = 3
+# 32-token tiles (32 accumulators and 32 decoded-fragment words per thread) do not fit in 128
+# registers: built for 3 CTAs, ptxas spilled (W4A8 / MXFP8 bn32: a 32 / 16-byte stack, 11 / 8 spill
+# accesses, most in the K-slice loop); they are built for 2 (141 registers, no stack). FP4 tokens at
+# bn32 need 88 KiB of shared memory per CTA: 2 per SM either way.
+SMALL_N_WIDE_MMA_BN = 32
+SMALL_N_WIDE_MIN_CTAS_PER_SM = 2
 SCALE_ALIGN = 128              # scale atoms: plain TMA boxes, 128-byte aligned
 MBARRIER_BYTES = 8
 SWIZZLE_MASK = {128: 7, 64: 3}   # row bytes -> the XOR mask of TMA 128B / 64B swizzle (16-B chunks)
@@ -493,11 +499,13 @@ class StreamSpec:
     @property
     def min_ctas_per_sm(self) -> int:
         """The launch bounds' minimum CTAs per SM (ptxas fits its register allocation to it): the 4-warp
-        configs ask for what their shared memory allows, up to ``SMALL_N_MIN_CTAS_PER_SM``; the
-        8-warp configs (``setmaxnreg``) for one."""
+        configs ask for what their shared memory allows, up to ``SMALL_N_MIN_CTAS_PER_SM`` (or
+        ``SMALL_N_WIDE_MIN_CTAS_PER_SM`` from ``SMALL_N_WIDE_MMA_BN`` token columns); the 8-warp
+        configs (``setmaxnreg``) for one."""
         if self.uses_setmaxnreg:
             return 1
-        return max(1, min(SMALL_N_MIN_CTAS_PER_SM, SM90_SMEM_PER_SM // self.smem.total_bytes))
+        target = SMALL_N_WIDE_MIN_CTAS_PER_SM if self.mma_bn >= SMALL_N_WIDE_MMA_BN else SMALL_N_MIN_CTAS_PER_SM
+        return max(1, min(target, SM90_SMEM_PER_SM // self.smem.total_bytes))
 
     # -- shared memory -------------------------------------------------------------------------
     @property

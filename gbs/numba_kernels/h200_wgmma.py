@@ -619,8 +619,8 @@ def can_implement(problem, config) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=None)
 def compiled_kernel(spec: WgmmaSpec) -> launch.CompiledKernel:
     return launch.compile_kernel(make_kernel_function(spec), hs.kernel_signature(), threads=spec.threads,
-                                 dynamic_smem_bytes=spec.smem.dynamic_bytes, cluster_size=1,
-                                 name=f"grouped_matmul_h200_wgmma[{spec}]")
+                                 min_blocks=spec.min_ctas_per_sm, dynamic_smem_bytes=spec.smem.dynamic_bytes,
+                                 cluster_size=1, name=f"grouped_matmul_h200_wgmma[{spec}]")
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,

@@ -184,10 +184,13 @@ class Resources:
     registers: int
     shared_bytes: int
     local_bytes: int
+    stack_bytes: int = 0
 
 
 def resource_usage(cubin: bytes) -> Resources:
-    """Registers per thread, static shared memory and local memory of the (single) kernel."""
+    """Registers per thread, static shared memory, local memory and the stack frame (where ptxas puts
+    register spills: ``LOCAL`` stays 0 for them) of the (single) kernel."""
     text = _run_tool("cuobjdump", ["-res-usage"], cubin)
-    fields = dict(re.findall(r"(REG|SHARED|LOCAL):(\d+)", text))
-    return Resources(int(fields.get("REG", 0)), int(fields.get("SHARED", 0)), int(fields.get("LOCAL", 0)))
+    fields = dict(re.findall(r"(REG|SHARED|LOCAL|STACK):(\d+)", text))
+    return Resources(int(fields.get("REG", 0)), int(fields.get("SHARED", 0)), int(fields.get("LOCAL", 0)),
+                     int(fields.get("STACK", 0)))
