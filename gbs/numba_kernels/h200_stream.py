@@ -158,8 +158,9 @@ REGISTER_ALLOC_STEP = 8        # registers are allocated per thread in multiples
 SMALL_N_MIN_CTAS_PER_SM = 3
 # 32-token tiles (32 accumulators and 32 decoded-fragment words per thread) do not fit in 128
 # registers: built for 3 CTAs, ptxas spilled (W4A8 / MXFP8 bn32: a 32 / 16-byte stack, 11 / 8 spill
-# accesses, most in the K-slice loop); they are built for 2 (141 registers, no stack). FP4 tokens at
-# bn32 need 88 KiB of shared memory per CTA: 2 per SM either way.
+# accesses, most in the K-slice loop); built for 2 (141 registers, no stack) they run faster (run 37,
+# 32 x 32 tokens: W4A8 339.2 -> 304.7 us, MXFP8 355.3 -> 320.9). FP4 tokens at bn32 need 88 KiB of
+# shared memory per CTA: 2 per SM either way.
 SMALL_N_WIDE_MMA_BN = 32
 SMALL_N_WIDE_MIN_CTAS_PER_SM = 2
 SCALE_ALIGN = 128              # scale atoms: plain TMA boxes, 128-byte aligned
@@ -1520,9 +1521,11 @@ def h200_stream_config(problem, config) -> StreamConfig:
 #   The same holds for the MXFP8 x MXFP8 default route (not swapped, bn128, no regime table upstream):
 #   4096 x 7168, 64 x 4: swapped bn8 485.2 us (86.6 % of the read ceiling), bn128 2852.7 us (bench,
 #   commit 2656874).
-# * Those 4-warp configs take ``H200_SMALL_N_STAGES`` stages, so that three CTAs share an SM (their
-#   occupancy hides the decode's latency better than a deep ring): NVFP4 4096 x 7168, 64 x 4:
-#   2 stages 409.6 us, 3: 410.4, 4: 428.0, the SM100 decision's 6: 511.7.
+# * Those 4-warp configs take ``H200_SMALL_N_STAGES`` stages, so that three CTAs share an SM (two
+#   with 32-token tiles: ``SMALL_N_WIDE_MIN_CTAS_PER_SM``); their occupancy hides the decode's latency
+#   better than a deep ring: NVFP4 4096 x 7168, 64 x 4: 2 stages 409.6 us, 3: 410.4, 4: 428.0, the SM100
+#   decision's 6: 511.7. W4A8 / MXFP8 32 x 32 tokens at bn32 (run 37): 2 CTAs without spills 304.7 /
+#   320.9 us, 3 CTAs at the 128-register cap (spilling) 339.2 / 355.3 (bench run 36).
 # * Split-K runs (``choose_k_splits``) fill the GPU when tiles are few: Kimi NVFP4 bn8 4 runs of 7
 #   slices 21.0 us, 7 of 4: 22.3, 10 of 3: 25.5, unsplit 38.2 (hence ``MIN_SLICES_PER_SPLIT``).
 H200_SMALL_N_MAX_TOKENS = 32
