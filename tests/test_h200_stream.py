@@ -739,6 +739,16 @@ def test_check_launch_rejects_bad_grids_clusters_and_shared_memory():
         launch.check_launch(_fake_kernel(dynamic=H200_SMEM_PER_SM), 1, smem_limit=H200_SMEM_PER_SM)
 
 
+def test_compile_kernel_checks_its_launch_bounds_before_compiling():
+    """Bad launch bounds are refused before any JIT work (no GPU needed to see the error)."""
+    for threads in (0, 100, 2048):
+        with pytest.raises(ValueError, match="threads must be a multiple of 32"):
+            launch.compile_kernel(None, (), threads=threads, dynamic_smem_bytes=0)
+    for min_blocks in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="min_blocks must be a positive int"):
+            launch.compile_kernel(None, (), threads=160, dynamic_smem_bytes=0, min_blocks=min_blocks)
+
+
 def test_cluster_launches_count_the_grid_in_clusters():
     assert launch.launch_config_fields(_fake_kernel(2), 132)["grid"] == (66, 1, 1)
     assert launch.launch_config_fields(_fake_kernel(2), 132)["cluster"] == (2, 1, 1)
