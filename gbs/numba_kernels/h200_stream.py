@@ -28,9 +28,9 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   columns, the decode regime): after the ``full`` wait the 4 consumer warps decode the stage's token
   slice ONCE, together (items of up to a rotation run of one row's quad-lane quarter:
   ``token_decode_groups``, one scale load per item), into bf16 B fragments (scaled) in one of two
-  shared slots, meet at a named barrier, and then each reads a group's fragments with one 16-byte load (token rows past the tile's
-  tokens are skipped: they only feed accumulator columns that are never stored); wider token tiles decode
-  their tokens in registers, per warp.
+  shared slots, meet at a named barrier, and then each reads a group's fragments with one 16-byte
+  load (token rows past the tile's tokens are skipped: they only feed accumulator columns that are
+  never stored); wider token tiles decode their tokens in registers, per warp.
 * Split-K (``choose_k_splits``, its own ``StreamSpec.split_k`` build): with fewer tiles than resident
   CTAs, each tile's K slices are cut into runs taken by different CTAs; runs add fp32 partial tiles
   into a zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the
