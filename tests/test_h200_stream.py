@@ -744,8 +744,11 @@ def test_compile_kernel_checks_its_launch_bounds_before_compiling():
     for threads in (0, 100, 2048):
         with pytest.raises(ValueError, match="threads must be a multiple of 32"):
             launch.compile_kernel(None, (), threads=threads, dynamic_smem_bytes=0)
-    for min_blocks in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="min_blocks must be a positive int"):
+    for min_blocks in (0, -1):
+        with pytest.raises(ValueError, match="min_blocks must be >= 1"):
+            launch.compile_kernel(None, (), threads=160, dynamic_smem_bytes=0, min_blocks=min_blocks)
+    for min_blocks in (1.5, True):
+        with pytest.raises(TypeError, match="min_blocks must be an int"):
             launch.compile_kernel(None, (), threads=160, dynamic_smem_bytes=0, min_blocks=min_blocks)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from gbs.dispatch import require_int
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
 from gbs.problem import ProblemShape
 from gbs.quant import B_LAYOUT_PACKED, BlockFormat, get_format
@@ -270,9 +271,8 @@ def compile_kernel(pyfunc: Callable, signature, *, threads: int, dynamic_smem_by
 
     if not 1 <= threads <= MAX_THREADS_PER_BLOCK or threads % 32:
         raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS_PER_BLOCK}], got {threads}")
-    if isinstance(min_blocks, (bool, np.bool_)) or not isinstance(min_blocks, (int, np.integer)) or min_blocks < 1:
-        raise ValueError(f"min_blocks must be a positive int, got {min_blocks!r}")
-    overload = cuda.jit(pyfunc, launch_bounds=(threads, int(min_blocks))).compile(tuple(signature))
+    min_blocks = require_int("min_blocks", min_blocks, 1)
+    overload = cuda.jit(pyfunc, launch_bounds=(threads, min_blocks)).compile(tuple(signature))
     # Always opt in: the 48 KiB default caps static + dynamic, so a kernel with exactly 48 KiB of
     # dynamic shared memory and any static bytes already needs it (seen on the H200: a launch with
     # 49152 B dynamic + 2048 B static failed with CUDA_ERROR_INVALID_VALUE).
