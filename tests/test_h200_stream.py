@@ -418,6 +418,24 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
                 assert len(set(banks)) == 8, (phase_start, piece, banks)
 
 
+def test_swapped_scale_rows_sit_at_fixed_steps_from_the_first():
+    """Swapped (weights on M, tiles from row 0 of an atom): a thread's rows g + 8 i lie
+    ``scale_row_step(i)`` bytes after row g in the 128x4 layout, for every warp of every config, so the
+    kernel adds constants to one per-tile base instead of recomputing each row's offset per stage."""
+    for name, config in CONFIGS.items():
+        if not config.ab_swapped:
+            continue
+        spec = spec_of("nvfp4", config)
+        warp_rows, _ = spec.warp_tile
+        for warp_m in range(spec.warp_grid[0]):
+            for g in range(8):
+                first = warp_m * warp_rows + g
+                for i in range(2 * warp_rows // hs.MMA_M):
+                    for col, atoms in ((0, 1), (4, 4), (12, 7)):
+                        step = scale_byte_offset(first + 8 * i, col, atoms) - scale_byte_offset(first, col, atoms)
+                        assert step == hs.scale_row_step(i), (name, warp_m, g, i)
+
+
 def test_small_n_builds_ask_for_three_ctas_per_sm():
     """The 4-warp configs' launch bounds ask ptxas for min(3, what shared memory allows) CTAs per SM
     (<= 128 registers for 3); the 8-warp configs for one (setmaxnreg redistributes 384 x 168)."""

@@ -112,7 +112,7 @@ from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2,
 from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
-from gbs.quant import (B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS,
+from gbs.quant import (B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
                        SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, get_format)
 from gbs.reference import poison_output
 
@@ -744,6 +744,12 @@ def token_decode_item(item, chunks, groups):
     return item // (QUAD * chunks), (item // chunks) % QUAD, chunk * groups
 
 
+def scale_row_step(i):
+    """``scale_byte_offset(g + 8 i, ...) - scale_byte_offset(g, ...)`` for any g < 8 with row g on a
+    32-row boundary of its 128-row atom: 16 bytes per row inside a 32-row block, 4 per block."""
+    return SF_LANE_BYTES * 8 * (i % 4) + SF_ATOM_COLS * (i // 4)
+
+
 def swizzled_offset(row, col, row_bytes, mask):
     """Byte offset of byte ``col`` (< row_bytes) of row ``row`` in such a swizzled tile."""
     return row * row_bytes + (col ^ swizzle_xor(row, row_bytes, mask))
@@ -1070,6 +1076,7 @@ def make_kernel_function(spec: StreamSpec):
     decoded_row_bytes = QUAD * n_groups * FRAGMENT_BYTES
     decoded_offset = _device(decoded_token_offset)
     token_item = _device(token_decode_item)
+    sf_row_step = _device(scale_row_step)
     n_group_words = n_side.group_bytes // 4
     m_load, m_decode, m_load_scales, m_selector, m_group_scale = _make_side_reader(m_side, spec.pairing)
     n_load, n_decode, n_load_scales, n_selector, n_group_scale = _make_side_reader(n_side, spec.pairing)
@@ -1175,8 +1182,8 @@ def make_kernel_function(spec: StreamSpec):
                 m_sel0[c] = m_selector(gl0)
                 n_sel0[c] = n_selector(gl0)
             decoded_slot = np.uint32(0)   # which decoded-token slot this stage uses (alternates)
-            stage = np.int64(0)
-            phase = np.int64(0)
+            stage = np.uint32(0)   # 32-bit: numba widens uint32 arithmetic, so every update casts back
+            phase = np.uint32(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
             for work in range(pair, max_tiles * k_splits, num_pairs):
@@ -1196,13 +1203,18 @@ def make_kernel_function(spec: StreamSpec):
                     for nj in range(n_tiles):
                         for i in range(4):
                             acc[4 * (mi * n_tiles + nj) + i] = float32(0.0)
-                for _ in range(min(slices_per_split, k_slices - s_begin)):   # this run's K slices
-                    full = bar0 + MBARRIER_BYTES * stage
-                    wait_parity_or_trap(full, phase)
-                    st = np.uint32(base + stage * stage_bytes)
+                # the thread's rows g + 8 i lie in one 128-row atom, at a fixed distance from row g (when
+                # the tile starts on a 32-row boundary: swapped, weights on M): one base per tile
+                m_sf_first = np.uint32(m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row_base), m_col, atoms))
+                for _ in range(np.int32(min(slices_per_split, k_slices - s_begin))):   # this run's K slices
+                    wait_parity_or_trap(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
+                    st = np.uint32(np.uint32(base) + np.uint32(stage * np.uint32(stage_bytes)))
                     for i in range(m_rows):
-                        row = np.uint32(m_sf_row0 + m_row_base + 8 * i)
-                        address = np.uint32(st + m_sf_off + sf_offset(row, m_col, atoms))
+                        if swapped:
+                            address = np.uint32(st + m_sf_first + np.uint32(sf_row_step(i)))
+                        else:
+                            row = np.uint32(m_sf_row0 + m_row_base + 8 * i)
+                            address = np.uint32(st + m_sf_off + sf_offset(row, m_col, atoms))
                         m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
                     if predecode:
                         # this stage's token slice -> bf16 B fragments (scaled) in a decoded slot
@@ -1335,17 +1347,17 @@ def make_kernel_function(spec: StreamSpec):
                                         acc[cc], acc[cc + 1], acc[cc + 2], acc[cc + 3] = d
                     cuda.syncwarp()
                     if lane == 0:
-                        empty = bar0 + MBARRIER_BYTES * (stages + stage)
+                        empty = np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * (stages + stage)))
                         if cta_group > 1:
                             for peer in range(cta_group):
                                 mb.mbarrier_arrive_remote_cluster(cl.mapa_shared_cluster(empty, peer))
                         else:
                             mb.mbarrier_arrive(empty)
                     decoded_slot ^= np.uint32(1)
-                    stage += 1
-                    if stage == stages:
-                        stage = 0
-                        phase ^= 1
+                    stage = np.uint32(stage + np.uint32(1))
+                    if stage == np.uint32(stages):
+                        stage = np.uint32(0)
+                        phase = np.uint32(phase ^ np.uint32(1))
                 # epilogue: C[token, row] = bf16(acc * 2**epilogue_log2 * expert_scales[e])
                 out_scale = expert_scales[expert] * epilogue_scale
                 row_lo, row_hi = cta_output_rows(r0, r1, rank, cta_group, tile_rows)
