@@ -6,7 +6,7 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
         nvfp4:decode_up:T:8:1:2:auto  nvfp4:kimi_decode:T:8:1:2:1  nvfp4:kimi_decode:T:8:1:2:7
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
-or ``auto``; a point may add ``:num_ctas``), ``wgmma:format:case:mma_bn:stages[:num_ctas]`` for the
+or ``auto``; a point may add ``:num_ctas``), ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands]`` for the
 wgmma prefill kernel (``h200_wgmma``; stages an int or ``auto``), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
@@ -43,10 +43,11 @@ def parse_case(text: str, point: str) -> bench.BenchCase:
 
 def parse_wgmma_point(text: str):
     parts = text.split(":")
+    operands = parts.pop() if parts[-1] in h200_wgmma.MMA_OPERANDS else "bf16"
     if len(parts) not in (5, 6):
-        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas]")
+        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands]")
     _, fmt, case, bn, stages = parts[:5]
-    config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages))
+    config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages), operands)
     num_ctas = int(parts[5]) if len(parts) == 6 else None
     return fmt, parse_case(case, text), config, None, num_ctas
 

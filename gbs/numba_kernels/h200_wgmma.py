@@ -69,7 +69,7 @@ from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
 from gbs.ptx_inline.mbarrier import wait_parity_or_trap
-from gbs.ptx_inline.shared import st_shared_v4_u32
+from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v4_u32
 from gbs.quant import B_LAYOUT_PACKED, BF16, SF_ATOM_ROWS, get_format
 from gbs.reference import poison_output
 
@@ -102,20 +102,41 @@ SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte off
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
 OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
+# What the tensor cores multiply (``WgmmaConfig.mma_operands``): "bf16" decodes both operands, scaled,
+# to bf16 (every format pair); "e4m3" feeds MXFP8's E4M3 bytes from the TMA ring straight to
+# ``wgmma ... k32 .e4m3.e4m3`` and applies the two UE8M0 block scales to each k32 partial product in
+# fp32 (one 32-element block per wgmma: ``kernels.md``'s "FP8 wgmma k32 per block" route): no decode,
+# but per accumulator and block one FMUL (row x column scale) and one FFMA.
+MMA_OPERANDS = ("bf16", "e4m3")
+E4M3_MMA_BN = (128,)          # 64 accumulators + 64 partial products per thread (256 wide: 256 registers)
+E4M3_WGMMA_K = 32             # K elements of one wgmma k32 step: one MX scale block
+E4M3_BLOCK = 32
+SCALE_TABLE_ROWS = hs.TILE_M_ROWS   # rows of each fp32 scale table: the tile's 128 tokens / 128 weight rows
+SCALE_TABLE_WORD = 4
+UE8M0_F32_SHIFT = 23          # a UE8M0 byte b as the fp32 exponent field: 2**(b - 127)
+UE8M0_ZERO_F32 = 0x00400000   # byte 0x00: 2**-127, an fp32 subnormal
+UE8M0_NAN_F32 = 0x7FC00000    # byte 0xFF: NaN
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """The knobs this kernel takes: the tile's weight rows (wgmma N) and the ring depth (``AUTO_STAGES``
-    = the deepest that fits)."""
+    """The knobs this kernel takes: the tile's weight rows (wgmma N), the ring depth (``AUTO_STAGES``
+    = the deepest that fits) and what the tensor cores multiply (``MMA_OPERANDS``: "e4m3" only for
+    E4M3 x E4M3 with UE8M0 blocks of 32, i.e. MXFP8, and ``mma_bn`` in ``E4M3_MMA_BN``)."""
 
     mma_bn: int = 256
     num_pipeline_stages: int = AUTO_STAGES
+    mma_operands: str = "bf16"
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
         if bn not in WGMMA_MMA_BN:
             raise ValueError(f"the wgmma kernel takes mma_bn in {WGMMA_MMA_BN}, got {bn}")
+        if self.mma_operands not in MMA_OPERANDS:
+            raise ValueError(f"mma_operands must be one of {MMA_OPERANDS}, got {self.mma_operands!r}")
+        if self.mma_operands == "e4m3" and bn not in E4M3_MMA_BN:
+            raise ValueError(f"mma_operands='e4m3' takes mma_bn in {E4M3_MMA_BN} (accumulators and partial "
+                             f"products in registers), got {bn}")
         stages = self.num_pipeline_stages
         if isinstance(stages, (bool, np.bool_)) or not isinstance(stages, (int, np.integer)):
             raise TypeError(f"num_pipeline_stages must be an int, got {stages!r}")
@@ -137,7 +158,8 @@ class WgmmaConfig:
                                  f"per tile), got {value!r}")
         if not hasattr(config, "mma_bn"):
             raise TypeError(f"config must have mma_bn, got {type(config).__name__}")
-        return cls(config.mma_bn, getattr(config, "num_pipeline_stages", AUTO_STAGES))
+        return cls(config.mma_bn, getattr(config, "num_pipeline_stages", AUTO_STAGES),
+                   getattr(config, "mma_operands", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -149,10 +171,17 @@ class WgmmaSpec:
     mma_bn: int
     stages: int
     b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
+    mma_operands: str = "bf16"
 
     def __post_init__(self):
-        WgmmaConfig(self.mma_bn, self.stages)
-        self.ring   # format pair, layout and stage checks
+        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands)
+        ring = self.ring   # format pair, layout and stage checks
+        if self.mma_operands == "e4m3":
+            for side in (ring.token_side, ring.weight_side):
+                fmt = side.fmt
+                if (fmt.element, fmt.scale_dtype, fmt.block_size) != ("e4m3", "ue8m0", E4M3_BLOCK):
+                    raise ValueError(f"mma_operands='e4m3' needs E4M3 elements with UE8M0 scales per "
+                                     f"{E4M3_BLOCK} (MXFP8) on both sides; the {side.role} are {side.format}")
 
     @property
     def ring(self) -> hs.StreamSpec:
@@ -225,8 +254,39 @@ class WgmmaSpec:
         return -(-self.ring.smem.dynamic_bytes // SW128_ATOM_BYTES) * SW128_ATOM_BYTES
 
     @property
+    def scale_blocks(self) -> int:
+        """E4M3 operands: scale blocks (= wgmma k32 steps) per K slice."""
+        return self.k_slice // E4M3_BLOCK
+
+    @property
+    def scale_table_bytes(self) -> int:
+        """E4M3 operands: one ring stage's fp32 scale tables, tokens then weights, each
+        ``[block][row]`` (``scale_table_offset``)."""
+        return 2 * self.scale_blocks * SCALE_TABLE_ROWS * SCALE_TABLE_WORD
+
+    @property
     def smem(self) -> "WgmmaSmem":
+        if self.mma_operands == "e4m3":   # the ring, then one pair of scale tables per ring stage
+            return WgmmaSmem(self.buffers_offset + self.stages * self.scale_table_bytes,
+                             self.ring.smem.static_bytes)
         return WgmmaSmem(self.buffers_offset + BF16_BUFFERS * self.buffer_bytes, self.ring.smem.static_bytes)
+
+
+def scale_table_offset(spec: WgmmaSpec, weights: int, block: int, row: int) -> int:
+    """E4M3 operands: byte offset, inside one stage's scale tables, of the fp32 scale of ``block`` (0 ..
+    ``scale_blocks`` - 1) of tile row ``row`` of the tokens (``weights`` 0) or of the weights (1)."""
+    return ((weights * spec.scale_blocks + block) * SCALE_TABLE_ROWS + row) * SCALE_TABLE_WORD
+
+
+def ue8m0_f32_bits(scale_byte):
+    """fp32 bits of the UE8M0 scale ``2**(byte - 127)``: exact for every byte (0x00 is the subnormal
+    2**-127), NaN for 0xFF. Host and device (``_device``)."""
+    byte = np.uint32(scale_byte)
+    if byte == np.uint32(0):
+        return np.uint32(UE8M0_ZERO_F32)
+    if byte == np.uint32(0xFF):
+        return np.uint32(UE8M0_NAN_F32)
+    return np.uint32(byte << np.uint32(UE8M0_F32_SHIFT))
 
 
 @dataclass(frozen=True)
@@ -302,6 +362,8 @@ _device = hs._device
 
 def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call."""
+    if spec.mma_operands == "e4m3":
+        return _make_e4m3_kernel_function(spec)
     ring_spec = spec.ring
     ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
     copy_routing, routing_views, block_sync, next_work, produce = (
@@ -345,6 +407,7 @@ def make_kernel_function(spec: WgmmaSpec):
     chunk_offset = _device(b_buffer_offset)
     step_groups = _device(sub_step_groups)
     a_index = _device(a_fragment_index)
+    store_tile = _make_store_tile(num_acc)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     a_frag_words, rotation_run = A_FRAGMENT_SETS * 4 * k_steps, hs.ROTATION_RUN
@@ -408,7 +471,6 @@ def make_kernel_function(spec: WgmmaSpec):
             phase = np.int64(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
-            n_pairs_aligned = np.uint32(n % 2 == 0)   # bf16 pairs (token, 2 c) are 4-byte aligned
             for work in range(cta, max_tiles, num_ctas):
                 slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
@@ -499,28 +561,179 @@ def make_kernel_function(spec: WgmmaSpec):
                 hp.wgmma_wait_group_0()
                 acc = hp.wgmma_fence_accumulators(acc)
                 hp.accumulators_to_array(acc, acc_out)
-                out_scale = expert_scales[expert] * epilogue_scale
-                out_address = np.int64(cm.generic_address(out))
-                for i in range(0, num_acc, 2):
-                    # wgmma_accumulator_position: row g + 8 ((i >> 1) & 1), columns 8 (i >> 2) + 2 q + (0, 1)
-                    token = t0 + m_row + 8 * ((i >> 1) & 1)
-                    row = r0 + 8 * (i >> 2) + 2 * q
-                    lo_ok = np.uint32((token < t1) & (row < r1))
-                    hi_ok = np.uint32((token < t1) & (row + 1 < r1))
-                    pair_ok = lo_ok & hi_ok & n_pairs_aligned
-                    cm.store_global_u16x2_if(out_address + (token * n + row) * 2,
-                                             f32_to_bf16_bits(acc_out[i] * out_scale),
-                                             f32_to_bf16_bits(acc_out[i + 1] * out_scale),
-                                             pair_ok, lo_ok & ~pair_ok, hi_ok & ~pair_ok)
+                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
 
     return grouped_matmul_h200_wgmma
+
+
+def _make_e4m3_kernel_function(spec: WgmmaSpec):
+    """The ``mma_operands="e4m3"`` kernel (MXFP8 x MXFP8): the same ring, tile walk and epilogue; the
+    consumers multiply the raw stage.
+
+    Per K slice (4 blocks of 32) each of the 256 consumer threads first converts two UE8M0 scales of
+    one token row and two of one weight row into this stage's fp32 scale tables (``scale_table_offset``;
+    row ``t % 128``, blocks ``2 (t // 128)`` and ``+ 1``), then the consumers meet at a named barrier. Per
+    block each warpgroup issues one ``wgmma m64n128k32 .e4m3.e4m3`` into a fresh partial accumulator, with
+    both operands read in place (the ring's 128B-swizzled 128-byte rows are wgmma's canonical K-major
+    layout; the block's k32 step is +32 bytes of descriptor start address), waits for it and adds it to
+    the tile's accumulators times (token row scale x weight row scale) (``wgmma_scale_accumulate``). The
+    two warpgroups interleave: one's wgmma runs while the other scales. A warp releases the stage after
+    its last block (the scale tables of a stage are rewritten only after its refill, i.e. after every
+    warp released it)."""
+    ring_spec = spec.ring
+    ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
+    copy_routing, routing_views, block_sync, next_work, produce = (
+        ring.copy_routing, ring.routing_views, ring.block_sync, ring.next_work, ring.produce)
+    stages, lay = ring_spec.stages, ring_spec.smem
+    stage_bytes = lay.stage_bytes
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
+    m_atoms, n_atoms = ring_spec.m_side.sf_atoms_per_slice, ring_spec.n_side.sf_atoms_per_slice
+    mma_bn, blocks = spec.mma_bn, spec.scale_blocks
+    tables_off, table_bytes = spec.buffers_offset, spec.scale_table_bytes
+    weight_table = scale_table_offset(spec, 1, 0, 0)
+    block_table_bytes = SCALE_TABLE_ROWS * SCALE_TABLE_WORD
+    k_step_bytes = E4M3_WGMMA_K   # one byte per E4M3 element
+    warpgroup_a_bytes = TOKENS_PER_WARPGROUP * ring_spec.m_side.row_bytes
+    consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
+    producer_warps = ring_spec.producer_warps
+    if not ring_spec.uses_setmaxnreg:
+        raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
+    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
+    barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
+    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
+    num_acc = mma_bn // 2
+    mma = hp.wgmma_e4m3_ss(mma_bn)
+    scale_accumulate = hp.wgmma_scale_accumulate(mma_bn)
+    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
+    sf_offset = _device(scale_byte_offset)
+    scale_bits = _device(ue8m0_f32_bits)
+    store_tile = _make_store_tile(num_acc)
+    fill_blocks = blocks * SCALE_TABLE_ROWS // consumer_threads   # blocks of one row each thread converts
+    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, ROUTING_SMEM_SLOTS = (
+        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.ROUTING_SMEM_SLOTS)
+
+    def grouped_matmul_h200_wgmma_e4m3(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
+                                       out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                                       slices_per_split):
+        dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
+        bars = cuda.shared.array(barrier_words, dtype=np.uint64)
+        shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
+        shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
+        copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+        warp = cm.warp_index()
+        if warp < producer_warps:
+            producer_regs()
+            produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
+                    n, k_slices, max_tiles, k_splits, slices_per_split)
+            cuda.syncwarp()
+        else:
+            consumer_regs()
+            block_sync()   # the mbarriers are initialised (and the routing copied)
+            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+            lane = cm.laneid()
+            base = np.int64(cm.shared_address(dyn))
+            bar0 = np.int64(cm.shared_address(bars))
+            cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
+            cw = warp - producer_warps
+            wg = cw // WARPGROUP_WARPS
+            q = lane & 3
+            # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
+            m_row = wg * TOKENS_PER_WARPGROUP + (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)
+            # the scale-table fill: one token row and one weight row, ``fill_blocks`` blocks of each
+            consumer_tid = cw * 32 + lane
+            fill_row = consumer_tid % SCALE_TABLE_ROWS
+            fill_block = (consumer_tid // SCALE_TABLE_ROWS) * fill_blocks
+            acc_out = cuda.local.array(num_acc, float32)
+            acc = zero_acc()
+            part = zero_acc()
+            stage = np.uint32(0)
+            phase = np.uint32(0)
+            cursor_slot = np.int64(0)
+            cursor_first = np.int64(0)
+            for work in range(cta, max_tiles, num_ctas):
+                slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
+                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+                if slot < 0:
+                    break
+                group_start = np.int64(walk_offsets[slot])
+                m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + fill_row)
+                n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + fill_row)
+                acc = zero_acc()
+                for _ in range(k_slices):
+                    wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+                    st = np.uint32(base + stage * stage_bytes)
+                    tables = np.uint32(base + tables_off + stage * table_bytes)
+                    # 1. this stage's scales as fp32, [block][row], tokens then weights
+                    m_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, m_atoms))
+                    n_word = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, n_atoms))
+                    for h in range(fill_blocks):
+                        block = np.uint32(fill_block + h)
+                        shift = np.uint32(8) * block
+                        entry = tables + (block * SCALE_TABLE_ROWS + fill_row) * SCALE_TABLE_WORD
+                        st_shared_u32(entry, scale_bits((m_word >> shift) & np.uint32(0xFF)))
+                        st_shared_u32(entry + weight_table, scale_bits((n_word >> shift) & np.uint32(0xFF)))
+                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                    # 2. per block: this warpgroup's k32 partial product, then acc += part x scales
+                    a_start = st + m_data_off + wg * warpgroup_a_bytes
+                    b_start = st + n_data_off
+                    for block in range(blocks):
+                        desc_a = hp.wgmma_smem_descriptor_device(a_start + block * k_step_bytes, SW128_LEADING_BYTES,
+                                                                 SW128_ATOM_BYTES, "128B")
+                        desc_b = hp.wgmma_smem_descriptor_device(b_start + block * k_step_bytes, SW128_LEADING_BYTES,
+                                                                 SW128_ATOM_BYTES, "128B")
+                        hp.wgmma_fence()
+                        part = mma(part, desc_a, desc_b, np.uint32(0))
+                        hp.wgmma_commit_group()
+                        hp.wgmma_wait_group_0()
+                        part = hp.wgmma_fence_accumulators(part)
+                        row_scales = tables + (block * SCALE_TABLE_ROWS + m_row) * SCALE_TABLE_WORD
+                        acc = scale_accumulate(acc, part, ld_shared_f32(row_scales),
+                                               ld_shared_f32(row_scales + 8 * SCALE_TABLE_WORD),
+                                               tables + weight_table + block * block_table_bytes
+                                               + 2 * q * SCALE_TABLE_WORD)
+                    cuda.syncwarp()
+                    if lane == 0:
+                        mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+                    stage = np.uint32(stage + np.uint32(1))
+                    if stage == np.uint32(stages):
+                        stage = np.uint32(0)
+                        phase = np.uint32(phase ^ np.uint32(1))
+                hp.accumulators_to_array(acc, acc_out)
+                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+
+    return grouped_matmul_h200_wgmma_e4m3
+
+
+def _make_store_tile(num_acc: int):
+    """Device function ``store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale)``: the epilogue
+    of both consumers, ``C[token, row] = bf16(acc * out_scale)`` for a thread's ``num_acc`` accumulators
+    (copied to ``acc_out``) with paired 4-byte stores where both columns are in range and 4-byte aligned;
+    tokens past ``t1`` and rows past ``r1`` are not written."""
+
+    def store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale):
+        out_address = np.int64(cm.generic_address(out))
+        n_pairs_aligned = np.uint32(n % 2 == 0)   # bf16 pairs (token, 2 c) are 4-byte aligned
+        for i in range(0, num_acc, 2):
+            # wgmma_accumulator_position: row g + 8 ((i >> 1) & 1), columns 8 (i >> 2) + 2 q + (0, 1)
+            token = t0 + m_row + 8 * ((i >> 1) & 1)
+            row = r0 + 8 * (i >> 2) + 2 * q
+            lo_ok = np.uint32((token < t1) & (row < r1))
+            hi_ok = np.uint32((token < t1) & (row + 1 < r1))
+            pair_ok = lo_ok & hi_ok & n_pairs_aligned
+            cm.store_global_u16x2_if(out_address + (token * n + row) * 2,
+                                     f32_to_bf16_bits(acc_out[i] * out_scale),
+                                     f32_to_bf16_bits(acc_out[i + 1] * out_scale),
+                                     pair_ok, lo_ok & ~pair_ok, hi_ok & ~pair_ok)
+
+    return _device(store_tile)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
 def _spec_for(formats: tuple[str, str], config: WgmmaConfig, stages: int) -> WgmmaSpec:
-    return WgmmaSpec(formats[0], formats[1], config.mma_bn, stages)
+    return WgmmaSpec(formats[0], formats[1], config.mma_bn, stages, mma_operands=config.mma_operands)
 
 
 def max_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
@@ -546,9 +759,10 @@ def check_can_implement(problem, config) -> WgmmaSpec:
     if stages == AUTO_STAGES:
         stages = real_max
     probe = _spec_for(formats, wgmma_config, 1)
+    beside = (f"{probe.scale_table_bytes} B of scale tables per stage" if probe.mma_operands == "e4m3" else
+              f"{BF16_BUFFERS} bf16 buffers of {probe.buffer_bytes} B")
     if not 1 <= stages <= real_max:
-        raise ValueError(f"{stages} pipeline stages do not fit the H200 beside {BF16_BUFFERS} bf16 buffers of "
-                         f"{probe.buffer_bytes} B: at most {real_max} for {formats[0]} x "
+        raise ValueError(f"{stages} pipeline stages do not fit the H200 beside {beside}: at most {real_max} for {formats[0]} x "
                          f"{formats[1]}, mma_bn={wgmma_config.mma_bn}; use num_pipeline_stages <= {real_max} or "
                          f"{AUTO_STAGES} (auto)")
     return dataclasses.replace(_spec_for(formats, wgmma_config, stages),
