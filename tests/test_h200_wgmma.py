@@ -377,18 +377,27 @@ def test_ue8m0_f32_bits_is_the_exact_scale_of_every_byte():
 
 def test_scale_tables_are_distinct_words_inside_the_stage_tables():
     spec = e4m3_spec()
-    offsets = {hw.scale_table_offset(spec, w, b, r) for w in (0, 1) for b in range(spec.scale_blocks)
-               for r in range(hw.SCALE_TABLE_ROWS)}
-    assert len(offsets) == 2 * spec.scale_blocks * hw.SCALE_TABLE_ROWS
+    offsets = {hw.scale_table_offset(spec, wg, w, b, r) for wg in range(hw.CONSUMER_WARPGROUPS) for w in (0, 1)
+               for b in range(spec.scale_blocks) for r in range(hw.TOKENS_PER_WARPGROUP if w == 0 else spec.mma_bn)}
+    assert len(offsets) == spec.scale_table_bytes // hw.SCALE_TABLE_WORD
     assert min(offsets) == 0 and max(offsets) + hw.SCALE_TABLE_WORD == spec.scale_table_bytes
     # wgmma_scale_accumulate reads column pairs (8 j + 2 q, + 1) as 8-byte loads, 32 bytes apart
-    assert hw.scale_table_offset(spec, 1, 0, 8) - hw.scale_table_offset(spec, 1, 0, 0) == hp.WGMMA_COLUMN_PAIR_STRIDE
-    assert hw.scale_table_offset(spec, 1, 0, 0) % 8 == 0
-    # every (block, row) of both tables is filled by exactly one consumer thread
-    fill_blocks = spec.scale_blocks * hw.SCALE_TABLE_ROWS // (hw.CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
-    filled = collections.Counter((t // hw.SCALE_TABLE_ROWS * fill_blocks + h, t % hw.SCALE_TABLE_ROWS)
-                                 for t in range(hw.CONSUMER_WARPGROUPS * hp.WGMMA_THREADS) for h in range(fill_blocks))
-    assert set(filled.values()) == {1} and len(filled) == spec.scale_blocks * hw.SCALE_TABLE_ROWS
+    assert hw.scale_table_offset(spec, 1, 1, 2, 8) - hw.scale_table_offset(spec, 1, 1, 2, 0) == hp.WGMMA_COLUMN_PAIR_STRIDE
+    assert all(hw.scale_table_offset(spec, wg, 1, b, 0) % 8 == 0 for wg in (0, 1) for b in range(spec.scale_blocks))
+
+
+def test_each_warpgroup_fills_every_entry_of_its_tables_once():
+    """The kernel's fill: thread t of a warpgroup converts weight row t of every block and blocks
+    2 (t // 64) .. + 1 of token row t % 64."""
+    spec = e4m3_spec()
+    token_blocks = spec.scale_blocks * hw.TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
+    filled = collections.Counter()
+    for t in range(hp.WGMMA_THREADS):
+        filled.update(("weights", b, t) for b in range(spec.scale_blocks))
+        filled.update(("tokens", (t // hw.TOKENS_PER_WARPGROUP) * token_blocks + h, t % hw.TOKENS_PER_WARPGROUP)
+                      for h in range(token_blocks))
+    assert set(filled.values()) == {1}
+    assert len(filled) == spec.scale_blocks * (hw.TOKENS_PER_WARPGROUP + spec.mma_bn)
 
 
 def test_column_scale_index_matches_the_accumulator_layout():
@@ -426,19 +435,19 @@ def test_e4m3_config_checks_its_knobs():
 
 
 def test_e4m3_sass_is_one_qgmma_per_block_and_the_promotion_in_registers():
-    """Offline (ptxas 13.5, sm_90a): the K loop holds the E4M3 wgmma (QGMMA, no HGMMA: nothing decoded),
-    followed by the promotion: 64 FMUL + 64 FFMA and 16 LDS.64 of column scales per block, and no local
-    memory between them."""
+    """Offline (ptxas 13.5, sm_90a): the K slice holds 4 E4M3 wgmmas (QGMMA, no HGMMA: nothing decoded) and
+    4 promotions of 64 FMUL + 64 FFMA and 16 LDS.64 of column scales, with no local memory in between."""
     spec = e4m3_spec()
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
     qgmma = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA.64x128x32.F32.E4M3.E4M3")]
-    assert qgmma and not any(ins.startswith("HGMMA") for ins in instructions)
+    assert len(qgmma) == hw.E4M3_BLOCKS_PER_SLICE and not any(ins.startswith("HGMMA") for ins in instructions)
     after = instructions[qgmma[0]:]
     end = next(i for i, ins in enumerate(after) if ins.startswith("BRA"))
     loop = collections.Counter(ins.split()[0] for ins in after[:end])
-    assert loop["FFMA"] == 64 and loop["FMUL"] == 64 and loop["LDS.64"] == 16, loop
+    blocks = hw.E4M3_BLOCKS_PER_SLICE
+    assert loop["FFMA"] == 64 * blocks and loop["FMUL"] == 64 * blocks and loop["LDS.64"] == 16 * blocks, loop
     assert not any(op.startswith(("LDL", "STL")) for op in loop), loop
 
 

@@ -45,10 +45,23 @@ warps per scheduler its latency is not hidden. A variant with a dedicated weight
 (512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
 scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
 
+The other route, ``WgmmaConfig(128, mma_operands="e4m3")`` (MXFP8 only; ``_make_e4m3_kernel_function``):
+no decode at all, the ring's E4M3 bytes go straight to ``wgmma m64n128k32 .e4m3.e4m3``, one wgmma per
+32-element block into a partial accumulator, and the two UE8M0 scales are applied to each partial
+product in fp32 (``hopper.wgmma_scale_accumulate``: one FMUL + one FFMA per accumulator and block). Correct,
+but slower on the H200 (runs 39-40: 4096 x 7168, 8 x 1024 tokens, 335 TFLOP/s vs 428 for the bf16 route at
+``mma_bn`` 256; 7168 x 2048: 302 vs 332), so ``wgmma_plan`` does not pick it. The arithmetic: 2 FP32
+instructions per accumulator and block are ``M N K / 512`` warp instructions, and an SM issues 4 per clock,
+so even at 100 % issue with nothing else this route tops out at 4096 FLOP per clock and SM = ~950 TFLOP/s on
+132 SMs at 1.75 GHz: below torch's FP8 row-wise grouped GEMM (~1000, one scale per row, no per-block work).
+With two consumer warps per scheduler (the 192 accumulator and partial registers per thread allow no more)
+it reaches ~55 % issue.
+
 Constraints (``check_can_implement``, ``prepare``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn``
-128 or 256; K a multiple of the K slice (256 elements when both operands are FP4, else 128); N and the
-token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output (paired bf16 stores);
-the ring plus the bf16 buffers within the H200's 227 KiB per block.
+128 or 256 (``mma_operands="e4m3"``: 128, MXFP8 E4M3 x E4M3); K a multiple of the K slice (256 elements
+when both operands are FP4, else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA)
+and a 4-byte aligned output (paired bf16 stores); the ring plus the bf16 buffers (or the scale tables)
+within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
@@ -106,13 +119,18 @@ OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32
 # to bf16 (every format pair); "e4m3" feeds MXFP8's E4M3 bytes from the TMA ring straight to
 # ``wgmma ... k32 .e4m3.e4m3`` and applies the two UE8M0 block scales to each k32 partial product in
 # fp32 (one 32-element block per wgmma: ``kernels.md``'s "FP8 wgmma k32 per block" route): no decode,
-# but per accumulator and block one FMUL (row x column scale) and one FFMA.
+# but per accumulator and block one FMUL (row x column scale) and one FFMA. Measured slower (runs 39-40,
+# 2026-11-30, MXFP8, TFLOP/s, bf16 route bn256 / e4m3 route: 4096 x 7168 8 x 1024 tokens 428.5 / 335.1,
+# 7168 x 2048 331.9 / 302.3, 4096 x 7168 32 x 256 424.7 / 331.0, 32 x 64 206.7 / 166.3; the first e4m3
+# version, one partial set and one barrier of both warpgroups per stage, 315.8): an ablation, not the plan.
 MMA_OPERANDS = ("bf16", "e4m3")
 E4M3_MMA_BN = (128,)          # 64 accumulators + 64 partial products per thread (256 wide: 256 registers)
 E4M3_WGMMA_K = 32             # K elements of one wgmma k32 step: one MX scale block
 E4M3_BLOCK = 32
-SCALE_TABLE_ROWS = hs.TILE_M_ROWS   # rows of each fp32 scale table: the tile's 128 tokens / 128 weight rows
 SCALE_TABLE_WORD = 4
+E4M3_BLOCKS_PER_SLICE = 4     # the consumer's block sequence is written out for 4 blocks (128-element K slices)
+E4M3_PARTIAL_SETS = 2         # partial-product sets: block b + 1's wgmma runs while block b is scaled
+WARPGROUP_BARRIER_BASE = 2    # named barriers 2, 3: one per consumer warpgroup (1 is h200_stream's CONSUMER_BARRIER)
 UE8M0_F32_SHIFT = 23          # a UE8M0 byte b as the fp32 exponent field: 2**(b - 127)
 UE8M0_ZERO_F32 = 0x00400000   # byte 0x00: 2**-127, an fp32 subnormal
 UE8M0_NAN_F32 = 0x7FC00000    # byte 0xFF: NaN
@@ -259,10 +277,16 @@ class WgmmaSpec:
         return self.k_slice // E4M3_BLOCK
 
     @property
+    def warpgroup_table_bytes(self) -> int:
+        """E4M3 operands: one warpgroup's fp32 scale tables of one ring stage: its 64 token rows, then the
+        tile's ``mma_bn`` weight rows, each ``[block][row]`` (``scale_table_offset``)."""
+        return self.scale_blocks * (TOKENS_PER_WARPGROUP + self.mma_bn) * SCALE_TABLE_WORD
+
+    @property
     def scale_table_bytes(self) -> int:
-        """E4M3 operands: one ring stage's fp32 scale tables, tokens then weights, each
-        ``[block][row]`` (``scale_table_offset``)."""
-        return 2 * self.scale_blocks * SCALE_TABLE_ROWS * SCALE_TABLE_WORD
+        """E4M3 operands: one ring stage's scale tables (each warpgroup has its own: the warpgroups meet
+        at their own barrier and run out of step, one's wgmma during the other's scaling)."""
+        return CONSUMER_WARPGROUPS * self.warpgroup_table_bytes
 
     @property
     def smem(self) -> "WgmmaSmem":
@@ -272,10 +296,15 @@ class WgmmaSpec:
         return WgmmaSmem(self.buffers_offset + BF16_BUFFERS * self.buffer_bytes, self.ring.smem.static_bytes)
 
 
-def scale_table_offset(spec: WgmmaSpec, weights: int, block: int, row: int) -> int:
-    """E4M3 operands: byte offset, inside one stage's scale tables, of the fp32 scale of ``block`` (0 ..
-    ``scale_blocks`` - 1) of tile row ``row`` of the tokens (``weights`` 0) or of the weights (1)."""
-    return ((weights * spec.scale_blocks + block) * SCALE_TABLE_ROWS + row) * SCALE_TABLE_WORD
+def scale_table_offset(spec: WgmmaSpec, warpgroup: int, weights: int, block: int, row: int) -> int:
+    """E4M3 operands: byte offset, inside one stage's scale tables, of ``warpgroup``'s fp32 copy of the scale
+    of ``block`` (0 .. ``scale_blocks`` - 1) of its token row ``row`` (``weights`` 0; 0 .. 63) or of the
+    tile's weight row ``row`` (``weights`` 1)."""
+    if weights:
+        offset = spec.scale_blocks * TOKENS_PER_WARPGROUP + block * spec.mma_bn + row
+    else:
+        offset = block * TOKENS_PER_WARPGROUP + row
+    return warpgroup * spec.warpgroup_table_bytes + offset * SCALE_TABLE_WORD
 
 
 def ue8m0_f32_bits(scale_byte):
@@ -570,16 +599,16 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
     """The ``mma_operands="e4m3"`` kernel (MXFP8 x MXFP8): the same ring, tile walk and epilogue; the
     consumers multiply the raw stage.
 
-    Per K slice (4 blocks of 32) each of the 256 consumer threads first converts two UE8M0 scales of
-    one token row and two of one weight row into this stage's fp32 scale tables (``scale_table_offset``;
-    row ``t % 128``, blocks ``2 (t // 128)`` and ``+ 1``), then the consumers meet at a named barrier. Per
-    block each warpgroup issues one ``wgmma m64n128k32 .e4m3.e4m3`` into a fresh partial accumulator, with
-    both operands read in place (the ring's 128B-swizzled 128-byte rows are wgmma's canonical K-major
-    layout; the block's k32 step is +32 bytes of descriptor start address), waits for it and adds it to
-    the tile's accumulators times (token row scale x weight row scale) (``wgmma_scale_accumulate``). The
-    two warpgroups interleave: one's wgmma runs while the other scales. A warp releases the stage after
-    its last block (the scale tables of a stage are rewritten only after its refill, i.e. after every
-    warp released it)."""
+    Per K slice (4 blocks of 32) each warpgroup first converts the UE8M0 scales it needs into its own
+    fp32 tables of the stage (``scale_table_offset``: thread ``t`` of 128 takes weight row ``t``, all
+    blocks, and blocks ``2 (t // 64)``, ``+ 1`` of its token row ``t % 64``) and meets at its own named
+    barrier (the two warpgroups stay out of step: one's wgmma runs while the other scales). Per block
+    it issues one ``wgmma m64n128k32 .e4m3.e4m3`` into a partial accumulator, both operands read in
+    place (the ring's 128B-swizzled 128-byte rows are wgmma's canonical K-major layout; block b is +32 b
+    bytes of descriptor start address), and adds the partial product times (token row scale x weight row
+    scale) to the tile's accumulators (``wgmma_scale_accumulate``). Two partial sets alternate, so block
+    b + 1's wgmma runs while block b is scaled. A warp releases the stage after its last block; a
+    stage's tables are rewritten only after its refill, i.e. after every warp released it."""
     ring_spec = spec.ring
     ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
     copy_routing, routing_views, block_sync, next_work, produce = (
@@ -589,12 +618,16 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
     m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
     m_atoms, n_atoms = ring_spec.m_side.sf_atoms_per_slice, ring_spec.n_side.sf_atoms_per_slice
     mma_bn, blocks = spec.mma_bn, spec.scale_blocks
+    if blocks != E4M3_BLOCKS_PER_SLICE or mma_bn != hp.WGMMA_THREADS:
+        raise AssertionError("the e4m3 consumer is written for 4 blocks per K slice and one weight row per thread")
     tables_off, table_bytes = spec.buffers_offset, spec.scale_table_bytes
-    weight_table = scale_table_offset(spec, 1, 0, 0)
-    block_table_bytes = SCALE_TABLE_ROWS * SCALE_TABLE_WORD
+    warpgroup_table_bytes = spec.warpgroup_table_bytes
+    token_block_bytes = TOKENS_PER_WARPGROUP * SCALE_TABLE_WORD
+    weight_table = scale_table_offset(spec, 0, 1, 0, 0)
+    weight_block_bytes = mma_bn * SCALE_TABLE_WORD
+    token_fill_blocks = blocks * TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
     k_step_bytes = E4M3_WGMMA_K   # one byte per E4M3 element
     warpgroup_a_bytes = TOKENS_PER_WARPGROUP * ring_spec.m_side.row_bytes
-    consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
     producer_warps = ring_spec.producer_warps
     if not ring_spec.uses_setmaxnreg:
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
@@ -609,9 +642,29 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
     sf_offset = _device(scale_byte_offset)
     scale_bits = _device(ue8m0_f32_bits)
     store_tile = _make_store_tile(num_acc)
-    fill_blocks = blocks * SCALE_TABLE_ROWS // consumer_threads   # blocks of one row each thread converts
-    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, ROUTING_SMEM_SLOTS = (
-        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.ROUTING_SMEM_SLOTS)
+    DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, ROUTING_SMEM_SLOTS = (
+        hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.ROUTING_SMEM_SLOTS)
+    WGMMA_THREADS = hp.WGMMA_THREADS
+
+    def issue(part, a_start, b_start, block):
+        """This warpgroup's wgmma of ``block`` into ``part`` (fresh: scale_d 0), committed as one group."""
+        desc_a = hp.wgmma_smem_descriptor_device(a_start + block * k_step_bytes, SW128_LEADING_BYTES,
+                                                 SW128_ATOM_BYTES, "128B")
+        desc_b = hp.wgmma_smem_descriptor_device(b_start + block * k_step_bytes, SW128_LEADING_BYTES,
+                                                 SW128_ATOM_BYTES, "128B")
+        hp.wgmma_fence()   # part was read by the previous block's scaling
+        part = mma(part, desc_a, desc_b, np.uint32(0))
+        hp.wgmma_commit_group()
+        return part
+
+    def promote(acc, part, tables, row_scales, q, block):
+        """acc += part x (token row scale x weight row scale) of ``block`` (``part`` waited for)."""
+        part = hp.wgmma_fence_accumulators(part)
+        token = row_scales + block * token_block_bytes
+        return scale_accumulate(acc, part, ld_shared_f32(token), ld_shared_f32(token + 8 * SCALE_TABLE_WORD),
+                                tables + weight_table + block * weight_block_bytes + 2 * q * SCALE_TABLE_WORD)
+
+    issue, promote = _device(issue), _device(promote)
 
     def grouped_matmul_h200_wgmma_e4m3(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                        out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
@@ -639,14 +692,17 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
             wg = cw // WARPGROUP_WARPS
             q = lane & 3
             # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
-            m_row = wg * TOKENS_PER_WARPGROUP + (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)
-            # the scale-table fill: one token row and one weight row, ``fill_blocks`` blocks of each
-            consumer_tid = cw * 32 + lane
-            fill_row = consumer_tid % SCALE_TABLE_ROWS
-            fill_block = (consumer_tid // SCALE_TABLE_ROWS) * fill_blocks
+            warp_row = (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)   # inside the warpgroup's 64
+            m_row = wg * TOKENS_PER_WARPGROUP + warp_row
+            # the table fill: weight row wt (every block), token row wt % 64 (token_fill_blocks blocks)
+            wt = (cw % WARPGROUP_WARPS) * 32 + lane
+            fill_token = wt % TOKENS_PER_WARPGROUP
+            fill_block = (wt // TOKENS_PER_WARPGROUP) * token_fill_blocks
+            table_base = np.uint32(base + tables_off + wg * warpgroup_table_bytes)
             acc_out = cuda.local.array(num_acc, float32)
             acc = zero_acc()
-            part = zero_acc()
+            part_a = zero_acc()
+            part_b = zero_acc()
             stage = np.uint32(0)
             phase = np.uint32(0)
             cursor_slot = np.int64(0)
@@ -657,41 +713,40 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
                 if slot < 0:
                     break
                 group_start = np.int64(walk_offsets[slot])
-                m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + fill_row)
-                n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + fill_row)
+                m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + wg * TOKENS_PER_WARPGROUP + fill_token)
+                n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
                 acc = zero_acc()
                 for _ in range(k_slices):
                     wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
                     st = np.uint32(base + stage * stage_bytes)
-                    tables = np.uint32(base + tables_off + stage * table_bytes)
-                    # 1. this stage's scales as fp32, [block][row], tokens then weights
+                    tables = np.uint32(table_base + stage * table_bytes)
+                    # 1. this warpgroup's scales of the stage as fp32
                     m_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, m_atoms))
                     n_word = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, n_atoms))
-                    for h in range(fill_blocks):
+                    for block in range(blocks):
+                        st_shared_u32(tables + weight_table + block * weight_block_bytes + wt * SCALE_TABLE_WORD,
+                                      scale_bits((n_word >> np.uint32(8 * block)) & np.uint32(0xFF)))
+                    for h in range(token_fill_blocks):
                         block = np.uint32(fill_block + h)
-                        shift = np.uint32(8) * block
-                        entry = tables + (block * SCALE_TABLE_ROWS + fill_row) * SCALE_TABLE_WORD
-                        st_shared_u32(entry, scale_bits((m_word >> shift) & np.uint32(0xFF)))
-                        st_shared_u32(entry + weight_table, scale_bits((n_word >> shift) & np.uint32(0xFF)))
-                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                    # 2. per block: this warpgroup's k32 partial product, then acc += part x scales
+                        st_shared_u32(tables + block * token_block_bytes + fill_token * SCALE_TABLE_WORD,
+                                      scale_bits((m_word >> (np.uint32(8) * block)) & np.uint32(0xFF)))
+                    cm.named_barrier_sync(WARPGROUP_BARRIER_BASE + wg, WGMMA_THREADS)
+                    # 2. blocks 0..3, two partial sets: block b + 1's wgmma runs while b is scaled
                     a_start = st + m_data_off + wg * warpgroup_a_bytes
                     b_start = st + n_data_off
-                    for block in range(blocks):
-                        desc_a = hp.wgmma_smem_descriptor_device(a_start + block * k_step_bytes, SW128_LEADING_BYTES,
-                                                                 SW128_ATOM_BYTES, "128B")
-                        desc_b = hp.wgmma_smem_descriptor_device(b_start + block * k_step_bytes, SW128_LEADING_BYTES,
-                                                                 SW128_ATOM_BYTES, "128B")
-                        hp.wgmma_fence()
-                        part = mma(part, desc_a, desc_b, np.uint32(0))
-                        hp.wgmma_commit_group()
-                        hp.wgmma_wait_group_0()
-                        part = hp.wgmma_fence_accumulators(part)
-                        row_scales = tables + (block * SCALE_TABLE_ROWS + m_row) * SCALE_TABLE_WORD
-                        acc = scale_accumulate(acc, part, ld_shared_f32(row_scales),
-                                               ld_shared_f32(row_scales + 8 * SCALE_TABLE_WORD),
-                                               tables + weight_table + block * block_table_bytes
-                                               + 2 * q * SCALE_TABLE_WORD)
+                    row_scales = tables + warp_row * SCALE_TABLE_WORD
+                    part_a = issue(part_a, a_start, b_start, 0)
+                    part_b = issue(part_b, a_start, b_start, 1)
+                    hp.wgmma_wait_group_1()
+                    acc = promote(acc, part_a, tables, row_scales, q, 0)
+                    part_a = issue(part_a, a_start, b_start, 2)
+                    hp.wgmma_wait_group_1()
+                    acc = promote(acc, part_b, tables, row_scales, q, 1)
+                    part_b = issue(part_b, a_start, b_start, 3)
+                    hp.wgmma_wait_group_1()
+                    acc = promote(acc, part_a, tables, row_scales, q, 2)
+                    hp.wgmma_wait_group_0()
+                    acc = promote(acc, part_b, tables, row_scales, q, 3)
                     cuda.syncwarp()
                     if lane == 0:
                         mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
