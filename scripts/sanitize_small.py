@@ -2,7 +2,7 @@
 """Small cases of every GPU kernel variant, for compute-sanitizer (memcheck / racecheck) on a GPU.
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py
-    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt]
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt] [nvfp4 mxfp4 mxfp8 w4a8]
 
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference.
@@ -28,6 +28,7 @@ STREAM_CONFIGS = [((True, 8, 1, 2), 1), ((True, 16, 1, 2), 2), ((True, 32, 1, 2)
                   ((False, 128, 1, 2), 1), ((True, 256, 1, 2), 1)]
 WGMMA_MMA_BN = (128, 256)
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+KERNELS = ("h200_stream", "h200_wgmma", "simt")
 
 
 def problem_for(fmt, seed):
@@ -37,14 +38,24 @@ def problem_for(fmt, seed):
 
 
 def main(argv=None) -> int:
-    kernels = set(sys.argv[1:] if argv is None else argv) or {"h200_stream", "h200_wgmma", "simt"}
+    args = set(sys.argv[1:] if argv is None else argv)
+    unknown = args - set(KERNELS) - set(FORMATS)
+    if unknown:
+        raise SystemExit(f"unknown arguments {sorted(unknown)}: give kernels {KERNELS} and / or formats {FORMATS}")
+    kernels = (args & set(KERNELS)) or set(KERNELS)
+    formats = (args & set(FORMATS)) or set(FORMATS)
     failures = 0
     for seed, fmt in enumerate(FORMATS):
+        if fmt not in formats:
+            continue
         p = problem_for(fmt, seed)
         cases = [("h200_stream", (c, splits), lambda c=c, splits=splits: h200_stream.grouped_matmul_h200(
                      p, StreamConfig(*c), k_splits=splits)) for c, splits in STREAM_CONFIGS]
         cases += [("h200_wgmma", (bn,), lambda bn=bn: h200_wgmma.grouped_matmul_h200(p, h200_wgmma.WgmmaConfig(bn)))
                   for bn in WGMMA_MMA_BN]
+        if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)
+            e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
+            cases.append(("h200_wgmma", (128, "e4m3"), lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
         cases.append(("simt", (True, 8, 1), lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, run in [case for case in cases if case[0] in kernels]:
             verdict = check_acceptance(p, run())
