@@ -390,13 +390,59 @@ _device = hs._device
 
 
 def make_kernel_function(spec: WgmmaSpec):
-    """The kernel as a Python function (closure over ``spec``); built fresh on every call."""
-    if spec.mma_operands == "e4m3":
-        return _make_e4m3_kernel_function(spec)
+    """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
+    both routes share (``_kernel_frame``) around the consumer of ``spec.mma_operands``."""
+    ring = hs.make_ring(spec.ring)
+    make_consumer = _make_e4m3_consumer if spec.mma_operands == "e4m3" else _make_bf16_consumer
+    return _kernel_frame(spec, ring, make_consumer(spec, ring))
+
+
+def _kernel_frame(spec: WgmmaSpec, ring, consume):
+    """The kernel around a consumer: the shared arrays, the routing copy, the producer warpgroup (the ring's
+    ``produce`` after ``setmaxnreg`` down to ``PRODUCER_REGISTERS``) and the two consumer warpgroups
+    (``setmaxnreg`` up, the block sync, then ``consume(dyn, bars, consumer_warp, walk_offsets,
+    walk_expert_ids, expert_scales, out, n, k_slices, max_tiles, k_splits, slices_per_split)``)."""
     ring_spec = spec.ring
-    ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
-    copy_routing, routing_views, block_sync, next_work, produce = (
-        ring.copy_routing, ring.routing_views, ring.block_sync, ring.next_work, ring.produce)
+    copy_routing, routing_views, block_sync, produce = (
+        ring.copy_routing, ring.routing_views, ring.block_sync, ring.produce)
+    producer_warps = ring_spec.producer_warps
+    if not ring_spec.uses_setmaxnreg:
+        raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
+    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
+    barrier_words = 2 * ring_spec.stages + hs.SPLIT_FLAG_WORDS
+    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
+    # module constants as plain names (numba needs literals for shared-array sizes and alignment)
+    DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hs.DYNAMIC_SMEM_ALIGN, hs.ROUTING_SMEM_SLOTS
+
+    def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
+                                  out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                                  slices_per_split):
+        dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
+        bars = cuda.shared.array(barrier_words, dtype=np.uint64)
+        shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
+        shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
+        copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+        warp = cm.warp_index()
+        if warp < producer_warps:
+            producer_regs()
+            produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
+                    n, k_slices, max_tiles, k_splits, slices_per_split)
+            cuda.syncwarp()
+        else:
+            consumer_regs()
+            block_sync()   # the mbarriers are initialised (and the routing copied)
+            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+            consume(dyn, bars, warp - producer_warps, walk_offsets, walk_expert_ids, expert_scales, out, n,
+                    k_slices, max_tiles, k_splits, slices_per_split)
+
+    return grouped_matmul_h200_wgmma
+
+
+def _make_bf16_consumer(spec: WgmmaSpec, ring):
+    """The consumer of ``mma_operands="bf16"`` (module docstring): a device function for ``_kernel_frame``."""
+    ring_spec = spec.ring
+    next_work = ring.next_work   # numba reads device functions from plain names, not attributes
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -408,13 +454,6 @@ def make_kernel_function(spec: WgmmaSpec):
     block_bytes = mma_bn * BF16_ROW_BYTES
     buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
     consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
-    producer_warps = ring_spec.producer_warps
-    if not ring_spec.uses_setmaxnreg:
-        raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
-    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
-    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
-    barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
-    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     num_acc = mma_bn // 2
     epilogue_scale = np.float32(2.0 ** ring_spec.epilogue_log2)
     m_load, m_decode, m_load_scales, m_selector, m_group_scale = hs._make_side_reader(m_side, ring_spec.pairing)
@@ -441,163 +480,146 @@ def make_kernel_function(spec: WgmmaSpec):
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     a_frag_words, rotation_run = A_FRAGMENT_SETS * 4 * k_steps, hs.ROTATION_RUN
     subs_per_slice = spec.subs_per_slice
-    # module constants as plain names (numba needs literals for shared-array sizes and alignment)
-    CONSUMER_BARRIER, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD, ROUTING_SMEM_SLOTS = (
-        hs.CONSUMER_BARRIER, hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD,
-        hs.ROUTING_SMEM_SLOTS)
+    # module constants as plain names (numba reads globals of other modules at compile time only by name)
+    CONSUMER_BARRIER, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD = (
+        hs.CONSUMER_BARRIER, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD)
     ROTATION_RUN = hs.ROTATION_RUN
 
-    def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
-                                  out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
-                                  slices_per_split):
-        dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
-        bars = cuda.shared.array(barrier_words, dtype=np.uint64)
-        shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
-        shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
-        copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-        warp = cm.warp_index()
-        if warp < producer_warps:
-            producer_regs()
-            produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
-                    n, k_slices, max_tiles, k_splits, slices_per_split)
-            cuda.syncwarp()
-        else:
-            consumer_regs()
-            block_sync()   # the mbarriers are initialised (and the routing copied)
-            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-            lane = cm.laneid()
-            base = np.int64(cm.shared_address(dyn))
-            bar0 = np.int64(cm.shared_address(bars))
-            cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
-            cw = warp - producer_warps
-            g = lane >> 2
-            q = lane & 3
-            # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
-            m_row = (cw // WARPGROUP_WARPS) * TOKENS_PER_WARPGROUP + (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + g
-            m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
-            m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
-            m_col = word_column(q, m_blocks)
-            # B side: weight rows w_row0 + lanes_per_step * it, group step w_step of each sub-step
-            w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
-            w_step = lane // lanes_per_step
-            buffers = np.uint32(base + buffers_off)
-            m_col0 = cuda.local.array(rotation_run, np.uint32)
-            m_sel0 = cuda.local.array(rotation_run, np.uint32)
-            for c in range(ROTATION_RUN):
-                gl0 = rotated(c, q)
-                m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
-                m_sel0[c] = m_selector(gl0)
-            m_sc = cuda.local.array(4, np.uint32)               # (s0, s1) of rows m_row, m_row + 8
-            w_sc = cuda.local.array(w_sc_words, np.uint32)      # (s0, s1) per item and quarter
-            m_w = cuda.local.array(4, np.uint32)
-            w_dec = cuda.local.array(w_dec_words, np.uint32)    # [quarter][register]
-            # two sets (the sub-steps of a slice alternate): an in-flight wgmma still reads the other's
-            a_frag = cuda.local.array(a_frag_words, np.uint32)
-            acc_out = cuda.local.array(num_acc, float32)
+    def consume(dyn, bars, cw, walk_offsets, walk_expert_ids, expert_scales, out, n, k_slices, max_tiles, k_splits,
+                slices_per_split):
+        lane = cm.laneid()
+        base = np.int64(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
+        g = lane >> 2
+        q = lane & 3
+        # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
+        m_row = (cw // WARPGROUP_WARPS) * TOKENS_PER_WARPGROUP + (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + g
+        m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
+        m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
+        m_col = word_column(q, m_blocks)
+        # B side: weight rows w_row0 + lanes_per_step * it, group step w_step of each sub-step
+        w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
+        w_step = lane // lanes_per_step
+        buffers = np.uint32(base + buffers_off)
+        m_col0 = cuda.local.array(rotation_run, np.uint32)
+        m_sel0 = cuda.local.array(rotation_run, np.uint32)
+        for c in range(ROTATION_RUN):
+            gl0 = rotated(c, q)
+            m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
+            m_sel0[c] = m_selector(gl0)
+        m_sc = cuda.local.array(4, np.uint32)               # (s0, s1) of rows m_row, m_row + 8
+        w_sc = cuda.local.array(w_sc_words, np.uint32)      # (s0, s1) per item and quarter
+        m_w = cuda.local.array(4, np.uint32)
+        w_dec = cuda.local.array(w_dec_words, np.uint32)    # [quarter][register]
+        # two sets (the sub-steps of a slice alternate): an in-flight wgmma still reads the other's
+        a_frag = cuda.local.array(a_frag_words, np.uint32)
+        acc_out = cuda.local.array(num_acc, float32)
+        acc = zero_acc()
+        buffer = np.uint32(0)
+        stage = np.int64(0)
+        phase = np.int64(0)
+        cursor_slot = np.int64(0)
+        cursor_first = np.int64(0)
+        for work in range(cta, max_tiles, num_ctas):
+            slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
+                work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+            if slot < 0:
+                break
+            group_start = np.int64(walk_offsets[slot])
+            m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+            n_sf_row0 = r0 % SF_ATOM_ROWS
             acc = zero_acc()
-            buffer = np.uint32(0)
-            stage = np.int64(0)
-            phase = np.int64(0)
-            cursor_slot = np.int64(0)
-            cursor_first = np.int64(0)
-            for work in range(cta, max_tiles, num_ctas):
-                slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
-                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
-                if slot < 0:
-                    break
-                group_start = np.int64(walk_offsets[slot])
-                m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
-                n_sf_row0 = r0 % SF_ATOM_ROWS
-                acc = zero_acc()
-                for _ in range(k_slices):
-                    full = bar0 + MBARRIER_BYTES * stage
-                    wait_parity_or_trap(full, phase)
-                    st = np.uint32(base + stage * stage_bytes)
-                    for i in range(2):
-                        address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
-                                                                      atoms))
-                        m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
-                    for it in range(items):
-                        for qq in range(QUAD):
-                            address = np.uint32(st + n_sf_off + sf_offset(
-                                np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
-                            w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
-                    st_m = np.uint32(st + m_row_addr)
-                    # sub-steps in pairs, the inner one unrolled: the A set and the group steps' place in
-                    # their rotation run are then constants (register and table indices)
-                    for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
-                        for parity in range(A_FRAGMENT_SETS):
-                            a_set = 4 * k_steps * parity
-                            first_c, run = step_groups(groups_per_sub, sub_pair, parity)
-                            m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
-                            m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
-                            b_addr = np.uint32(buffers + buffer * buffer_bytes)
-                            # 1. the weights: bf16 B operand rows into the free buffer
-                            c_w = first_c + w_step   # this thread's group step in run 0
-                            for it in range(items):
-                                w_row = w_row0 + lanes_per_step * it
-                                st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
-                                w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
-                                for qq in range(QUAD):
-                                    gl = rotated(c_w, qq)
-                                    w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor) ^ n_run))
-                                    scale = n_group_scale(w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1],
-                                                          np.uint32(n_selector(gl) + n_sel_run), run)
-                                    for j in range(4):
-                                        w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale, NEG_ZERO_BF16X2)
-                                for kbl in range(2):
-                                    for h in range(2):
-                                        j = 2 * kbl + h
-                                        st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
-                                                         w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
-                            cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
-                            # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
-                            # buffer written next) are done
-                            hp.wgmma_wait_group_1()
-                            # 3. the tokens: A fragments of the sub-step's group steps
-                            for p in range(groups_per_sub):
-                                c = first_c + p
-                                for i in range(2):
-                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run)) + 8 * i * m_row_bytes)
-                                for i in range(2):
-                                    scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel0[c] + m_sel_run),
-                                                          run)
-                                    for j in range(4):
-                                        # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
-                                        a_frag[a_set + a_index(p, j, i)] = fma_bf16x2(
-                                            m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
-                            # 4. meet the other warpgroup: the buffer is complete, then issue
-                            cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                            hp.wgmma_fence()
-                            for kb in range(k_steps):
-                                desc = hp.wgmma_smem_descriptor_device(
-                                    b_addr + (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K, SW128_LEADING_BYTES,
-                                    SW128_ATOM_BYTES, "128B")
-                                acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
-                                                a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
-                            hp.wgmma_commit_group()
-                            buffer += np.uint32(1)
-                            if buffer == BF16_BUFFERS:
-                                buffer = np.uint32(0)
-                    # every read of the raw stage is done (the MMAs read the bf16 buffers)
-                    cuda.syncwarp()
-                    if lane == 0:
-                        mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
-                    stage += 1
-                    if stage == stages:
-                        stage = 0
-                        phase ^= 1
-                hp.wgmma_wait_group_0()
-                acc = hp.wgmma_fence_accumulators(acc)
-                hp.accumulators_to_array(acc, acc_out)
-                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
-
-    return grouped_matmul_h200_wgmma
+            for _ in range(k_slices):
+                full = bar0 + MBARRIER_BYTES * stage
+                wait_parity_or_trap(full, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                for i in range(2):
+                    address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
+                                                                  atoms))
+                    m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
+                for it in range(items):
+                    for qq in range(QUAD):
+                        address = np.uint32(st + n_sf_off + sf_offset(
+                            np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
+                        w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
+                st_m = np.uint32(st + m_row_addr)
+                # sub-steps in pairs, the inner one unrolled: the A set and the group steps' place in
+                # their rotation run are then constants (register and table indices)
+                for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
+                    for parity in range(A_FRAGMENT_SETS):
+                        a_set = 4 * k_steps * parity
+                        first_c, run = step_groups(groups_per_sub, sub_pair, parity)
+                        m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
+                        m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
+                        b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                        # 1. the weights: bf16 B operand rows into the free buffer
+                        c_w = first_c + w_step   # this thread's group step in run 0
+                        for it in range(items):
+                            w_row = w_row0 + lanes_per_step * it
+                            st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
+                            w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
+                            for qq in range(QUAD):
+                                gl = rotated(c_w, qq)
+                                w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor) ^ n_run))
+                                scale = n_group_scale(w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1],
+                                                      np.uint32(n_selector(gl) + n_sel_run), run)
+                                for j in range(4):
+                                    w_dec[4 * qq + j] = fma_bf16x2(n_decode(w0, w1, j), scale, NEG_ZERO_BF16X2)
+                            for kbl in range(2):
+                                for h in range(2):
+                                    j = 2 * kbl + h
+                                    st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
+                                                     w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
+                        cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                        # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
+                        # buffer written next) are done
+                        hp.wgmma_wait_group_1()
+                        # 3. the tokens: A fragments of the sub-step's group steps
+                        for p in range(groups_per_sub):
+                            c = first_c + p
+                            for i in range(2):
+                                m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run)) + 8 * i * m_row_bytes)
+                            for i in range(2):
+                                scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel0[c] + m_sel_run),
+                                                      run)
+                                for j in range(4):
+                                    # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
+                                    a_frag[a_set + a_index(p, j, i)] = fma_bf16x2(
+                                        m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
+                        # 4. meet the other warpgroup: the buffer is complete, then issue
+                        cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                        hp.wgmma_fence()
+                        for kb in range(k_steps):
+                            desc = hp.wgmma_smem_descriptor_device(
+                                b_addr + (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K, SW128_LEADING_BYTES,
+                                SW128_ATOM_BYTES, "128B")
+                            acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
+                                            a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
+                        hp.wgmma_commit_group()
+                        buffer += np.uint32(1)
+                        if buffer == BF16_BUFFERS:
+                            buffer = np.uint32(0)
+                # every read of the raw stage is done (the MMAs read the bf16 buffers)
+                cuda.syncwarp()
+                if lane == 0:
+                    mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+            hp.wgmma_wait_group_0()
+            acc = hp.wgmma_fence_accumulators(acc)
+            hp.accumulators_to_array(acc, acc_out)
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
 
 
-def _make_e4m3_kernel_function(spec: WgmmaSpec):
-    """The ``mma_operands="e4m3"`` kernel (MXFP8 x MXFP8): the same ring, tile walk and epilogue; the
-    consumers multiply the raw stage.
+    return _device(consume)
+
+
+def _make_e4m3_consumer(spec: WgmmaSpec, ring):
+    """The consumer of ``mma_operands="e4m3"`` (MXFP8 x MXFP8), a device function for ``_kernel_frame``: the
+    same ring, tile walk and epilogue as the bf16 route; it multiplies the raw stage.
 
     Per K slice (4 blocks of 32) each warpgroup first converts the UE8M0 scales it needs into its own
     fp32 tables of the stage (``scale_table_offset``: thread ``t`` of 128 takes weight row ``t``, all
@@ -610,9 +632,7 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
     b + 1's wgmma runs while block b is scaled. A warp releases the stage after its last block; a
     stage's tables are rewritten only after its refill, i.e. after every warp released it."""
     ring_spec = spec.ring
-    ring = hs.make_ring(ring_spec)   # numba reads device functions from plain names, not attributes
-    copy_routing, routing_views, block_sync, next_work, produce = (
-        ring.copy_routing, ring.routing_views, ring.block_sync, ring.next_work, ring.produce)
+    next_work = ring.next_work   # numba reads device functions from plain names, not attributes
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
@@ -628,13 +648,6 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
     token_fill_blocks = blocks * TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
     k_step_bytes = E4M3_WGMMA_K   # one byte per E4M3 element
     warpgroup_a_bytes = TOKENS_PER_WARPGROUP * ring_spec.m_side.row_bytes
-    producer_warps = ring_spec.producer_warps
-    if not ring_spec.uses_setmaxnreg:
-        raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
-    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
-    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
-    barrier_words = 2 * stages + hs.SPLIT_FLAG_WORDS
-    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     num_acc = mma_bn // 2
     mma = hp.wgmma_e4m3_ss(mma_bn)
     scale_accumulate = hp.wgmma_scale_accumulate(mma_bn)
@@ -642,9 +655,7 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
     sf_offset = _device(scale_byte_offset)
     scale_bits = _device(ue8m0_f32_bits)
     store_tile = _make_store_tile(num_acc)
-    DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES, ROUTING_SMEM_SLOTS = (
-        hs.DYNAMIC_SMEM_ALIGN, hs.MBARRIER_BYTES, hs.ROUTING_SMEM_SLOTS)
-    WGMMA_THREADS = hp.WGMMA_THREADS
+    MBARRIER_BYTES, WGMMA_THREADS = hs.MBARRIER_BYTES, hp.WGMMA_THREADS
 
     def issue(part, a_start, b_start, block):
         """This warpgroup's wgmma of ``block`` into ``part`` (fresh: scale_d 0), committed as one group."""
@@ -666,98 +677,82 @@ def _make_e4m3_kernel_function(spec: WgmmaSpec):
 
     issue, promote = _device(issue), _device(promote)
 
-    def grouped_matmul_h200_wgmma_e4m3(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
-                                       out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
-                                       slices_per_split):
-        dyn = cuda.shared.array(0, dtype=np.uint8, alignment=DYNAMIC_SMEM_ALIGN)
-        bars = cuda.shared.array(barrier_words, dtype=np.uint64)
-        shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
-        shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
-        copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-        warp = cm.warp_index()
-        if warp < producer_warps:
-            producer_regs()
-            produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
-                    n, k_slices, max_tiles, k_splits, slices_per_split)
-            cuda.syncwarp()
-        else:
-            consumer_regs()
-            block_sync()   # the mbarriers are initialised (and the routing copied)
-            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-            lane = cm.laneid()
-            base = np.int64(cm.shared_address(dyn))
-            bar0 = np.int64(cm.shared_address(bars))
-            cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
-            cw = warp - producer_warps
-            wg = cw // WARPGROUP_WARPS
-            q = lane & 3
-            # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
-            warp_row = (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)   # inside the warpgroup's 64
-            m_row = wg * TOKENS_PER_WARPGROUP + warp_row
-            # the table fill: weight row wt (every block), token row wt % 64 (token_fill_blocks blocks)
-            wt = (cw % WARPGROUP_WARPS) * 32 + lane
-            fill_token = wt % TOKENS_PER_WARPGROUP
-            fill_block = (wt // TOKENS_PER_WARPGROUP) * token_fill_blocks
-            table_base = np.uint32(base + tables_off + wg * warpgroup_table_bytes)
-            acc_out = cuda.local.array(num_acc, float32)
+    def consume(dyn, bars, cw, walk_offsets, walk_expert_ids, expert_scales, out, n, k_slices, max_tiles, k_splits,
+                slices_per_split):
+        lane = cm.laneid()
+        base = np.int64(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
+        wg = cw // WARPGROUP_WARPS
+        q = lane & 3
+        # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
+        warp_row = (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)   # inside the warpgroup's 64
+        m_row = wg * TOKENS_PER_WARPGROUP + warp_row
+        # the table fill: weight row wt (every block), token row wt % 64 (token_fill_blocks blocks)
+        wt = (cw % WARPGROUP_WARPS) * 32 + lane
+        fill_token = wt % TOKENS_PER_WARPGROUP
+        fill_block = (wt // TOKENS_PER_WARPGROUP) * token_fill_blocks
+        table_base = np.uint32(base + tables_off + wg * warpgroup_table_bytes)
+        acc_out = cuda.local.array(num_acc, float32)
+        acc = zero_acc()
+        part_a = zero_acc()
+        part_b = zero_acc()
+        stage = np.uint32(0)
+        phase = np.uint32(0)
+        cursor_slot = np.int64(0)
+        cursor_first = np.int64(0)
+        for work in range(cta, max_tiles, num_ctas):
+            slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
+                work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+            if slot < 0:
+                break
+            group_start = np.int64(walk_offsets[slot])
+            m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + wg * TOKENS_PER_WARPGROUP + fill_token)
+            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
             acc = zero_acc()
-            part_a = zero_acc()
-            part_b = zero_acc()
-            stage = np.uint32(0)
-            phase = np.uint32(0)
-            cursor_slot = np.int64(0)
-            cursor_first = np.int64(0)
-            for work in range(cta, max_tiles, num_ctas):
-                slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
-                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
-                if slot < 0:
-                    break
-                group_start = np.int64(walk_offsets[slot])
-                m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + wg * TOKENS_PER_WARPGROUP + fill_token)
-                n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
-                acc = zero_acc()
-                for _ in range(k_slices):
-                    wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
-                    st = np.uint32(base + stage * stage_bytes)
-                    tables = np.uint32(table_base + stage * table_bytes)
-                    # 1. this warpgroup's scales of the stage as fp32
-                    m_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, m_atoms))
-                    n_word = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, n_atoms))
-                    for block in range(blocks):
-                        st_shared_u32(tables + weight_table + block * weight_block_bytes + wt * SCALE_TABLE_WORD,
-                                      scale_bits((n_word >> np.uint32(8 * block)) & np.uint32(0xFF)))
-                    for h in range(token_fill_blocks):
-                        block = np.uint32(fill_block + h)
-                        st_shared_u32(tables + block * token_block_bytes + fill_token * SCALE_TABLE_WORD,
-                                      scale_bits((m_word >> (np.uint32(8) * block)) & np.uint32(0xFF)))
-                    cm.named_barrier_sync(WARPGROUP_BARRIER_BASE + wg, WGMMA_THREADS)
-                    # 2. blocks 0..3, two partial sets: block b + 1's wgmma runs while b is scaled
-                    a_start = st + m_data_off + wg * warpgroup_a_bytes
-                    b_start = st + n_data_off
-                    row_scales = tables + warp_row * SCALE_TABLE_WORD
-                    part_a = issue(part_a, a_start, b_start, 0)
-                    part_b = issue(part_b, a_start, b_start, 1)
-                    hp.wgmma_wait_group_1()
-                    acc = promote(acc, part_a, tables, row_scales, q, 0)
-                    part_a = issue(part_a, a_start, b_start, 2)
-                    hp.wgmma_wait_group_1()
-                    acc = promote(acc, part_b, tables, row_scales, q, 1)
-                    part_b = issue(part_b, a_start, b_start, 3)
-                    hp.wgmma_wait_group_1()
-                    acc = promote(acc, part_a, tables, row_scales, q, 2)
-                    hp.wgmma_wait_group_0()
-                    acc = promote(acc, part_b, tables, row_scales, q, 3)
-                    cuda.syncwarp()
-                    if lane == 0:
-                        mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
-                    stage = np.uint32(stage + np.uint32(1))
-                    if stage == np.uint32(stages):
-                        stage = np.uint32(0)
-                        phase = np.uint32(phase ^ np.uint32(1))
-                hp.accumulators_to_array(acc, acc_out)
-                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+            for _ in range(k_slices):
+                wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                tables = np.uint32(table_base + stage * table_bytes)
+                # 1. this warpgroup's scales of the stage as fp32
+                m_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, m_atoms))
+                n_word = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, n_atoms))
+                for block in range(blocks):
+                    st_shared_u32(tables + weight_table + block * weight_block_bytes + wt * SCALE_TABLE_WORD,
+                                  scale_bits((n_word >> np.uint32(8 * block)) & np.uint32(0xFF)))
+                for h in range(token_fill_blocks):
+                    block = np.uint32(fill_block + h)
+                    st_shared_u32(tables + block * token_block_bytes + fill_token * SCALE_TABLE_WORD,
+                                  scale_bits((m_word >> (np.uint32(8) * block)) & np.uint32(0xFF)))
+                cm.named_barrier_sync(WARPGROUP_BARRIER_BASE + wg, WGMMA_THREADS)
+                # 2. blocks 0..3, two partial sets: block b + 1's wgmma runs while b is scaled
+                a_start = st + m_data_off + wg * warpgroup_a_bytes
+                b_start = st + n_data_off
+                row_scales = tables + warp_row * SCALE_TABLE_WORD
+                part_a = issue(part_a, a_start, b_start, 0)
+                part_b = issue(part_b, a_start, b_start, 1)
+                hp.wgmma_wait_group_1()
+                acc = promote(acc, part_a, tables, row_scales, q, 0)
+                part_a = issue(part_a, a_start, b_start, 2)
+                hp.wgmma_wait_group_1()
+                acc = promote(acc, part_b, tables, row_scales, q, 1)
+                part_b = issue(part_b, a_start, b_start, 3)
+                hp.wgmma_wait_group_1()
+                acc = promote(acc, part_a, tables, row_scales, q, 2)
+                hp.wgmma_wait_group_0()
+                acc = promote(acc, part_b, tables, row_scales, q, 3)
+                cuda.syncwarp()
+                if lane == 0:
+                    mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+                stage = np.uint32(stage + np.uint32(1))
+                if stage == np.uint32(stages):
+                    stage = np.uint32(0)
+                    phase = np.uint32(phase ^ np.uint32(1))
+            hp.accumulators_to_array(acc, acc_out)
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
 
-    return grouped_matmul_h200_wgmma_e4m3
+
+    return _device(consume)
 
 
 def _make_store_tile(num_acc: int):
