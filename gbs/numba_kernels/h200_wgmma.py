@@ -45,7 +45,7 @@ warps per scheduler its latency is not hidden. A variant with a dedicated weight
 (512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
 scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
 
-The other route, ``WgmmaConfig(128, mma_operands="e4m3")`` (MXFP8 only; ``_make_e4m3_kernel_function``):
+The other route, ``WgmmaConfig(128, mma_operands="e4m3")`` (MXFP8 only; ``_make_e4m3_consumer``):
 no decode at all, the ring's E4M3 bytes go straight to ``wgmma m64n128k32 .e4m3.e4m3``, one wgmma per
 32-element block into a partial accumulator, and the two UE8M0 scales are applied to each partial
 product in fp32 (``hopper.wgmma_scale_accumulate``: one FMUL + one FFMA per accumulator and block). Correct,
