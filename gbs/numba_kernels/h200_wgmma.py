@@ -129,7 +129,6 @@ E4M3_WGMMA_K = 32             # K elements of one wgmma k32 step: one MX scale b
 E4M3_BLOCK = 32
 SCALE_TABLE_WORD = 4
 E4M3_BLOCKS_PER_SLICE = 4     # the consumer's block sequence is written out for 4 blocks (128-element K slices)
-E4M3_PARTIAL_SETS = 2         # partial-product sets: block b + 1's wgmma runs while block b is scaled
 WARPGROUP_BARRIER_BASE = 2    # named barriers 2, 3: one per consumer warpgroup (1 is h200_stream's CONSUMER_BARRIER)
 UE8M0_F32_SHIFT = 23          # a UE8M0 byte b as the fp32 exponent field: 2**(b - 127)
 UE8M0_ZERO_F32 = 0x00400000   # byte 0x00: 2**-127, an fp32 subnormal
