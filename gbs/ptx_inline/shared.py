@@ -1,4 +1,4 @@
-"""Explicit shared-memory loads and stores: ``ld.shared`` of 1, 2 or 4 32-bit words (u32, or f32 pairs),
+"""Explicit shared-memory loads and stores: ``ld.shared`` of 1, 2 or 4 32-bit words (and of one f32),
 ``st.shared`` of 1 or 4.
 
 Why not index a ``cuda.shared.array``: a kernel that addresses one dynamic shared buffer with
@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
 
-from ._llvm import F32, I32, asm, struct_to_tuple
+from ._llvm import I32, asm, struct_to_tuple
 from .common import ptx_intrinsic
 
 ld_shared_u32 = ptx_intrinsic(
@@ -28,34 +28,27 @@ ld_shared_u32 = ptx_intrinsic(
     doc="32-bit load from the shared-window address ``smem`` (4-byte aligned).")
 
 
-# element kind -> (PTX type, numba type, llvmlite type, constraint letter)
-_VECTOR_KINDS = {"u32": ("u32", types.uint32, I32, "r"), "f32": ("f32", types.float32, F32, "f")}
-
-
-def _ld_shared_vector(width: int, kind: str = "u32"):
-    """Intrinsic: ``width`` (2 or 4) 32-bit words (``kind`` u32 or f32) from a ``4 * width``-byte aligned
-    shared-window address."""
-    ptx_type, nb_type, ll_type, letter = _VECTOR_KINDS[kind]
-    name = f"ld_shared_v{width}_{kind}"
+def _ld_shared_u32_vector(width: int):
+    """Intrinsic: ``width`` (2 or 4) 32-bit words from a ``4 * width``-byte aligned shared-window address."""
     outputs = ", ".join(f"${i}" for i in range(width))
-    text = f"ld.shared.v{width}.{ptx_type} {{{outputs}}}, [${width}];"
-    constraints = ",".join([f"={letter}"] * width + ["r"])
-    words_type = types.UniTuple(nb_type, width)
+    text = f"ld.shared.v{width}.u32 {{{outputs}}}, [${width}];"
+    constraints = ",".join(["=r"] * width + ["r"])
+    words_type = types.UniTuple(types.uint32, width)
 
     @intrinsic
     def ld_shared_vector(typingctx, smem):
         if not isinstance(smem, types.Integer):
-            raise TypeError(f"{name}: smem must be an integer shared-window address, got {smem}")
+            raise TypeError(f"ld_shared_v{width}_u32: smem must be an integer shared-window address, got {smem}")
 
         def codegen(context, builder, sig, args):
             address = context.cast(builder, args[0], sig.args[0], types.uint32)
-            words = asm(builder, ir.LiteralStructType([ll_type] * width), [I32], text, constraints, [address],
+            words = asm(builder, ir.LiteralStructType([I32] * width), [I32], text, constraints, [address],
                         memory=False)
             return struct_to_tuple(context, builder, sig.return_type, words, width)
 
         return words_type(smem), codegen
 
-    ld_shared_vector.__doc__ = f"{_ld_shared_vector.__doc__}\n\nPTX: ``{text}``"
+    ld_shared_vector.__doc__ = f"{_ld_shared_u32_vector.__doc__}\n\nPTX: ``{text}``"
     return ld_shared_vector
 
 
@@ -63,9 +56,8 @@ ld_shared_f32 = ptx_intrinsic(
     "ld_shared_f32", "ld.shared.f32 $0, [$1];", [("smem", "u32")], result="f32", memory=False,
     doc="32-bit float load from the shared-window address ``smem`` (4-byte aligned).")
 
-ld_shared_v2_u32 = _ld_shared_vector(2)
-ld_shared_v4_u32 = _ld_shared_vector(4)
-ld_shared_v2_f32 = _ld_shared_vector(2, "f32")
+ld_shared_v2_u32 = _ld_shared_u32_vector(2)
+ld_shared_v4_u32 = _ld_shared_u32_vector(4)
 
 st_shared_u32 = ptx_intrinsic(
     "st_shared_u32", "st.shared.u32 [$0], $1;", [("smem", "u32"), ("word", "u32")],
