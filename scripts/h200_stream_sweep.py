@@ -12,7 +12,8 @@ what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
-and the streaming-read ceiling is measured in the same run. Needs an sm_90 GPU.
+and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
+start-up trace build (``h200_stream.TRACE_EVENTS``: where a launch's fixed time goes). Needs an sm_90 GPU.
 """
 from __future__ import annotations
 
@@ -77,6 +78,31 @@ def parse_point(text: str):
     return fmt, parse_case(case, text), config, k_splits, num_ctas
 
 
+def trace_point(directory: str, text: str, problem, first, copies: int, budget_s: float) -> None:
+    """Run the trace build of ``first``'s launch (same spec, grid and split-K runs) as the bench times it,
+    then print the per-CTA phases of the last launch of every input copy and save the stamps."""
+    import pathlib
+
+    import numpy as np
+    from numba import cuda
+
+    config = h200_stream.StreamConfig(first.spec.ab_swapped, first.spec.mma_bn, first.spec.cta_group, first.spec.stages)
+    traced = [h200_stream.prepare(to_device(problem), config, num_ctas=first.num_ctas, k_splits=first.k_splits,
+                                  trace=True) for _ in range(copies)]
+    timing = bench.time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
+    cuda.synchronize()
+    records = np.concatenate([launch.trace_buffer.copy_to_host() for launch in traced])
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    np.save(path / (text.replace(":", "_").replace(",", "x") + ".npy"), records)
+    print(f"    trace build {timing.median_us:.1f} us; per CTA (ns, median / p10 / p90 over {len(records)} CTAs):")
+    for phase, values in h200_stream.trace_phases(records).items():
+        values = values[~np.isnan(values)]
+        if values.size:
+            p10, median, p90 = np.percentile(values, (10, 50, 90))
+            print(f"      {phase:36} {median:9.0f} {p10:9.0f} {p90:9.0f}   ({values.size} CTAs)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="+")
@@ -84,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=1.0, help="timed seconds per point")
     parser.add_argument("--b-layout", default=B_LAYOUT_PACKED, choices=sorted(B_LAYOUTS),
                         help="weights re-laid once before timing (GroupedProblem.with_b_layout; FP4 weights)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="streaming-kernel points: also run the start-up trace build (h200_stream.TRACE_EVENTS) "
+                             "with the same grid, print its phases and save the stamps as DIR/<point>.npy")
     args = parser.parse_args(argv)
     points = [parse_point(p) for p in args.points]
     read_tbps, _ = bench.measure_read_bandwidth()
@@ -125,6 +154,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{text:44} {timing.median_us:9.1f} us  {gbps:7.0f} GB/s  {100 * row['read_ceiling_fraction']:5.1f} %"
               f"  {tflops:6.1f} TFLOP/s  ctas {first.num_ctas} splits {first.k_splits}", flush=True)
+        if args.trace and first.kernel == "h200_stream" and first.max_tiles:
+            trace_point(args.trace, text, problem, first, copies, args.budget_s)
     if args.csv:
         bench.write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
     return 1 if any(r["status"] != "ok" for r in rows) else 0

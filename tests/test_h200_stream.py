@@ -1329,3 +1329,41 @@ def test_formats_module_constants_agree_with_quant():
     for name in FORMATS:
         for fmt_name in PROBLEM_FORMATS[name]:
             assert get_format(fmt_name).scale_dtype in hs.SCALE_LOG2_PREBIAS
+
+
+# ----------------------------------------------------------------------------------------------
+# The start-up trace build (a diagnostic: StreamSpec.trace, prepare(trace=True))
+# ----------------------------------------------------------------------------------------------
+def test_trace_phases_are_the_gaps_between_reached_events():
+    records = np.zeros((3, len(hs.TRACE_EVENTS), hs.TRACE_RECORD_WORDS), np.uint64)
+    reached = (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_FIRST_TMA, hs.TRACE_FIRST_FULL,
+               hs.TRACE_FIRST_RELEASE, hs.TRACE_FIRST_EPILOGUE, hs.TRACE_CONSUMER_EXIT, hs.TRACE_PRODUCER_EXIT)
+    for cta in range(2):   # CTAs 0 and 1 work; CTA 2 has no tile (no TMA, no stage, no epilogue)
+        for i, event in enumerate(reached):
+            records[cta, event, 0] = 1_000_000 + 100 * cta + 1000 * i + (50 if event == hs.TRACE_PRODUCER_EXIT else 0)
+    for event in (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_CONSUMER_EXIT, hs.TRACE_PRODUCER_EXIT):
+        records[2, event, 0] = 1_000_300 + 10 * event
+    phases = hs.trace_phases(records)
+    np.testing.assert_array_equal(phases["entry skew"], [0, 100, 300])
+    np.testing.assert_array_equal(phases["entry -> barriers_ready"], [1000, 1000, 10])
+    assert np.isnan(phases["maps_ready -> first_tma_issued"][2])
+    np.testing.assert_array_equal(phases["first_full -> first_release"][:2], [1000, 1000])
+    # the last exit of any role in any CTA, after the first entry
+    assert phases["launch span"][0] == 100 + 1000 * 8 + 50
+    with pytest.raises(ValueError, match="trace"):
+        hs.trace_phases(records[:, :3])
+
+
+def test_trace_build_stamps_and_the_plain_build_does_not():
+    """Offline (sm_90a): the trace build reads %globaltimer / %clock64 (SASS S2UR / CS2R of them); the plain
+    build reads no timer in its K loop or anywhere but the bounded waits' deadlock timer."""
+    spec = spec_of("nvfp4", hs.StreamConfig(True, 8, 1), stages=2)
+    texts = {}
+    for trace in (False, True):
+        traced = dataclasses.replace(spec, trace=trace)
+        cubin = offline.compile_cubin(hs.make_kernel_function(traced), hs.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(traced.threads, traced.min_ctas_per_sm))
+        texts[trace] = offline.disassemble(cubin)
+    clock = re.compile(r"SR_CLOCK")
+    assert not clock.search(texts[False])
+    assert len(clock.findall(texts[True])) >= len(hs.TRACE_EVENTS)

@@ -202,6 +202,17 @@ ROUTING_SMEM_SLOTS = 512
 MIN_SLICES_PER_SPLIT = 6       # shorter runs are mostly pipeline fill and epilogue (see h200_plan's notes)
 SPLIT_FLAG_WORDS = 1           # shared word after the mbarriers: "this CTA closes the tile"
 FRAGMENT_WORDS = 4             # one group's B fragments of one token row: (b0, b1) of both k16 steps
+# Start-up trace (``StreamSpec.trace``, ``prepare(trace=True)``; a diagnostic build, never the plan): per CTA and
+# event one record of (``%globaltimer`` ns, ``%clock64`` cycles), stamped by the producer's first thread (P) or
+# lane 0 of consumer warp 0 (C). The buffer's address travels in one more 128-byte slot after the tensor maps,
+# so the kernel signature and the untraced builds stay as they are. Events not reached stay 0.
+TRACE_EVENTS = ("entry", "barriers_ready", "maps_ready", "first_tma_issued", "first_full", "first_release",
+                "first_epilogue", "consumer_exit", "producer_exit")
+(TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_FIRST_TMA, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
+ TRACE_FIRST_EPILOGUE, TRACE_CONSUMER_EXIT, TRACE_PRODUCER_EXIT) = range(len(TRACE_EVENTS))
+TRACE_RECORD_WORDS = 2         # u64 globaltimer, u64 clock64
+TRACE_LATER_TILES = 0x80000000   # the consumer's stage count once its first tile is stamped
+TRACE_ADDRESS_OFFSET = np.uint64(cp.TENSOR_MAP_BYTES * NUM_TENSOR_MAPS)   # the slot after the maps
 FRAGMENT_BYTES = 4 * FRAGMENT_WORDS
 
 
@@ -382,6 +393,7 @@ class StreamSpec:
     stages: int
     split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
     b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
+    trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -880,6 +892,7 @@ class RingDeviceFunctions:
     next_work: object       # (work, cursor...) -> (slot, expert, tile, t0, t1, r0, r1, first slice, cursor...)
     produce: object         # the producer warp(s): barrier init, block sync, TMA issue loop
     cta_output_rows: object
+    stamp: object           # (tensor_maps, event): the start-up trace record of this CTA (trace builds)
 
 
 def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
@@ -910,6 +923,16 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     empty_count = spec.consumer_warps * cta_group
     token_band_of = _device(token_scale_band)
     weight_band_of = _device(weight_scale_band)
+    trace = spec.trace
+
+    @_device
+    def stamp(tensor_maps, event):
+        """This CTA's record of ``event`` in the trace buffer (trace builds only; the caller picks the thread)."""
+        record = (np.uint64(cuda.blockIdx.x) * np.uint64(len(TRACE_EVENTS)) + np.uint64(event)) * np.uint64(
+            8 * TRACE_RECORD_WORDS)
+        address = cm.load_global_u64(tensor_maps + TRACE_ADDRESS_OFFSET) + record
+        cm.store_global_u64(address, cm.read_globaltimer())
+        cm.store_global_u64(address + np.uint64(8), cm.read_clock64())
 
     @_device
     def copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
@@ -981,9 +1004,14 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
         rank, pair, num_pairs = cta_position()
         walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
         if first_thread:
+            if trace:
+                stamp(tensor_maps, TRACE_BARRIERS)
             for i in range(NUM_TENSOR_MAPS):
                 cp.fence_proxy_tensormap_acquire_sys(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
                 cp.prefetch_tensormap(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
+            if trace:
+                stamp(tensor_maps, TRACE_MAPS)
+                first_tma = True
             map_tokens, map_weights = tensor_maps + MAP_TOKENS, tensor_maps + MAP_WEIGHTS
             map_token_sf, map_weight_sf = tensor_maps + MAP_TOKEN_SCALES, tensor_maps + MAP_WEIGHT_SCALES
             weight_bands_per_expert = (n + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS
@@ -1029,13 +1057,18 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                         for b in range(tok_bands):
                             cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
                                            token_band + b, full)
+                    if trace and first_tma:
+                        stamp(tensor_maps, TRACE_FIRST_TMA)
+                        first_tma = False
                     stage += 1
                     if stage == stages:
                         stage = 0
                         phase ^= 1
+            if trace:
+                stamp(tensor_maps, TRACE_PRODUCER_EXIT)
 
     return RingDeviceFunctions(copy_routing, routing_views, cta_position, block_sync, next_work, produce,
-                               walk.cta_output_rows)
+                               walk.cta_output_rows, stamp)
 
 
 def make_kernel_function(spec: StreamSpec):
@@ -1044,6 +1077,7 @@ def make_kernel_function(spec: StreamSpec):
     ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
     copy_routing, routing_views, cta_position = ring.copy_routing, ring.routing_views, ring.cta_position
     block_sync, next_work, produce, cta_output_rows = ring.block_sync, ring.next_work, ring.produce, ring.cta_output_rows
+    stamp, trace = ring.stamp, spec.trace
     shape = spec.tile_shape
     tile_rows = shape.weight_rows
     cta_group, stages, swapped = spec.cta_group, spec.stages, spec.ab_swapped
@@ -1121,6 +1155,8 @@ def make_kernel_function(spec: StreamSpec):
         bars = cuda.shared.array(barrier_words, dtype=np.uint64)
         shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
         shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
+        if trace and cuda.threadIdx.x == 0:
+            stamp(tensor_maps, TRACE_ENTRY)
         copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
         warp = cm.warp_index()
         # Each role's branch starts with setmaxnreg (ptxas budgets the code it dominates) and
@@ -1182,6 +1218,8 @@ def make_kernel_function(spec: StreamSpec):
                 m_sel0[c] = m_selector(gl0)
                 n_sel0[c] = n_selector(gl0)
             decoded_slot = np.uint32(0)   # which decoded-token slot this stage uses (alternates)
+            tracer = trace and cw == 0 and lane == 0   # the consumer thread that stamps (trace builds)
+            traced_stages = np.uint32(0)
             stage = np.uint32(0)   # 32-bit: numba widens uint32 arithmetic, so every update casts back
             phase = np.uint32(0)
             cursor_slot = np.int64(0)
@@ -1208,6 +1246,8 @@ def make_kernel_function(spec: StreamSpec):
                 m_sf_first = np.uint32(m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row_base), m_col, atoms))
                 for _ in range(np.int32(min(slices_per_split, k_slices - s_begin))):   # this run's K slices
                     wait_parity_or_trap(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
+                    if tracer and traced_stages == 0:
+                        stamp(tensor_maps, TRACE_FIRST_FULL)
                     st = np.uint32(np.uint32(base) + np.uint32(stage * np.uint32(stage_bytes)))
                     for i in range(m_rows):
                         if swapped:
@@ -1353,12 +1393,18 @@ def make_kernel_function(spec: StreamSpec):
                                 mb.mbarrier_arrive_remote_cluster(cl.mapa_shared_cluster(empty, peer))
                         else:
                             mb.mbarrier_arrive(empty)
+                    if tracer and traced_stages == 0:
+                        stamp(tensor_maps, TRACE_FIRST_RELEASE)
+                    traced_stages = np.uint32(traced_stages + np.uint32(1))
                     decoded_slot ^= np.uint32(1)
                     stage = np.uint32(stage + np.uint32(1))
                     if stage == np.uint32(stages):
                         stage = np.uint32(0)
                         phase = np.uint32(phase ^ np.uint32(1))
                 # epilogue: C[token, row] = bf16(acc * 2**epilogue_log2 * expert_scales[e])
+                if tracer and traced_stages != 0 and traced_stages < np.uint32(TRACE_LATER_TILES):
+                    stamp(tensor_maps, TRACE_FIRST_EPILOGUE)
+                    traced_stages = np.uint32(TRACE_LATER_TILES)   # later tiles: no stamps
                 out_scale = expert_scales[expert] * epilogue_scale
                 row_lo, row_hi = cta_output_rows(r0, r1, rank, cta_group, tile_rows)
                 if not split_k:
@@ -1396,6 +1442,8 @@ def make_kernel_function(spec: StreamSpec):
                                                            f32_to_bf16_bits(total), valid)
                         if consumer_tid == 0:
                             split_counters[tile * cta_group + rank] = np.uint32(0)
+            if tracer:
+                stamp(tensor_maps, TRACE_CONSUMER_EXIT)
         if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
             cl.cluster_arrive_release()
             cl.cluster_wait_acquire()
@@ -1697,10 +1745,32 @@ class StreamLaunch:
     split_sums: object = None       # the split-K workspace (fp32, (total_tokens, N)) and tile counters
     split_counters: object = None
     kernel: str = "h200_stream"     # which kernel family runs (h200_wgmma's launches say so)
+    trace_buffer: object = None     # trace builds: (num_ctas, TRACE_EVENTS, 2) u64, the last launch's stamps
 
     def __call__(self, stream=None) -> None:
         if self._launch is not None:   # no tiles (no tokens): nothing to run
             self._launch(stream)
+
+
+def trace_phases(records: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-CTA durations (ns, float; NaN where an event was not reached) between consecutive reached
+    ``TRACE_EVENTS`` of a trace buffer copied to the host (``(ctas, events, 2)`` u64: globaltimer, clock64),
+    keyed "event_a -> event_b", plus "launch span" (first entry to last exit, one value) and
+    "entry skew" (each CTA's entry after the first CTA's)."""
+    records = np.asarray(records)
+    if records.ndim != 3 or records.shape[1:] != (len(TRACE_EVENTS), TRACE_RECORD_WORDS):
+        raise ValueError(f"want a (ctas, {len(TRACE_EVENTS)}, {TRACE_RECORD_WORDS}) trace, got {records.shape}")
+    ns = np.where(records[:, :, 0] == 0, np.nan, records[:, :, 0].astype(np.float64))
+    entry = ns[:, TRACE_ENTRY]
+    phases = {"entry skew": entry - np.nanmin(entry)}
+    order = (TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_FIRST_TMA, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
+             TRACE_FIRST_EPILOGUE, TRACE_CONSUMER_EXIT)
+    for a, b in zip(order, order[1:]):
+        phases[f"{TRACE_EVENTS[a]} -> {TRACE_EVENTS[b]}"] = ns[:, b] - ns[:, a]
+    phases["entry -> producer_exit"] = ns[:, TRACE_PRODUCER_EXIT] - entry
+    last_exit = np.nanmax(np.fmax(ns[:, TRACE_CONSUMER_EXIT], ns[:, TRACE_PRODUCER_EXIT]))
+    phases["launch span"] = np.array([last_exit - np.nanmin(entry)])
+    return phases
 
 
 def _device_out(problem: launch.DeviceProblem, out, align: int = 2):
@@ -1724,19 +1794,20 @@ def _device_out(problem: launch.DeviceProblem, out, align: int = 2):
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            k_splits: int | None = None, stream=0) -> StreamLaunch:
+            k_splits: int | None = None, stream=0, trace: bool = False) -> StreamLaunch:
     """Compile (cached), build the tensor maps and marshal the arguments once; returns a
     ``StreamLaunch`` that launches with no host copies or syncs (for the benchmark).
 
     ``out``: a device array of bf16 bits, (total_tokens, N) (default: a new uninitialised one; rows of
     skipped slots are never written). ``num_ctas``: persistent grid size, a multiple of ``cta_group``
     (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM). ``k_splits``: split-K runs
-    per tile (default: ``choose_k_splits`` for that grid; 1 = no split).
+    per tile (default: ``choose_k_splits`` for that grid; 1 = no split). ``trace``: run the diagnostic
+    build that stamps ``TRACE_EVENTS`` per CTA into ``StreamLaunch.trace_buffer`` (``read_trace``).
     """
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(SM90, "the H200 streaming kernel")
-    spec = check_can_implement(problem_device, config)
+    spec = dataclasses.replace(check_can_implement(problem_device, config), trace=bool(trace))
     device_out = _device_out(problem_device, out)
     max_tiles = max_tiles_bound(spec, problem_device.total_tokens, problem_device.num_active_experts,
                                 problem_device.n)
@@ -1773,14 +1844,23 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     arrays = problem_device.arrays()
     map_args = tensor_map_args(spec, {k: tuple(v.shape) for k, v in arrays.items()},
                                {k: launch.device_address(v) for k, v in arrays.items()})
-    maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
+    images = [m.encode() for m in map_args]
+    trace_buffer = None
+    if trace:   # zeroed: events a CTA never reaches read 0; its address rides in the slot after the maps
+        trace_buffer = cuda.device_array((num_ctas, len(TRACE_EVENTS), TRACE_RECORD_WORDS), np.uint64, stream=stream)
+        device_memset(trace_buffer, 0, trace_buffer.nbytes, stream=stream)
+        slot = np.zeros(cp.TENSOR_MAP_BYTES, np.uint8)
+        slot[:8] = np.array([launch.device_address(trace_buffer)], np.uint64).view(np.uint8)
+        images.append(slot)
+    maps = launch.device_tensor_maps(images, stream=stream)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
             np.int64(k_slices), np.int64(max_tiles), split_sums, split_counters, np.int64(k_splits),
             np.int64(slices_per_split))
     prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream,
-                                     keepalive=(maps, problem_device, split_sums, split_counters))
-    return StreamLaunch(spec, device_out, num_ctas, max_tiles, prepared, k_splits, split_sums, split_counters)
+                                     keepalive=(maps, problem_device, split_sums, split_counters, trace_buffer))
+    return StreamLaunch(spec, device_out, num_ctas, max_tiles, prepared, k_splits, split_sums, split_counters,
+                        trace_buffer=trace_buffer)
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None = None, *,

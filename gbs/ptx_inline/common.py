@@ -208,6 +208,23 @@ def ptx_intrinsic(name: str, text: str, operands, *, result: str | None = None, 
     return intrinsic(template)
 
 
+read_globaltimer = ptx_intrinsic(
+    "read_globaltimer", "mov.u64 $0, %globaltimer;", [], result="u64",
+    doc="The GPU's global nanosecond timer (u64; the same clock on every SM: for timelines across CTAs).")
+
+read_clock64 = ptx_intrinsic(
+    "read_clock64", "mov.u64 $0, %clock64;", [], result="u64",
+    doc="This SM's cycle counter (u64; compare readings of one CTA only: SM counters are not synchronised).")
+
+load_global_u64 = ptx_intrinsic(
+    "load_global_u64", "ld.global.u64 $0, [$1];", [("address", "u64")], result="u64",
+    doc="64-bit load from the 8-byte aligned global address ``address``.")
+
+store_global_u64 = ptx_intrinsic(
+    "store_global_u64", "st.global.u64 [$0], $1;", [("address", "u64"), ("value", "u64")],
+    doc="64-bit store of ``value`` at the 8-byte aligned global address ``address``.")
+
+
 named_barrier_sync = ptx_intrinsic(
     "named_barrier_sync", "bar.sync $0, $1;", [("barrier_id", "u32"), ("nthreads", "u32")],
     doc="""Wait at named barrier ``barrier_id`` until ``nthreads`` threads have arrived.
