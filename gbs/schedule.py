@@ -135,8 +135,9 @@ def locate_tile(tile_index, a_offsets, expert_ids, n, tile_tokens, tile_rows):
         token_blocks = slot_token_blocks(slot, a_offsets, expert_ids, tile_tokens)
         count = token_blocks * row_blocks
         if remaining < count:
-            m_blk = remaining % token_blocks
-            n_blk = remaining // token_blocks
+            # 32-bit: a 64-bit division is a called subroutine on the GPU (tile counts fit in 32 bits)
+            n_blk = np.int64(np.uint32(remaining) // np.uint32(token_blocks))
+            m_blk = remaining - n_blk * token_blocks
             token_start = np.int64(a_offsets[slot]) + m_blk * tile_tokens
             token_end = min(token_start + tile_tokens, np.int64(a_offsets[slot + 1]))
             row_start = n_blk * tile_rows

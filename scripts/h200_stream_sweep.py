@@ -91,12 +91,15 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
                                   trace=True) for _ in range(copies)]
     timing = bench.time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
     cuda.synchronize()
-    records = np.concatenate([launch.trace_buffer.copy_to_host() for launch in traced])
+    records = np.stack([launch.trace_buffer.copy_to_host() for launch in traced])   # (copies, ctas, events, 2)
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     np.save(path / (text.replace(":", "_").replace(",", "x") + ".npy"), records)
-    print(f"    trace build {timing.median_us:.1f} us; per CTA (ns, median / p10 / p90 over {len(records)} CTAs):")
-    for phase, values in h200_stream.trace_phases(records).items():
+    per_launch = [h200_stream.trace_phases(r) for r in records]
+    print(f"    trace build {timing.median_us:.1f} us; ns, median / p10 / p90 over the CTAs of {copies} launches "
+          f"(the last launch of each input copy):")
+    for phase in per_launch[0]:
+        values = np.concatenate([phases[phase] for phases in per_launch])
         values = values[~np.isnan(values)]
         if values.size:
             p10, median, p90 = np.percentile(values, (10, 50, 90))

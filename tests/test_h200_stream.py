@@ -1335,23 +1335,32 @@ def test_formats_module_constants_agree_with_quant():
 # The start-up trace build (a diagnostic: StreamSpec.trace, prepare(trace=True))
 # ----------------------------------------------------------------------------------------------
 def test_trace_phases_are_the_gaps_between_reached_events():
-    records = np.zeros((3, len(hs.TRACE_EVENTS), hs.TRACE_RECORD_WORDS), np.uint64)
-    reached = (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_FIRST_TMA, hs.TRACE_FIRST_FULL,
-               hs.TRACE_FIRST_RELEASE, hs.TRACE_FIRST_EPILOGUE, hs.TRACE_CONSUMER_EXIT, hs.TRACE_PRODUCER_EXIT)
-    for cta in range(2):   # CTAs 0 and 1 work; CTA 2 has no tile (no TMA, no stage, no epilogue)
-        for i, event in enumerate(reached):
-            records[cta, event, 0] = 1_000_000 + 100 * cta + 1000 * i + (50 if event == hs.TRACE_PRODUCER_EXIT else 0)
-    for event in (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_CONSUMER_EXIT, hs.TRACE_PRODUCER_EXIT):
+    events = len(hs.TRACE_EVENTS)
+    records = np.zeros((3, events, hs.TRACE_RECORD_WORDS), np.uint64)
+    # CTAs 0 and 1 work; CTA 2 has no tile (it finds no work: no slot, no TMA, no stage, no epilogue)
+    for cta in range(2):
+        for i, event in enumerate(hs.TRACE_PRODUCER_CHAIN):
+            records[cta, event, 0] = 1_000_000 + 100 * cta + 500 * i
+        for i, event in enumerate(hs.TRACE_CONSUMER_CHAIN[1:], start=1):
+            records[cta, event, 0] = 1_000_000 + 100 * cta + 1500 * i
+    for event in (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_PRODUCER_WORK, hs.TRACE_PRODUCER_EXIT,
+                  hs.TRACE_CONSUMER_WORK, hs.TRACE_CONSUMER_EXIT):
         records[2, event, 0] = 1_000_300 + 10 * event
+    records[:, :, 1] = 7   # clock64 words: not used by the phases
     phases = hs.trace_phases(records)
     np.testing.assert_array_equal(phases["entry skew"], [0, 100, 300])
-    np.testing.assert_array_equal(phases["entry -> barriers_ready"], [1000, 1000, 10])
-    assert np.isnan(phases["maps_ready -> first_tma_issued"][2])
-    np.testing.assert_array_equal(phases["first_full -> first_release"][:2], [1000, 1000])
+    np.testing.assert_array_equal(phases["entry -> barriers_ready"], [500, 500, 10])
+    np.testing.assert_array_equal(phases["maps_ready -> producer_work_found"], [500, 500, 10])
+    assert np.isnan(phases["first_slot_free -> first_tma_issued"][2])
+    np.testing.assert_array_equal(phases["first_full -> first_release"][:2], [1500, 1500])
+    np.testing.assert_array_equal(phases["entry -> consumer_work_found"], [1500, 1500, 10 * hs.TRACE_CONSUMER_WORK])
+    np.testing.assert_array_equal(phases["first_tma_issued -> first_full"][:2], [3000 - 2500] * 2)
     # the last exit of any role in any CTA, after the first entry
-    assert phases["launch span"][0] == 100 + 1000 * 8 + 50
+    assert phases["launch span"][0] == 100 + 1500 * (len(hs.TRACE_CONSUMER_CHAIN) - 1)
     with pytest.raises(ValueError, match="trace"):
         hs.trace_phases(records[:, :3])
+    with pytest.raises(ValueError, match="one launch"):
+        hs.trace_phases(records[None])
 
 
 def test_trace_build_stamps_and_the_plain_build_does_not():

@@ -206,10 +206,17 @@ FRAGMENT_WORDS = 4             # one group's B fragments of one token row: (b0, 
 # event one record of (``%globaltimer`` ns, ``%clock64`` cycles), stamped by the producer's first thread (P) or
 # lane 0 of consumer warp 0 (C). The buffer's address travels in one more 128-byte slot after the tensor maps,
 # so the kernel signature and the untraced builds stay as they are. Events not reached stay 0.
-TRACE_EVENTS = ("entry", "barriers_ready", "maps_ready", "first_tma_issued", "first_full", "first_release",
-                "first_epilogue", "consumer_exit", "producer_exit")
-(TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_FIRST_TMA, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
- TRACE_FIRST_EPILOGUE, TRACE_CONSUMER_EXIT, TRACE_PRODUCER_EXIT) = range(len(TRACE_EVENTS))
+TRACE_EVENTS = ("entry", "barriers_ready", "maps_ready", "producer_work_found", "first_slot_free",
+                "first_tma_issued", "producer_exit", "consumer_work_found", "first_full", "first_release",
+                "first_epilogue", "consumer_exit")
+(TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_PRODUCER_WORK, TRACE_FIRST_SLOT, TRACE_FIRST_TMA,
+ TRACE_PRODUCER_EXIT, TRACE_CONSUMER_WORK, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE, TRACE_FIRST_EPILOGUE,
+ TRACE_CONSUMER_EXIT) = range(len(TRACE_EVENTS))
+# the producer's chain, then the consumers' (both start at the CTA's entry; the first TMA feeds the first full)
+TRACE_PRODUCER_CHAIN = (TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_PRODUCER_WORK, TRACE_FIRST_SLOT,
+                        TRACE_FIRST_TMA, TRACE_PRODUCER_EXIT)
+TRACE_CONSUMER_CHAIN = (TRACE_ENTRY, TRACE_CONSUMER_WORK, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
+                        TRACE_FIRST_EPILOGUE, TRACE_CONSUMER_EXIT)
 TRACE_RECORD_WORDS = 2         # u64 globaltimer, u64 clock64
 TRACE_LATER_TILES = 0x80000000   # the consumer's stage count once its first tile is stamped
 TRACE_ADDRESS_OFFSET = np.uint64(cp.TENSOR_MAP_BYTES * NUM_TENSOR_MAPS)   # the slot after the maps
@@ -938,10 +945,12 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     def copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
         num_slots = expert_ids.shape[0]
         if num_slots <= ROUTING_SMEM_SLOTS:   # read by the walk after the block sync of each role
-            for i in range(cuda.threadIdx.x, num_slots + 1, cuda.blockDim.x):
+            i = cuda.threadIdx.x   # not range(): a run-time step divides
+            while i <= num_slots:
                 shared_offsets[i] = a_offsets[i]
                 if i < num_slots:
                     shared_expert_ids[i] = expert_ids[i]
+                i += cuda.blockDim.x
 
     @_device
     def routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids):
@@ -1019,9 +1028,12 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
             phase = np.int64(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
-            for work in range(pair, max_tiles * k_splits, num_pairs):
+            work = pair   # a while loop: range() with a run-time step divides (a 64-bit division call)
+            while work < max_tiles * k_splits:
                 slot, expert, _, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+                if trace and first_tma:
+                    stamp(tensor_maps, TRACE_PRODUCER_WORK)
                 if slot < 0:
                     break
                 group_start = np.int64(walk_offsets[slot])
@@ -1035,6 +1047,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                         wait_parity_cluster_or_trap(empty, phase ^ 1)
                     else:
                         wait_parity_or_trap(empty, phase ^ 1)
+                    if trace and first_tma:
+                        stamp(tensor_maps, TRACE_FIRST_SLOT)
                     mb.mbarrier_arrive_expect_tx(full, tx_bytes)
                     dst = np.uint32(base + stage * stage_bytes)
                     sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
@@ -1064,6 +1078,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     if stage == stages:
                         stage = 0
                         phase ^= 1
+                work += num_pairs
             if trace:
                 stamp(tensor_maps, TRACE_PRODUCER_EXIT)
 
@@ -1224,9 +1239,12 @@ def make_kernel_function(spec: StreamSpec):
             phase = np.uint32(0)
             cursor_slot = np.int64(0)
             cursor_first = np.int64(0)
-            for work in range(pair, max_tiles * k_splits, num_pairs):
+            work = pair
+            while work < max_tiles * k_splits:
                 slot, expert, tile, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
+                if tracer and traced_stages == 0:
+                    stamp(tensor_maps, TRACE_CONSUMER_WORK)
                 if slot < 0:
                     break
                 group_start = np.int64(walk_offsets[slot])
@@ -1442,6 +1460,7 @@ def make_kernel_function(spec: StreamSpec):
                                                            f32_to_bf16_bits(total), valid)
                         if consumer_tid == 0:
                             split_counters[tile * cta_group + rank] = np.uint32(0)
+                work += num_pairs
             if tracer:
                 stamp(tensor_maps, TRACE_CONSUMER_EXIT)
         if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
@@ -1753,21 +1772,22 @@ class StreamLaunch:
 
 
 def trace_phases(records: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-CTA durations (ns, float; NaN where an event was not reached) between consecutive reached
-    ``TRACE_EVENTS`` of a trace buffer copied to the host (``(ctas, events, 2)`` u64: globaltimer, clock64),
-    keyed "event_a -> event_b", plus "launch span" (first entry to last exit, one value) and
-    "entry skew" (each CTA's entry after the first CTA's)."""
+    """Per-CTA durations (ns, float; NaN where an event was not reached) between consecutive events of the
+    producer's chain and of the consumers' chain (``TRACE_PRODUCER_CHAIN`` / ``TRACE_CONSUMER_CHAIN``) in one
+    launch's trace buffer copied to the host (``(ctas, events, 2)`` u64: globaltimer, clock64), keyed
+    "event_a -> event_b", plus "first_tma_issued -> first_full" (the first load's latency), "launch span" (first
+    entry to last exit, one value) and "entry skew" (each CTA's entry after the first CTA's)."""
     records = np.asarray(records)
     if records.ndim != 3 or records.shape[1:] != (len(TRACE_EVENTS), TRACE_RECORD_WORDS):
-        raise ValueError(f"want a (ctas, {len(TRACE_EVENTS)}, {TRACE_RECORD_WORDS}) trace, got {records.shape}")
+        raise ValueError(f"want one launch's (ctas, {len(TRACE_EVENTS)}, {TRACE_RECORD_WORDS}) trace, "
+                         f"got {records.shape}")
     ns = np.where(records[:, :, 0] == 0, np.nan, records[:, :, 0].astype(np.float64))
     entry = ns[:, TRACE_ENTRY]
     phases = {"entry skew": entry - np.nanmin(entry)}
-    order = (TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_FIRST_TMA, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
-             TRACE_FIRST_EPILOGUE, TRACE_CONSUMER_EXIT)
-    for a, b in zip(order, order[1:]):
-        phases[f"{TRACE_EVENTS[a]} -> {TRACE_EVENTS[b]}"] = ns[:, b] - ns[:, a]
-    phases["entry -> producer_exit"] = ns[:, TRACE_PRODUCER_EXIT] - entry
+    for chain in (TRACE_PRODUCER_CHAIN, TRACE_CONSUMER_CHAIN):
+        for a, b in zip(chain, chain[1:]):
+            phases[f"{TRACE_EVENTS[a]} -> {TRACE_EVENTS[b]}"] = ns[:, b] - ns[:, a]
+    phases["first_tma_issued -> first_full"] = ns[:, TRACE_FIRST_FULL] - ns[:, TRACE_FIRST_TMA]
     last_exit = np.nanmax(np.fmax(ns[:, TRACE_CONSUMER_EXIT], ns[:, TRACE_PRODUCER_EXIT]))
     phases["launch span"] = np.array([last_exit - np.nanmin(entry)])
     return phases
