@@ -95,8 +95,9 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     np.save(path / (text.replace(":", "_").replace(",", "x") + ".npy"), records)
-    per_launch = [h200_stream.trace_phases(r) for r in records]
-    print(f"    trace build {timing.median_us:.1f} us; ns, median / p10 / p90 over the CTAs of {copies} launches "
+    launched = [r for r in records if r[:, :, 0].any()]   # input copies the timing reached
+    per_launch = [h200_stream.trace_phases(r) for r in launched]
+    print(f"    trace build {timing.median_us:.1f} us; ns, median / p10 / p90 over the CTAs of {len(launched)} launches "
           f"(the last launch of each input copy):")
     for phase in per_launch[0]:
         values = np.concatenate([phases[phase] for phases in per_launch])

@@ -256,10 +256,11 @@ def test_time_launches_rejects_bad_counts():
 
 
 def test_spacer_kernel_compiles_for_sm90():
-    from numba import cuda, int64
+    from numba import cuda, uint64
 
-    ptx, _ = cuda.compile_ptx(bench._spacer_kernel().py_func, (int64,), cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(bench._spacer_kernel().py_func, (uint64,), cc=(9, 0))
     assert "nanosleep.u32" in ptx
+    assert ptx.count("%globaltimer") >= 2   # the deadline, then the wait on it
 
 
 def test_environment_fields_and_csv_path():

@@ -589,6 +589,39 @@ def test_token_scale_atoms_land_where_the_consumers_read(config):
                 np.testing.assert_array_equal(got, want, err_msg=f"tile {tile}, token {t}, q {q}")
 
 
+@pytest.mark.parametrize("config, k_splits, slices_per_split, num_pairs", [
+    ("decode", 1, 28, 5), ("decode", 4, 7, 13), ("decode", 3, 3, 1), ("not_swapped", 1, 4, 3),
+    ("wide_cg1", 2, 2, 7)])
+def test_device_walk_visits_the_tiles_of_the_host_walk(config, k_splits, slices_per_split, num_pairs):
+    """The kernels' 32-bit walk (``make_ring(spec).next_work``, run here as Python) with its cursor, as every
+    CTA pair steps through its work items, finds exactly ``schedule.iter_tiles``' tiles and K runs: ragged
+    groups, an empty group, a -1 slot, a 1-token group, N not a multiple of the tile."""
+    spec = dataclasses.replace(spec_of("nvfp4", CONFIGS[config]), split_k=k_splits > 1)
+    next_work = hs.make_ring(spec).next_work.py_func
+    sizes = [5, 0, 1, 300, 130, 7, 9]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32)
+    expert_ids = np.array([0, 1, -1, 2, 3, 1, 2], np.int32)
+    n = 2 * spec.tile_shape.weight_rows + 40
+    want = list(schedule.iter_tiles(offsets, expert_ids, n, spec.tile_shape))
+    got = {}
+    for pair in range(num_pairs):
+        cursor_slot, cursor_first = np.uint32(0), np.uint32(0)
+        work = pair
+        while True:
+            slot, expert, tile, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
+                work, cursor_slot, cursor_first, offsets, expert_ids, n, k_splits, slices_per_split)
+            if slot < 0:
+                assert work >= len(want) * k_splits
+                break
+            got[work] = (int(tile), int(slot), int(expert), int(t0), int(t1), int(r0), int(r1), int(s_begin))
+            work += num_pairs
+    assert sorted(got) == list(range(len(want) * k_splits))
+    for work, fields in got.items():
+        t = want[work // k_splits]
+        assert fields == (t.index, t.slot, t.expert, t.token_start, t.token_end, t.row_start, t.row_end,
+                          (work % k_splits) * slices_per_split), work
+
+
 # =============================================================================================
 # Stage carve-up, boxes, tensor maps, stages
 # =============================================================================================

@@ -518,9 +518,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         buffer = np.uint32(0)
         stage = np.int64(0)
         phase = np.int64(0)
-        cursor_slot = np.int64(0)
-        cursor_first = np.int64(0)
-        for work in range(cta, max_tiles, num_ctas):
+        cursor_slot = np.uint32(0)
+        cursor_first = np.uint32(0)
+        work = cta   # a while loop: range() with a run-time step divides (a 64-bit division call)
+        while work < max_tiles:
             slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
                 work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
             if slot < 0:
@@ -611,6 +612,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
+            work += num_ctas
 
 
     return _device(consume)
@@ -698,9 +700,10 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
         part_b = zero_acc()
         stage = np.uint32(0)
         phase = np.uint32(0)
-        cursor_slot = np.int64(0)
-        cursor_first = np.int64(0)
-        for work in range(cta, max_tiles, num_ctas):
+        cursor_slot = np.uint32(0)
+        cursor_first = np.uint32(0)
+        work = cta   # a while loop: range() with a run-time step divides (a 64-bit division call)
+        while work < max_tiles:
             slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
                 work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
             if slot < 0:
@@ -749,6 +752,7 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
                     phase = np.uint32(phase ^ np.uint32(1))
             hp.accumulators_to_array(acc, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+            work += num_ctas
 
 
     return _device(consume)
