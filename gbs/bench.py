@@ -112,11 +112,10 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
         host_s = (time.perf_counter() - t0) / warmup
     cuda.synchronize()
     spacer_s = min(SPACER_MAX_S, SPACER_MARGIN * reps * host_s)
-    for attempt in range(2):
-        times_us, host_bound = _timed_launches(launch, reps, 2 + warmup, num_inputs, spacer_s)
-        if not host_bound:
-            break
+    times_us, host_bound = _timed_launches(launch, reps, 2 + warmup, num_inputs, spacer_s)
+    if host_bound:   # once more behind a longer spacer
         spacer_s = min(SPACER_MAX_S, SPACER_RETRY_FACTOR * spacer_s)
+        times_us, host_bound = _timed_launches(launch, reps, 2 + warmup, num_inputs, spacer_s)
     if host_bound:
         warnings.warn(f"time_launches: the GPU drained the queue before the host issued the last of {reps} "
                       f"launches even after a {spacer_s * 1e3:.1f} ms spacer: the times include host gaps",
