@@ -95,16 +95,27 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     np.save(path / (text.replace(":", "_").replace(",", "x") + ".npy"), records)
-    launched = [r for r in records if r[:, :, 0].any()]   # input copies the timing reached
+    print(f"    trace build {timing.median_us:.1f} us; " + "\n".join(trace_summary(records)))
+
+
+def trace_summary(records) -> list[str]:
+    """Lines of phase medians / p10 / p90 (ns) over the CTAs of every launch in ``records`` ((launches, ctas,
+    events, 2) stamps; launches whose buffer was never written, input copies the timing did not reach, are left
+    out); the phases are ``h200_stream.trace_phases``' of each launch, so skew and span stay per launch."""
+    import numpy as np
+
+    launched = [r for r in records if r[:, :, 0].any()]
+    if not launched:
+        return ["no launch wrote its trace"]
     per_launch = [h200_stream.trace_phases(r) for r in launched]
-    print(f"    trace build {timing.median_us:.1f} us; ns, median / p10 / p90 over the CTAs of {len(launched)} launches "
-          f"(the last launch of each input copy):")
+    lines = [f"ns, median / p10 / p90 over the CTAs of {len(launched)} launches (the last launch of each input copy):"]
     for phase in per_launch[0]:
         values = np.concatenate([phases[phase] for phases in per_launch])
         values = values[~np.isnan(values)]
         if values.size:
             p10, median, p90 = np.percentile(values, (10, 50, 90))
-            print(f"      {phase:36} {median:9.0f} {p10:9.0f} {p90:9.0f}   ({values.size} CTAs)")
+            lines.append(f"      {phase:36} {median:9.0f} {p10:9.0f} {p90:9.0f}   ({values.size} CTAs)")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,12 @@
 """The GPU scripts' command lines, on the CPU: ``scripts/h200_stream_sweep.py``'s points (the wgmma
-operands suffix included) and ``scripts/sanitize_small.py``'s kernel / format filters. Their GPU runs are
-recorded in ``notes/h200/``."""
+operands suffix included) and trace summary, and ``scripts/sanitize_small.py``'s kernel / format filters.
+Their GPU runs are recorded in ``notes/h200/``."""
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 
+import numpy as np
 import pytest
 
 from gbs.dispatch import AUTO_STAGES
@@ -70,3 +71,22 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
     assert calls == ["mxfp8"]
     out = capsys.readouterr().out
     assert "mxfp8  simt" in out and "PASS" in out and out.strip().endswith("0 failed")
+
+
+def test_sweep_trace_summary_is_per_launch_and_skips_unlaunched_copies(sweep):
+    events = len(h200_stream.TRACE_EVENTS)
+    records = np.zeros((3, 2, events, h200_stream.TRACE_RECORD_WORDS), np.uint64)
+    for copy, start in ((0, 1_000_000), (1, 5_000_000)):   # copy 2: never launched (all zero)
+        for cta in range(2):
+            for i, event in enumerate(h200_stream.TRACE_PRODUCER_CHAIN):
+                records[copy, cta, event, 0] = start + 100 * cta + 1000 * i
+            for i, event in enumerate(h200_stream.TRACE_CONSUMER_CHAIN[1:], start=1):
+                records[copy, cta, event, 0] = start + 100 * cta + 2000 * i
+    lines = sweep.trace_summary(records)
+    assert "2 launches" in lines[0]
+    phase_rows = {" ".join(line.split()[:-5]): [float(v) for v in line.split()[-5:-2]] for line in lines[1:]}
+    # median / p10 / p90 of the two CTAs' skews (0 and 100 ns) of both launches, not 4 ms across launches
+    assert phase_rows["entry skew"] == [50.0, 0.0, 100.0], "skew is measured inside each launch"
+    assert phase_rows["launch span"][0] == 100 + 2000 * (len(h200_stream.TRACE_CONSUMER_CHAIN) - 1)
+    assert phase_rows["entry -> barriers_ready"] == [1000.0] * 3
+    assert sweep.trace_summary(records[2:]) == ["no launch wrote its trace"]
