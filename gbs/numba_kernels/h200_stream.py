@@ -982,8 +982,9 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
         by walking from the cursor (the first tile ``cursor_first`` of slot ``cursor_slot``):
         amortised O(1) per item instead of O(slots). Returns (slot, expert, tile, t0, t1, r0, r1,
         first K slice, new cursor); slot < 0 past the last tile. ``schedule.locate_tile``'s walk in
-        32-bit arithmetic (tile and token counts fit): a launch's first walk runs from a cold
-        instruction cache, ~0.7 us per KB of code (H200 run 50), and the 64-bit walk was ~3x the SASS."""
+        32-bit arithmetic (tile and token counts fit): a launch's first walk is slow cold (4.35 us, the same
+        walk again 0.77 us: H200 run 50; instruction fetch or first data / parameter reads, not yet told
+        apart), and the 64-bit walk was ~3x the SASS with a 64-bit division call."""
         work = np.uint32(work)
         tile = work
         if split_k:
@@ -1843,7 +1844,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     skipped slots are never written). ``num_ctas``: persistent grid size, a multiple of ``cta_group``
     (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM). ``k_splits``: split-K runs
     per tile (default: ``choose_k_splits`` for that grid; 1 = no split). ``trace``: run the diagnostic
-    build that stamps ``TRACE_EVENTS`` per CTA into ``StreamLaunch.trace_buffer`` (``read_trace``).
+    build that stamps ``TRACE_EVENTS`` per CTA into ``StreamLaunch.trace_buffer`` (``trace_phases`` reads a copy).
     """
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
