@@ -622,6 +622,40 @@ def test_device_walk_visits_the_tiles_of_the_host_walk(config, k_splits, slices_
                           (work % k_splits) * slices_per_split), work
 
 
+def test_work_records_round_trip_through_the_stage_words():
+    """What the producer writes into a stage's record the consumers read back (``make_ring``'s device
+    functions, run here as Python on a host copy of the shared ``bars`` words), the end mark included."""
+    spec = spec_of("nvfp4", CONFIGS["decode"], stages=3)
+    ring = hs.make_ring(spec)
+    bars = np.zeros(2 * spec.stages + hs.SPLIT_FLAG_WORDS + hs.WORK_RECORD_WORDS * spec.stages, np.uint64)
+    write_record = ring.write_work_record.py_func
+    unpack_record = ring.unpack_work_record.py_func
+    record_base = 2 * spec.stages + hs.SPLIT_FLAG_WORDS
+    items = {0: (5, 7, 100, 108, 256, 384, 3, 96), 1: (0, 0, 0, 1, 0, 40, 0, 0),
+             2: (hs.NO_MORE_WORK, 0, 0, 0, 0, 0, 0, 0)}
+    for stage, fields in items.items():
+        write_record(bars, stage, *map(np.uint32, fields))
+    assert not bars[:2 * spec.stages + hs.SPLIT_FLAG_WORDS].any(), "the mbarriers and the split flag are untouched"
+    for stage, fields in items.items():
+        rec = record_base + hs.WORK_RECORD_WORDS * stage
+        got = tuple(int(v) for v in unpack_record(*bars[rec:rec + hs.WORK_RECORD_WORDS]))
+        want = (-1,) + fields[1:] if fields[0] == hs.NO_MORE_WORK else fields
+        assert got == want, stage
+
+
+def test_dynamic_items_only_for_single_ctas_of_the_streaming_kernel():
+    from gbs.numba_kernels import h200_wgmma
+
+    assert spec_of("nvfp4", CONFIGS["decode"]).dynamic_items
+    assert spec_of("nvfp4", CONFIGS["not_swapped"]).dynamic_items
+    assert not spec_of("nvfp4", CONFIGS["small_prefill"]).dynamic_items, "a pair takes static items"
+    a, b = PROBLEM_FORMATS["nvfp4"]
+    ring = h200_wgmma.WgmmaSpec(a, b, 128, 2).ring
+    assert not ring.work_records and not ring.dynamic_items, "the wgmma consumers walk the tiles themselves"
+    with pytest.raises(ValueError, match="work records"):
+        hs.make_kernel_function(dataclasses.replace(spec_of("nvfp4", CONFIGS["decode"]), work_records=False))
+
+
 # =============================================================================================
 # Stage carve-up, boxes, tensor maps, stages
 # =============================================================================================
@@ -1173,6 +1207,40 @@ def test_gpu_prepared_launch_reruns_identically_and_keeps_skipped_rows():
     assert check_acceptance(problem, poisoned, ref).passed, diagnose(problem, prepared.spec, out, ref)
 
 
+def rerun_and_check(problem, ref, config, launches=3, **prepare_args):
+    """Prepare one launch writing over a sentinel, run it ``launches`` times (the sentinel restored before
+    each): every run matches the reference on the written rows, keeps the sentinel on rows of skipped
+    slots and leaves the launch's counters (and a split-K workspace) zeroed. Returns the prepared launch."""
+    from numba import cuda
+
+    sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
+    device_out = cuda.to_device(sentinel)
+    prepared = hs.prepare(launch.to_device(problem), config, device_out, **prepare_args)
+    skipped = ~problem.written_rows()
+    for launch_index in range(launches):
+        device_out.copy_to_device(sentinel)
+        prepared()
+        bits = device_out.copy_to_host()
+        assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
+        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(BF16)
+        result = check_acceptance(problem, merged, ref)
+        assert result.passed, f"launch {launch_index}: {result}\n{diagnose(problem, prepared.spec, merged, ref)}"
+        if prepared.k_splits > 1:
+            assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
+        assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
+    return prepared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ctas", [1, 3, 7])
+def test_gpu_dynamic_items_cover_every_tile_and_leave_the_counter_zero(num_ctas):
+    """Grids far smaller than the tile count: past the first wave every item comes from the global
+    counter; three launches in a row give the reference's result and leave the counters at zero."""
+    problem, ref = gpu_problem("nvfp4", "n512_k7168")
+    prepared = rerun_and_check(problem, ref, hs.StreamConfig(True, 8, 1), num_ctas=num_ctas, k_splits=1)
+    assert prepared.spec.dynamic_items and prepared.num_ctas == num_ctas
+
+
 def test_h200_weight_order_decodes_to_the_packed_registers():
     """Every register the kernel decodes from a re-laid word equals ``e2m1_pair_bits`` of the packed
     word (so a kernel on re-laid weights computes bit for bit what it computes on packed ones)."""
@@ -1279,26 +1347,10 @@ def test_gpu_split_k_matches_the_reference_and_cleans_up(case):
     """Split-K: every run adds its partial tile, the last one stores; skipped rows keep their
     contents, and the workspace and counters are zero again after every launch (so a prepared
     launch reruns correctly)."""
-    from numba import cuda
-
     fmt, sw, bn, cg, k_splits = case
     problem, ref = gpu_problem(fmt, "n512_k7168")
-    device_problem = launch.to_device(problem)
-    sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
-    device_out = cuda.to_device(sentinel)
-    prepared = hs.prepare(device_problem, hs.StreamConfig(sw, bn, cg, 2), device_out, k_splits=k_splits)
+    prepared = rerun_and_check(problem, ref, hs.StreamConfig(sw, bn, cg, 2), k_splits=k_splits)
     assert prepared.k_splits == k_splits and prepared.spec.split_k
-    skipped = ~problem.written_rows()
-    for launch_index in range(3):
-        device_out.copy_to_device(sentinel)
-        prepared()
-        bits = device_out.copy_to_host()
-        assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
-        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(BF16)
-        result = check_acceptance(problem, merged, ref)
-        assert result.passed, f"launch {launch_index}: {result}\n{diagnose(problem, prepared.spec, merged, ref)}"
-        assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
-        assert not np.any(prepared.split_counters.copy_to_host()), "tile counters reset"
 
 
 @pytest.mark.gpu
@@ -1377,7 +1429,7 @@ def test_trace_phases_are_the_gaps_between_reached_events():
         for i, event in enumerate(hs.TRACE_CONSUMER_CHAIN[1:], start=1):
             records[cta, event, 0] = 1_000_000 + 100 * cta + 1500 * i
     for event in (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_PRODUCER_WORK, hs.TRACE_PRODUCER_EXIT,
-                  hs.TRACE_CONSUMER_WORK, hs.TRACE_CONSUMER_EXIT):
+                  hs.TRACE_CONSUMER_READY, hs.TRACE_CONSUMER_EXIT):
         records[2, event, 0] = 1_000_300 + 10 * event
     records[:, :, 1] = 7   # clock64 words: not used by the phases
     phases = hs.trace_phases(records)
@@ -1386,7 +1438,7 @@ def test_trace_phases_are_the_gaps_between_reached_events():
     np.testing.assert_array_equal(phases["maps_ready -> producer_work_found"], [500, 500, 10])
     assert np.isnan(phases["first_slot_free -> first_tma_issued"][2])
     np.testing.assert_array_equal(phases["first_full -> first_release"][:2], [1500, 1500])
-    np.testing.assert_array_equal(phases["entry -> consumer_work_found"], [1500, 1500, 10 * hs.TRACE_CONSUMER_WORK])
+    np.testing.assert_array_equal(phases["entry -> consumer_ready"], [1500, 1500, 10 * hs.TRACE_CONSUMER_READY])
     np.testing.assert_array_equal(phases["first_tma_issued -> first_full"][:2], [3000 - 2500] * 2)
     # the last exit of any role in any CTA, after the first entry
     assert phases["launch span"][0] == 100 + 1500 * (len(hs.TRACE_CONSUMER_CHAIN) - 1)

@@ -9,14 +9,19 @@ MXFP4, MXFP8 (E4M3), MXFP8 E5M2 and W4A8 (MXFP8 tokens x MXFP4 weights) with eve
 
 Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
 * The producer: warp 0, or with 8 consumer warps a whole warpgroup (warps 1-3 idle) whose registers
-  ``setmaxnreg`` hands to the consumers. One thread walks the CTA's tiles (``gbs.schedule``: slot
-  order, ``-1`` and empty slots have no tiles, M-major inside a group; pair ``p`` of ``P`` pairs takes
-  tiles ``p, p + P, ...``) and, for every K slice, waits for a free ring stage (``empty`` mbarrier),
+  ``setmaxnreg`` hands to the consumers. One thread takes the CTA's work items and walks to their tiles
+  (``gbs.schedule``: slot order, ``-1`` and empty slots have no tiles, M-major inside a group): pair
+  ``p`` of ``P`` takes item ``p`` first, then (``StreamSpec.dynamic_items``, single CTAs) the next free
+  item of a global counter, so faster CTAs take more, or (pairs) items ``p + P, p + 2 P, ...``. For the
+  first K slice of an item it writes the item's record (expert, tile, token and row ranges, first
+  slice) beside the stage's barriers; after its last item, a record saying "no more work", armed with
+  no bytes. For every K slice it waits for a free ring stage (``empty`` mbarrier),
   announces the stage's bytes (``arrive.expect_tx`` on ``full``) and issues the TMA loads: the weight
   rows' slice (3-D map over ``b``: rows past N read as zero and never bleed into the next expert), the
   token rows' slice (2-D map over ``a``) and the 512-byte scale atoms of both, straight from the 128x4
   layouts (the weights' 6-D scales as stored: no re-layout).
-* The consumers: 4 warps (``mma_bn <= 32``) or 8. Each owns a ``WM x WN`` part of the CTA's
+* The consumers: 4 warps (``mma_bn <= 32``) or 8. They do not walk: after the ``full`` wait of an
+  item's first stage they read its record. Each owns a ``WM x WN`` part of the CTA's
   ``128 x mma_bn`` MMA tile (M = weight rows when ``ab_swapped``, else tokens), waits for a full
   stage, reads raw FP4/FP8 bytes and scale bytes from shared memory, decodes them to bf16 times
   their block scale in registers and issues ``mma.sync.m16n8k16.bf16`` into fp32 register
@@ -35,14 +40,15 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   CTAs, each tile's K slices are cut into runs taken by different CTAs; runs add fp32 partial tiles
   into a zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the
   last run of a tile (a counter) takes the sums back with ``atom.exch`` of 0, rounds and stores, and
-  resets the counter: the workspace is zero again after every launch.
+  resets the counter: the workspace is zero again after every launch. The dynamic item counter lives
+  in the last two words of the same counter array and is zeroed by the last producer to finish.
 * The routing (a_offsets, expert_ids; up to ``ROUTING_SMEM_SLOTS`` slots) is copied into shared memory
   at launch, so the tile walk does not pay one dependent global load per slot it steps over.
 * ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile.
   Each CTA loads half of the token rows and multicasts them (``.multicast::cluster``) to both; the
   token scale atoms are multicast too. Every consumer warp releases a stage on the ``empty`` barriers
   of both CTAs (a multicast writes into the peer); the producers wait with cluster-scope acquire.
-  Both CTAs of a pair walk the same tiles, so they run the same number of stages; a cluster barrier
+  Both CTAs of a pair take the same (static) items, so they run the same number of stages; a cluster barrier
   follows the mbarrier init and precedes exit.
 
 Exact software block scaling. Hopper has no FP4 MMA and no block-scale hardware. Each element is
@@ -201,21 +207,31 @@ CONSUMER_BARRIER = 1           # named barrier id of the consumer warps (0 is __
 ROUTING_SMEM_SLOTS = 512
 MIN_SLICES_PER_SPLIT = 6       # shorter runs are mostly pipeline fill and epilogue (see h200_plan's notes)
 SPLIT_FLAG_WORDS = 1           # shared word after the mbarriers: "this CTA closes the tile"
+# Work records (``StreamSpec.work_records``): per ring stage, after the split flag, the work item whose first
+# K slice the stage holds, written by the producer before it arms the stage and read by the consumers after
+# its ``full`` wait (the mbarrier's release / acquire orders them): u64 words (expert | tile << 32),
+# (t0 | t1 << 32), (r0 | r1 << 32), (first K slice | group start << 32); expert -1: no more work.
+WORK_RECORD_WORDS = 4
+NO_MORE_WORK = np.uint32(0xFFFFFFFF)   # the record's expert field after the CTA's last item
+# Dynamic items (``StreamSpec.dynamic_items``): two u32 words at the end of ``split_counters``: the next
+# item past the static first wave (each producer's atomicAdd), and the producers done (the last one
+# zeroes both for the next launch).
+SCHEDULE_COUNTER_WORDS = 2
 FRAGMENT_WORDS = 4             # one group's B fragments of one token row: (b0, b1) of both k16 steps
 # Start-up trace (``StreamSpec.trace``, ``prepare(trace=True)``; a diagnostic build, never the plan): per CTA and
 # event one record of (``%globaltimer`` ns, ``%clock64`` cycles), stamped by the producer's first thread (P) or
 # lane 0 of consumer warp 0 (C). The buffer's address travels in one more 128-byte slot after the tensor maps,
 # so the kernel signature and the untraced builds stay as they are. Events not reached stay 0.
 TRACE_EVENTS = ("entry", "barriers_ready", "maps_ready", "producer_work_found", "first_slot_free",
-                "first_tma_issued", "producer_exit", "consumer_work_found", "first_full", "first_release",
+                "first_tma_issued", "producer_exit", "consumer_ready", "first_full", "first_release",
                 "first_epilogue", "consumer_exit")
 (TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_PRODUCER_WORK, TRACE_FIRST_SLOT, TRACE_FIRST_TMA,
- TRACE_PRODUCER_EXIT, TRACE_CONSUMER_WORK, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE, TRACE_FIRST_EPILOGUE,
+ TRACE_PRODUCER_EXIT, TRACE_CONSUMER_READY, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE, TRACE_FIRST_EPILOGUE,
  TRACE_CONSUMER_EXIT) = range(len(TRACE_EVENTS))
 # the producer's chain, then the consumers' (both start at the CTA's entry; the first TMA feeds the first full)
 TRACE_PRODUCER_CHAIN = (TRACE_ENTRY, TRACE_BARRIERS, TRACE_MAPS, TRACE_PRODUCER_WORK, TRACE_FIRST_SLOT,
                         TRACE_FIRST_TMA, TRACE_PRODUCER_EXIT)
-TRACE_CONSUMER_CHAIN = (TRACE_ENTRY, TRACE_CONSUMER_WORK, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
+TRACE_CONSUMER_CHAIN = (TRACE_ENTRY, TRACE_CONSUMER_READY, TRACE_FIRST_FULL, TRACE_FIRST_RELEASE,
                         TRACE_FIRST_EPILOGUE, TRACE_CONSUMER_EXIT)
 TRACE_RECORD_WORDS = 2         # u64 globaltimer, u64 clock64
 TRACE_LATER_TILES = 0x80000000   # the consumer's stage count once its first tile is stamped
@@ -364,8 +380,8 @@ class StreamSmemLayout:
 
     @property
     def barrier_bytes(self) -> int:
-        """The full / empty mbarriers and the split-K flag word."""
-        return (2 * self.stages + SPLIT_FLAG_WORDS) * MBARRIER_BYTES
+        """The full / empty mbarriers, the split-K flag word and the stages' work records."""
+        return (2 * self.stages + SPLIT_FLAG_WORDS + WORK_RECORD_WORDS * self.stages) * MBARRIER_BYTES
 
     @property
     def routing_bytes(self) -> int:
@@ -401,6 +417,9 @@ class StreamSpec:
     split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
     b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
+    # the consumers take their work items from the producer's records (``WORK_RECORD_WORDS``) instead of
+    # walking the tiles themselves; False for kernels whose consumers walk (``h200_wgmma``)
+    work_records: bool = True
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -429,6 +448,13 @@ class StreamSpec:
     @property
     def tile_shape(self) -> schedule.TileShape:
         return schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group).tile_shape
+
+    @property
+    def dynamic_items(self) -> bool:
+        """Past the first wave (item = CTA), producers take work items from a global counter, so CTAs
+        that run faster take more (the CTAs of a static decode schedule finished 249-307 us apart, H200
+        run 48). A CTA pair must work on the same tiles, so pairs keep the static schedule."""
+        return self.work_records and self.cta_group == 1
 
     def _side(self, role: str, rows: int, scale_bands: int) -> OperandSide:
         fmt = self.a_format if role == "tokens" else self.b_format
@@ -900,18 +926,24 @@ class RingDeviceFunctions:
     produce: object         # the producer warp(s): barrier init, block sync, TMA issue loop
     cta_output_rows: object
     stamp: object           # (tensor_maps, event): the start-up trace record of this CTA (trace builds)
+    write_work_record: object  # (bars, stage, expert, tile, t0, t1, r0, r1, first slice, group start): producer
+    unpack_work_record: object  # (4 record words) -> the item's fields
+    read_work_record: object   # (bars, stage, lane) -> the item whose first K slice the stage holds (work_records)
 
 
 def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     """Device functions of ``spec``'s ring: a fresh set per call (see ``schedule.device_functions``).
 
     ``produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
-    shared_expert_ids, n, k_slices, max_tiles, k_splits, slices_per_split)`` runs in every thread of
-    the producer warps: thread 0 initialises ``full[s]`` (count 1) and ``empty[s]`` (count
+    shared_expert_ids, n, k_slices, max_tiles, split_counters, k_splits, slices_per_split)`` runs in every
+    thread of the producer warps: thread 0 initialises ``full[s]`` (count 1) and ``empty[s]`` (count
     ``spec.consumer_warps * cta_group``: one arrival per consumer warp of each CTA of the pair) in
-    ``bars``, all meet at ``block_sync``, then thread 0 walks the CTA's work items and fills the
-    ring (module docstring). Consumers call ``block_sync`` once and walk the same items with
-    ``next_work``."""
+    ``bars``, all meet at ``block_sync``, then thread 0 takes the CTA's work items (item = pair index, then
+    with ``spec.dynamic_items`` from the global counter, else every ``pairs``-th), walks to their tiles and
+    fills the ring (module docstring). With ``spec.work_records`` it writes each item's record into the
+    stage of its first K slice and, after the last item, a record saying so (``NO_MORE_WORK``, armed by a
+    plain arrival); consumers read them (``read_work_record``). Otherwise consumers call ``block_sync``
+    once and walk the same items with ``next_work``."""
     walk = schedule.device_functions()
     shape = spec.tile_shape
     tile_tokens, tile_rows = shape.tokens, shape.weight_rows
@@ -930,6 +962,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     token_band_of = _device(token_scale_band)
     weight_band_of = _device(weight_scale_band)
     trace = spec.trace
+    work_records, dynamic_items = spec.work_records, spec.dynamic_items
+    record_base = 2 * stages + SPLIT_FLAG_WORDS   # u64 words of ``bars`` before the first work record
 
     @_device
     def stamp(tensor_maps, event):
@@ -1018,8 +1052,39 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                 np.uint32(cursor_slot), np.uint32(cursor_first))
 
     @_device
+    def write_work_record(bars, stage, expert, tile, t0, t1, r0, r1, s_begin, group_start):
+        """The record of the work item whose first K slice stage ``stage`` holds (``WORK_RECORD_WORDS``)."""
+        rec = record_base + WORK_RECORD_WORDS * stage
+        bars[rec] = np.uint64(expert) | (np.uint64(tile) << np.uint64(32))
+        bars[rec + 1] = np.uint64(t0) | (np.uint64(t1) << np.uint64(32))
+        bars[rec + 2] = np.uint64(r0) | (np.uint64(r1) << np.uint64(32))
+        bars[rec + 3] = np.uint64(s_begin) | (np.uint64(group_start) << np.uint64(32))
+
+    @_device
+    def unpack_work_record(w0, w1, w2, w3):
+        """(expert, tile, t0, t1, r0, r1, first K slice, group start) of a record's words (int32 expert, -1: no
+        more work; the rest u32: half the registers of int64 across the K loop)."""
+        low, high = np.uint64(0xFFFFFFFF), np.uint64(32)
+        return (np.int32(np.uint32(w0 & low)), np.uint32(w0 >> high), np.uint32(w1 & low), np.uint32(w1 >> high),
+                np.uint32(w2 & low), np.uint32(w2 >> high), np.uint32(w3 & low), np.uint32(w3 >> high))
+
+    @_device
+    def read_work_record(bars, stage, lane):
+        """The record of stage ``stage`` (``unpack_work_record``), read by lane 0 and handed to its warp: the
+        lane that reads it is then the lane whose arrival on ``empty`` lets the producer rewrite it (with
+        every lane reading, compute-sanitizer's racecheck reported read / write hazards between the other
+        lanes' reads and the producer's next record: H200 run 54)."""
+        rec = record_base + WORK_RECORD_WORDS * np.uint32(stage)
+        w0 = w1 = w2 = w3 = np.int64(0)
+        if lane == 0:
+            w0, w1, w2, w3 = np.int64(bars[rec]), np.int64(bars[rec + 1]), np.int64(bars[rec + 2]), np.int64(bars[rec + 3])
+        warp = np.uint32(0xFFFFFFFF)
+        return unpack_work_record(np.uint64(cuda.shfl_sync(warp, w0, 0)), np.uint64(cuda.shfl_sync(warp, w1, 0)),
+                                  np.uint64(cuda.shfl_sync(warp, w2, 0)), np.uint64(cuda.shfl_sync(warp, w3, 0)))
+
+    @_device
     def produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
-                shared_expert_ids, n, k_slices, max_tiles, k_splits, slices_per_split):
+                shared_expert_ids, n, k_slices, max_tiles, split_counters, k_splits, slices_per_split):
         first_thread = cuda.threadIdx.x == 0
         # shared-window addresses as signed int64 (numba turns uint64 + int64 into float64)
         base = np.int64(cm.shared_address(dyn))
@@ -1037,8 +1102,11 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
         if first_thread:
             if trace:
                 stamp(tensor_maps, TRACE_BARRIERS)
+            # every acquire first, then every prefetch: ptxas puts a full DEPBAR before each acquire
+            # (UTMACCTL.IV), which would otherwise wait for the previous map's prefetch round trip
             for i in range(NUM_TENSOR_MAPS):
                 cp.fence_proxy_tensormap_acquire_sys(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
+            for i in range(NUM_TENSOR_MAPS):
                 cp.prefetch_tensormap(tensor_maps + np.uint64(cp.TENSOR_MAP_BYTES * i))
             if trace:
                 stamp(tensor_maps, TRACE_MAPS)
@@ -1050,9 +1118,10 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
             phase = np.int64(0)
             cursor_slot = np.uint32(0)
             cursor_first = np.uint32(0)
+            counter = split_counters.shape[0] - SCHEDULE_COUNTER_WORDS
             work = pair   # a while loop: range() with a run-time step divides (a 64-bit division call)
             while work < max_tiles * k_splits:
-                slot, expert, _, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
+                slot, expert, tile, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
                     work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
                 if trace and first_tma:
                     stamp(tensor_maps, TRACE_PRODUCER_WORK)
@@ -1071,6 +1140,10 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                         wait_parity_or_trap(empty, phase ^ 1)
                     if trace and first_tma:
                         stamp(tensor_maps, TRACE_FIRST_SLOT)
+                    if work_records and s == s_begin:   # before the arrival that releases it
+                        write_work_record(bars, stage, np.uint32(expert), np.uint32(tile), np.uint32(t0),
+                                          np.uint32(t1), np.uint32(r0), np.uint32(r1), np.uint32(s_begin),
+                                          np.uint32(group_start))
                     mb.mbarrier_arrive_expect_tx(full, tx_bytes)
                     dst = np.uint32(base + stage * stage_bytes)
                     sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
@@ -1100,20 +1173,42 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     if stage == stages:
                         stage = 0
                         phase ^= 1
-                work += num_pairs
+                if dynamic_items:   # the ring ahead of the consumers hides the atomic's round trip
+                    work = np.int64(cuda.atomic.add(split_counters, counter, np.uint32(1))) + num_pairs
+                else:
+                    work += num_pairs
+            if work_records:   # no more work: a record that says so, armed with no bytes
+                full = np.uint32(bar0 + MBARRIER_BYTES * stage)
+                empty = np.uint32(full + MBARRIER_BYTES * stages)
+                if cta_group > 1:
+                    wait_parity_cluster_or_trap(empty, phase ^ 1)
+                else:
+                    wait_parity_or_trap(empty, phase ^ 1)
+                write_work_record(bars, stage, NO_MORE_WORK, np.uint32(0), np.uint32(0), np.uint32(0),
+                                  np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0))
+                mb.mbarrier_arrive(full)
+            if dynamic_items:   # the last producer to finish zeroes the counters for the next launch
+                cuda.threadfence()   # this CTA's last take of an item comes before its "done"
+                if cuda.atomic.add(split_counters, counter + 1, np.uint32(1)) == np.uint32(num_pairs - 1):
+                    split_counters[counter] = np.uint32(0)
+                    split_counters[counter + 1] = np.uint32(0)
             if trace:
                 stamp(tensor_maps, TRACE_PRODUCER_EXIT)
 
     return RingDeviceFunctions(copy_routing, routing_views, cta_position, block_sync, next_work, produce,
-                               walk.cta_output_rows, stamp)
+                               walk.cta_output_rows, stamp, write_work_record, unpack_work_record,
+                               read_work_record)
 
 
 def make_kernel_function(spec: StreamSpec):
     """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
-    compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``)."""
+    compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``). Its
+    consumers take their work from the producer's records (``spec.work_records``)."""
+    if not spec.work_records:
+        raise ValueError("the streaming kernel's consumers read work records: build it with work_records=True")
     ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
-    copy_routing, routing_views, cta_position = ring.copy_routing, ring.routing_views, ring.cta_position
-    block_sync, next_work, produce, cta_output_rows = ring.block_sync, ring.next_work, ring.produce, ring.cta_output_rows
+    copy_routing, cta_position, read_work_record = ring.copy_routing, ring.cta_position, ring.read_work_record
+    block_sync, produce, cta_output_rows = ring.block_sync, ring.produce, ring.cta_output_rows
     stamp, trace = ring.stamp, spec.trace
     shape = spec.tile_shape
     tile_rows = shape.weight_rows
@@ -1166,7 +1261,7 @@ def make_kernel_function(spec: StreamSpec):
     producer_regs = hp.setmaxnreg_dec(PRODUCER_WARPGROUP_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_WARPGROUP_REGISTERS)
     num_barriers = 2 * stages
-    barrier_words = num_barriers + SPLIT_FLAG_WORDS   # plain constants for cuda.shared.array
+    barrier_words = num_barriers + SPLIT_FLAG_WORDS + WORK_RECORD_WORDS * stages   # plain constants for shared arrays
     routing_offset_words = ROUTING_SMEM_SLOTS + 1
     sf_offset = _device(scale_byte_offset)
     rotated = _device(rotated_group)
@@ -1203,18 +1298,17 @@ def make_kernel_function(spec: StreamSpec):
             if uses_setmaxnreg:
                 producer_regs()
             produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
-                    n, k_slices, max_tiles, k_splits, slices_per_split)
+                    n, k_slices, max_tiles, split_counters, k_splits, slices_per_split)
             cuda.syncwarp()
         else:
             # ------------------------------------------------------------------ consumers
             if uses_setmaxnreg:
                 consumer_regs()
-            block_sync()   # the mbarriers are initialised (and the routing copied)
-            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
+            block_sync()   # the mbarriers are initialised
             lane = cm.laneid()
             base = np.int64(cm.shared_address(dyn))
             bar0 = np.int64(cm.shared_address(bars))
-            rank, pair, num_pairs = cta_position()
+            rank, _, _ = cta_position()
             cw = warp - producer_warps
             warp_m = cw % wm_warps
             warp_n = cw // wm_warps
@@ -1259,17 +1353,19 @@ def make_kernel_function(spec: StreamSpec):
             traced_stages = np.uint32(0)
             stage = np.uint32(0)   # 32-bit: numba widens uint32 arithmetic, so every update casts back
             phase = np.uint32(0)
-            cursor_slot = np.uint32(0)
-            cursor_first = np.uint32(0)
-            work = pair
-            while work < max_tiles * k_splits:
-                slot, expert, tile, t0, t1, r0, r1, s_begin, cursor_slot, cursor_first = next_work(
-                    work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
-                if tracer and traced_stages == 0:
-                    stamp(tensor_maps, TRACE_CONSUMER_WORK)
-                if slot < 0:
+            if tracer:
+                stamp(tensor_maps, TRACE_CONSUMER_READY)
+            # one work item per pass, as the producer's records say; the bound is never reached first (a record
+            # ends the loop) but keeps the loop warp-uniform for ptxas: with `while True` it moved the decoded
+            # slot's base out of a uniform register and the K-slice loop grew by 7 instructions (NVFP4 bn8)
+            item = np.int64(0)
+            while item < max_tiles * k_splits:
+                wait_parity_or_trap(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
+                expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
+                if expert < 0:
                     break
-                group_start = np.int64(walk_offsets[slot])
+                if tracer and traced_stages == 0:
+                    stamp(tensor_maps, TRACE_FIRST_FULL)
                 token_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
                 if swapped:
                     m_sf_row0 = np.int64(0)
@@ -1285,9 +1381,8 @@ def make_kernel_function(spec: StreamSpec):
                 # the tile starts on a 32-row boundary: swapped, weights on M): one base per tile
                 m_sf_first = np.uint32(m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row_base), m_col, atoms))
                 for _ in range(np.int32(min(slices_per_split, k_slices - s_begin))):   # this run's K slices
+                    # (the first slice's phase completed before the record was read: this wait returns at once)
                     wait_parity_or_trap(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
-                    if tracer and traced_stages == 0:
-                        stamp(tensor_maps, TRACE_FIRST_FULL)
                     st = np.uint32(np.uint32(base) + np.uint32(stage * np.uint32(stage_bytes)))
                     for i in range(m_rows):
                         if swapped:
@@ -1482,7 +1577,7 @@ def make_kernel_function(spec: StreamSpec):
                                                            f32_to_bf16_bits(total), valid)
                         if consumer_tid == 0:
                             split_counters[tile * cta_group + rank] = np.uint32(0)
-                work += num_pairs
+                item += 1
             if tracer:
                 stamp(tensor_maps, TRACE_CONSUMER_EXIT)
         if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
@@ -1774,8 +1869,9 @@ def split_runs(k_slices: int, k_splits: int) -> tuple[int, int]:
 @dataclass
 class StreamLaunch:
     """A prepared launch: ``launch()`` (or calling the object) enqueues the kernel, no host copies or
-    syncs. ``out`` is the device output (uint16 bf16 bits, (total_tokens, N)). With ``k_splits > 1``
-    the launch owns a zeroed fp32 workspace and tile counters that every launch leaves zeroed."""
+    syncs. ``out`` is the device output (uint16 bf16 bits, (total_tokens, N)). The launch owns counters
+    (the work-item counter; with ``k_splits > 1`` also one per tile, and a zeroed fp32 workspace) that
+    every launch leaves zeroed: a prepared launch must not run concurrently with itself."""
 
     spec: StreamSpec
     out: object
@@ -1783,8 +1879,8 @@ class StreamLaunch:
     max_tiles: int
     _launch: launch.PreparedLaunch | None
     k_splits: int = 1
-    split_sums: object = None       # the split-K workspace (fp32, (total_tokens, N)) and tile counters
-    split_counters: object = None
+    split_sums: object = None       # the split-K workspace (fp32, (total_tokens, N))
+    split_counters: object = None   # split-K tile counters, then SCHEDULE_COUNTER_WORDS of the item counter
     kernel: str = "h200_stream"     # which kernel family runs (h200_wgmma's launches say so)
     trace_buffer: object = None     # trace builds: (num_ctas, TRACE_EVENTS, 2) u64, the last launch's stamps
 
@@ -1873,16 +1969,16 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     if num_ctas is None:   # the runs are the work items
         num_ctas = default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
+    # zeroed once here, on the launch's stream (synchronous for the default 0); every launch leaves
+    # them zeroed (MIN_SLICES_PER_SPLIT's notes; the last producer zeroes the item counter)
+    tile_counters = max_tiles * spec.cta_group if k_splits > 1 else 0
+    split_counters = cuda.device_array(tile_counters + SCHEDULE_COUNTER_WORDS, np.uint32, stream=stream)
+    device_memset(split_counters, 0, split_counters.nbytes, stream=stream)
     if k_splits > 1:
-        # zeroed once here, on the launch's stream (synchronous for the default 0); every launch
-        # leaves them zeroed (MIN_SLICES_PER_SPLIT's notes)
         split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32, stream=stream)
-        split_counters = cuda.device_array(max_tiles * spec.cta_group, np.uint32, stream=stream)
-        for arr in (split_sums, split_counters):
-            device_memset(arr, 0, arr.nbytes, stream=stream)
+        device_memset(split_sums, 0, split_sums.nbytes, stream=stream)
     else:
         split_sums = cuda.device_array((1, 1), np.float32)
-        split_counters = cuda.device_array(1, np.uint32)
     arrays = problem_device.arrays()
     map_args = tensor_map_args(spec, {k: tuple(v.shape) for k, v in arrays.items()},
                                {k: launch.device_address(v) for k, v in arrays.items()})

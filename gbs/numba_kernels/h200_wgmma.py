@@ -205,7 +205,7 @@ class WgmmaSpec:
         """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps (its weight
         reader also decodes for this kernel, in the weights' layout)."""
         return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages,
-                             b_layout=self.b_layout)
+                             b_layout=self.b_layout, work_records=False)
 
     @property
     def cta_group(self) -> int:
@@ -409,7 +409,7 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
     producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
-    barrier_words = 2 * ring_spec.stages + hs.SPLIT_FLAG_WORDS
+    barrier_words = 2 * ring_spec.stages + hs.SPLIT_FLAG_WORDS + hs.WORK_RECORD_WORDS * ring_spec.stages
     routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
     DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hs.DYNAMIC_SMEM_ALIGN, hs.ROUTING_SMEM_SLOTS
@@ -426,7 +426,7 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
         if warp < producer_warps:
             producer_regs()
             produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
-                    n, k_slices, max_tiles, k_splits, slices_per_split)
+                    n, k_slices, max_tiles, split_counters, k_splits, slices_per_split)
             cuda.syncwarp()
         else:
             consumer_regs()
