@@ -159,8 +159,10 @@ REGISTER_ALLOC_STEP = 8        # registers are allocated per thread in multiples
 # The 4-consumer-warp configs are built (launch bounds' minimum CTAs per SM) for up to this many
 # resident CTAs: 3 CTAs of 5 warps put 4 warps on some sub-partition, so <= 128 registers per thread
 # (4 x 32 x 128 = 16384). Measured (run 31, W4A8 streaming bn16, re-laid weights): at 133 registers
-# only 2 CTAs fit and the 396-CTA grid ran 595 us vs 472 us at 264 CTAs. 4 CTAs would need <= 96
-# registers, where ptxas spills (session 9).
+# only 2 CTAs fit and the 396-CTA grid ran 595 us vs 472 us at 264 CTAs. 4 CTAs need <= 96 registers:
+# forced there, ptxas spilled (session 9); since the consumers read work records instead of walking, the FP4
+# decode builds take 95 without being forced, and the grid takes the fourth CTA (``resident_pairs``; NVFP4
+# decode 279.5 us on 396 CTAs, 274.1 on 528: H200 run 56).
 SMALL_N_MIN_CTAS_PER_SM = 3
 # 32-token tiles (32 accumulators and 32 decoded-fragment words per thread) do not fit in 128
 # registers: built for 3 CTAs, ptxas spilled (W4A8 / MXFP8 bn32: a 32 / 16-byte stack, 11 / 8 spill
