@@ -1,6 +1,7 @@
 """The GPU scripts' command lines, on the CPU: ``scripts/h200_stream_sweep.py``'s points (the wgmma
-operands suffix included) and trace summary, and ``scripts/sanitize_small.py``'s kernel / format filters.
-Their GPU runs are recorded in ``notes/h200/``."""
+operands suffix included) and trace summary, ``scripts/sanitize_small.py``'s kernel / format filters, and
+``scripts/compare_variants.py``'s variants, trees, commands and summary. Their GPU runs are recorded in
+``notes/h200/``."""
 from __future__ import annotations
 
 import importlib.util
@@ -90,3 +91,46 @@ def test_sweep_trace_summary_is_per_launch_and_skips_unlaunched_copies(sweep):
     assert phase_rows["launch span"][0] == 100 + 2000 * (len(h200_stream.TRACE_CONSUMER_CHAIN) - 1)
     assert phase_rows["entry -> barriers_ready"] == [1000.0] * 3
     assert sweep.trace_summary(records[2:]) == ["no launch wrote its trace"]
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return load_script("compare_variants")
+
+
+def test_compare_variants_parses_trees_and_variables(variants):
+    v = variants.parse_variant("diag=wt/x:GBS_A=1,GBS_B=two")
+    assert (v.name, str(v.tree), v.env) == ("diag", "wt/x", {"GBS_A": "1", "GBS_B": "two"})
+    assert variants.parse_variant("main=.").env == {}
+    for bad in ("wt/x", "1x=wt/x", "x=", "x=wt:NOVALUE"):
+        with pytest.raises(ValueError):
+            variants.parse_variant(bad)
+
+
+def test_compare_variants_alternates_fresh_processes_per_tree(variants, tmp_path, capsys):
+    tree = tmp_path / "tree"
+    variants.make_tree("HEAD", str(tree))
+    assert (tree / "gbs" / "numba_kernels" / "h200_stream.py").exists()
+    assert (tree / "scripts" / "h200_stream_sweep.py").exists()
+    with pytest.raises(SystemExit, match="exists"):
+        variants.make_tree("HEAD", str(tree))
+    rc = variants.main(["--dry-run", "--rounds", "2", "--out", str(tmp_path / "o"), "a=.",
+                        f"b={tree}:GBS_X=1", "--", "plan:auto:nvfp4:decode_up"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("==")]
+    assert rc == 0 and [line.split(",")[0] for line in lines] == ["== a", "== b", "== a", "== b"]
+    assert all("GBS_X=1" in line for line in lines[1::2]) and not any("GBS_X" in line for line in lines[::2])
+    assert str(tree / "scripts" / "h200_stream_sweep.py") in lines[1], "a tree runs its own sweep script"
+    assert not (tmp_path / "o").exists(), "a dry run writes nothing"
+    with pytest.raises(SystemExit):
+        variants.main(["a=.", "a=wt/x", "--", "p"])   # two variants of one name
+    with pytest.raises(SystemExit):
+        variants.main(["a=."])                        # no points
+
+
+def test_compare_variants_summary_is_the_median_over_rounds(variants, tmp_path):
+    for name, times in (("a", (10.0, 12.0, 11.0)), ("b", (5.0, 6.0, 4.0))):
+        for r, t in enumerate(times):
+            with open(tmp_path / f"{name}-r{r}.csv", "w") as f:
+                f.write(f"point,median_us\np1,{t}\n")
+    table = variants.summary([variants.parse_variant("a=."), variants.parse_variant("b=.")], tmp_path, 3)
+    assert "11.0 us" in table[1] and "5.0 us (0.455x)" in table[1]
