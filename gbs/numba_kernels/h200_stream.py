@@ -381,9 +381,19 @@ class StreamSmemLayout:
         return self.decoded_tokens + DECODED_TOKEN_SLOTS * self.decoded_token_slot_bytes
 
     @property
+    def work_record_base(self) -> int:
+        """u64 words of the kernels' ``bars`` array before the first work record: the full / empty
+        mbarriers and the split-K flag word."""
+        return 2 * self.stages + SPLIT_FLAG_WORDS
+
+    @property
+    def barrier_words(self) -> int:
+        """u64 words of ``bars``: the mbarriers, the split-K flag word and the stages' work records."""
+        return self.work_record_base + WORK_RECORD_WORDS * self.stages
+
+    @property
     def barrier_bytes(self) -> int:
-        """The full / empty mbarriers, the split-K flag word and the stages' work records."""
-        return (2 * self.stages + SPLIT_FLAG_WORDS + WORK_RECORD_WORDS * self.stages) * MBARRIER_BYTES
+        return self.barrier_words * MBARRIER_BYTES
 
     @property
     def routing_bytes(self) -> int:
@@ -965,7 +975,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     weight_band_of = _device(weight_scale_band)
     trace = spec.trace
     work_records, dynamic_items = spec.work_records, spec.dynamic_items
-    record_base = 2 * stages + SPLIT_FLAG_WORDS   # u64 words of ``bars`` before the first work record
+    record_base = lay.work_record_base
 
     @_device
     def stamp(tensor_maps, event):
@@ -1263,7 +1273,7 @@ def make_kernel_function(spec: StreamSpec):
     producer_regs = hp.setmaxnreg_dec(PRODUCER_WARPGROUP_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_WARPGROUP_REGISTERS)
     num_barriers = 2 * stages
-    barrier_words = num_barriers + SPLIT_FLAG_WORDS + WORK_RECORD_WORDS * stages   # plain constants for shared arrays
+    barrier_words = lay.barrier_words   # a plain constant for cuda.shared.array
     routing_offset_words = ROUTING_SMEM_SLOTS + 1
     sf_offset = _device(scale_byte_offset)
     rotated = _device(rotated_group)

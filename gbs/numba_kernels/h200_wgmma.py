@@ -409,7 +409,7 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
     producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
-    barrier_words = 2 * ring_spec.stages + hs.SPLIT_FLAG_WORDS + hs.WORK_RECORD_WORDS * ring_spec.stages
+    barrier_words = ring_spec.smem.barrier_words
     routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
     DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hs.DYNAMIC_SMEM_ALIGN, hs.ROUTING_SMEM_SLOTS
