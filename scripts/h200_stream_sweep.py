@@ -6,7 +6,8 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
         nvfp4:decode_up:T:8:1:2:auto  nvfp4:kimi_decode:T:8:1:2:1  nvfp4:kimi_decode:T:8:1:2:7
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
-or ``auto``; a point may add ``:num_ctas``), ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands]`` for the
+or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
+``h200_stream.StreamSpec.small_n_warps``), ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands]`` for the
 wgmma prefill kernel (``h200_wgmma``; stages an int or ``auto``), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
 from gbs import bench
 from gbs.api import h200_kernel
@@ -29,6 +31,15 @@ from gbs.quant import B_LAYOUT_PACKED, B_LAYOUTS
 
 
 PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
+
+
+class SweepPoint(NamedTuple):
+    fmt: str
+    case: bench.BenchCase
+    config: object          # StreamConfig, WgmmaConfig, or a plan's backend name
+    k_splits: int | None = None
+    num_ctas: int | None = None
+    small_n_warps: int = h200_stream.CONSUMER_WARPS_SMALL_N
 
 
 def parse_case(text: str, point: str) -> bench.BenchCase:
@@ -50,7 +61,7 @@ def parse_wgmma_point(text: str):
     _, fmt, case, bn, stages = parts[:5]
     config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages), operands)
     num_ctas = int(parts[5]) if len(parts) == 6 else None
-    return fmt, parse_case(case, text), config, None, num_ctas
+    return SweepPoint(fmt, parse_case(case, text), config, num_ctas=num_ctas)
 
 
 def parse_plan_point(text: str):
@@ -58,7 +69,7 @@ def parse_plan_point(text: str):
     if len(parts) != 4 or parts[1] not in PLAN_BACKENDS:
         raise ValueError(f"point {text!r}: want plan:backend:format:case, backend in {PLAN_BACKENDS}")
     _, backend, fmt, case = parts
-    return fmt, parse_case(case, text), backend, None, None
+    return SweepPoint(fmt, parse_case(case, text), backend)
 
 
 def parse_point(text: str):
@@ -67,15 +78,18 @@ def parse_point(text: str):
     if text.startswith("plan:"):
         return parse_plan_point(text)
     parts = text.split(":")
+    small_n_warps = h200_stream.CONSUMER_WARPS_SMALL_N
+    if parts[-1].startswith("w") and parts[-1][1:].isdigit():
+        small_n_warps = int(parts.pop()[1:])
     if len(parts) not in (7, 8):
-        raise ValueError(f"point {text!r}: want format:case:T|F:mma_bn:cta_group:stages:k_splits[:num_ctas]")
+        raise ValueError(f"point {text!r}: want format:case:T|F:mma_bn:cta_group:stages:k_splits[:num_ctas][:w8]")
     fmt, case, swapped, bn, cg, stages, splits = parts[:7]
     if swapped not in ("T", "F"):
         raise ValueError(f"point {text!r}: ab_swapped T or F")
     config = h200_stream.StreamConfig(swapped == "T", int(bn), int(cg), int(stages))
     k_splits = None if splits == "auto" else int(splits)
     num_ctas = int(parts[7]) if len(parts) == 8 else None
-    return fmt, parse_case(case, text), config, k_splits, num_ctas
+    return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas, small_n_warps)
 
 
 def trace_point(directory: str, text: str, problem, first, copies: int, budget_s: float) -> None:
@@ -88,7 +102,7 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
 
     config = h200_stream.StreamConfig(first.spec.ab_swapped, first.spec.mma_bn, first.spec.cta_group, first.spec.stages)
     traced = [h200_stream.prepare(to_device(problem), config, num_ctas=first.num_ctas, k_splits=first.k_splits,
-                                  trace=True) for _ in range(copies)]
+                                  trace=True, small_n_warps=first.spec.small_n_warps) for _ in range(copies)]
     timing = bench.time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
     cuda.synchronize()
     records = np.stack([launch.trace_buffer.copy_to_host() for launch in traced])   # (copies, ctas, events, 2)
@@ -135,7 +149,7 @@ def main(argv=None) -> int:
     print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now)")
     env = bench.environment_fields()
     rows, problems = [], {}
-    for text, (fmt, case, config, k_splits, num_ctas) in zip(args.points, points):
+    for text, (fmt, case, config, k_splits, num_ctas, small_n_warps) in zip(args.points, points):
         key = (fmt, case.name)
         if key not in problems:
             problems[key] = case.problem(fmt)
@@ -150,8 +164,8 @@ def main(argv=None) -> int:
             elif isinstance(config, h200_wgmma.WgmmaConfig):
                 launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas) for _ in range(copies)]
             else:
-                launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
-                            for _ in range(copies)]
+                launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits,
+                                                small_n_warps=small_n_warps) for _ in range(copies)]
             timing = bench.time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
             print(f"{text:44} {type(err).__name__}: {err}", flush=True)
@@ -163,7 +177,9 @@ def main(argv=None) -> int:
         spec = first.spec
         row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, ab_swapped=spec.ab_swapped,
                    mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
-                   k_splits=first.k_splits, num_ctas=first.num_ctas, median_us=timing.median_us,
+                   k_splits=first.k_splits, num_ctas=first.num_ctas,
+                   consumer_warps=spec.consumer_warps if first.kernel == "h200_stream" else None,
+                   median_us=timing.median_us,
                    p10_us=timing.p10_us, p90_us=timing.p90_us, gbps=gbps, tflops=tflops,
                    read_ceiling_fraction=gbps / (read_tbps * 1e3), read_ceiling_tbps=read_tbps, **env)
         rows.append(row)

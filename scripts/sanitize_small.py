@@ -21,12 +21,13 @@ from gbs.schedule import TileConfig
 N, K = 200, 512
 GROUP_SIZES = [3, 0, 1, 9, 5]
 EXPERT_IDS = [2, 0, 1, -1, 3]
-# ((ab_swapped, mma_bn, cta_group, stages), k_splits, num_ctas): decode (decoded-token slots), the same on
-# 2 CTAs (dynamic items: the producers take items from the global counter), split-K runs, 32-token slots
-# (token-decode items of a whole rotation run), small prefill pair (8 warps) with split-K, not swapped, wide N
-STREAM_CONFIGS = [((True, 8, 1, 2), 1, None), ((True, 8, 1, 2), 1, 2), ((True, 16, 1, 2), 2, None),
-                  ((True, 32, 1, 2), 1, None), ((True, 64, 2, 3), 2, None), ((False, 128, 1, 2), 1, None),
-                  ((True, 256, 1, 2), 1, None)]
+# ((ab_swapped, mma_bn, cta_group, stages), k_splits, num_ctas, small_n_warps): decode (decoded-token slots),
+# the same on 2 CTAs (dynamic items: the producers take items from the global counter), split-K runs, 32-token
+# slots (token-decode items of a whole rotation run), small prefill pair (8 warps) with split-K, not swapped,
+# wide N; 8 small-N warps of 16 rows with split-K runs and on 2 CTAs
+STREAM_CONFIGS = [((True, 8, 1, 2), 1, None, 4), ((True, 8, 1, 2), 1, 2, 4), ((True, 16, 1, 2), 2, None, 4),
+                  ((True, 32, 1, 2), 1, None, 4), ((True, 64, 2, 3), 2, None, 4), ((False, 128, 1, 2), 1, None, 4),
+                  ((True, 256, 1, 2), 1, None, 4), ((True, 16, 1, 2), 2, None, 8), ((True, 16, 1, 2), 1, 2, 8)]
 WGMMA_MMA_BN = (128, 256)
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
@@ -50,8 +51,10 @@ def main(argv=None) -> int:
         if fmt not in formats:
             continue
         p = problem_for(fmt, seed)
-        cases = [("h200_stream", (c, splits, ctas), lambda c=c, splits=splits, ctas=ctas: h200_stream.grouped_matmul_h200(
-                     p, StreamConfig(*c), k_splits=splits, num_ctas=ctas)) for c, splits, ctas in STREAM_CONFIGS]
+        cases = [("h200_stream", (c, splits, ctas, warps),
+                  lambda c=c, splits=splits, ctas=ctas, warps=warps: h200_stream.grouped_matmul_h200(
+                      p, StreamConfig(*c), k_splits=splits, num_ctas=ctas, small_n_warps=warps))
+                 for c, splits, ctas, warps in STREAM_CONFIGS]
         cases += [("h200_wgmma", (bn,), lambda bn=bn: h200_wgmma.grouped_matmul_h200(p, h200_wgmma.WgmmaConfig(bn)))
                   for bn in WGMMA_MMA_BN]
         if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)

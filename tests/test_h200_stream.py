@@ -73,10 +73,21 @@ CONFIGS = {
 }
 
 
-def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None) -> hs.StreamSpec:
+def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None,
+            small_n_warps: int = hs.CONSUMER_WARPS_SMALL_N) -> hs.StreamSpec:
     a, b = PROBLEM_FORMATS[fmt]
     stages = hs.max_pipeline_stages(a, b, config) if stages is None else stages
-    return hs.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, stages)
+    return hs.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, stages,
+                         small_n_warps=small_n_warps)
+
+
+def eight_warp_legal(fmt: str, config: hs.StreamConfig) -> bool:
+    """Whether ``small_n_warps=8`` builds for ``fmt`` and ``config`` (``StreamSpec``'s checks)."""
+    try:
+        spec_of(fmt, config, small_n_warps=8)
+    except ValueError:
+        return False
+    return True
 
 
 def bf16_value(bits) -> np.ndarray:
@@ -381,14 +392,18 @@ def test_predecoded_tokens_only_where_they_fit():
                 assert items % (hs.WARP_SIZE * spec.consumer_warps) == 0
 
 
+@pytest.mark.parametrize("warps", hs.SMALL_N_WARP_CHOICES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bn", [8, 16, 32])
-def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, bn):
+def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, bn, warps):
     """The cooperative token decode: every (token row, quad lane, group) is decoded by exactly one
     item of one consumer thread; every thread has the same number of items, each inside one rotation
     run (one block-scale choice per run for UE8M0) and, for whole 16-byte chunks, the 8 lanes of a
     load phase read 8 different 16-byte bank groups (TMA's swizzle XOR included)."""
-    spec = spec_of(fmt, hs.StreamConfig(True, bn, 1))
+    if not eight_warp_legal(fmt, hs.StreamConfig(True, bn, 1)) and warps != hs.CONSUMER_WARPS_SMALL_N:
+        pytest.skip(f"{fmt} bn{bn} has fewer token-decode items than 8 warps have threads: rejected "
+                    "(test_eight_small_n_warps_are_checked)")
+    spec = spec_of(fmt, hs.StreamConfig(True, bn, 1), small_n_warps=warps)
     side, groups, item_groups = spec.n_side, spec.n_side.groups, spec.token_decode_groups
     threads = hs.WARP_SIZE * spec.consumer_warps
     chunks = groups // item_groups
@@ -421,11 +436,13 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
 def test_swapped_scale_rows_sit_at_fixed_steps_from_the_first():
     """Swapped (weights on M, tiles from row 0 of an atom): a thread's rows g + 8 i lie
     ``scale_row_step(i)`` bytes after row g in the 128x4 layout, for every warp of every config, so the
-    kernel adds constants to one per-tile base instead of recomputing each row's offset per stage."""
-    for name, config in CONFIGS.items():
+    kernel adds constants to one per-tile base instead of recomputing each row's offset per stage
+    (16-row warps of ``small_n_warps`` = 8 included)."""
+    for name, config, warps in [(name, config, 4) for name, config in CONFIGS.items()] + [
+            (name, config, 8) for name, config in CONFIGS.items() if config.mma_bn <= hs.SMALL_N_MAX_MMA_BN]:
         if not config.ab_swapped:
             continue
-        spec = spec_of("nvfp4", config)
+        spec = spec_of("nvfp4", config, small_n_warps=warps)
         warp_rows, _ = spec.warp_tile
         for warp_m in range(spec.warp_grid[0]):
             for g in range(8):
@@ -434,6 +451,35 @@ def test_swapped_scale_rows_sit_at_fixed_steps_from_the_first():
                     for col, atoms in ((0, 1), (4, 4), (12, 7)):
                         step = scale_byte_offset(first + 8 * i, col, atoms) - scale_byte_offset(first, col, atoms)
                         assert step == hs.scale_row_step(i), (name, warp_m, g, i)
+
+
+def test_eight_small_n_warps_are_checked():
+    """``small_n_warps`` = 8: a column of 8 warps of 16 rows, one producer warp, no setmaxnreg, the same
+    decoded-token slots and prefetching as 4 warps; refused for the large-N grid, for counts other than
+    4 and 8, and where the stage's token-decode items would not split evenly over 256 threads."""
+    spec = spec_of("nvfp4", CONFIGS["decode"], stages=2, small_n_warps=8)
+    assert spec.warp_grid == (8, 1) and spec.warp_tile == (16, 8) and spec.consumer_warps == 8
+    assert spec.producer_warps == 1 and spec.threads == 9 * hs.WARP_SIZE and not spec.uses_setmaxnreg
+    assert spec.predecoded_tokens and spec.prefetch_groups
+    assert spec.min_ctas_per_sm == hs.SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM == 2, "two 9-warp CTAs per SM"
+    assert spec_of("nvfp4", CONFIGS["decode"], small_n_warps=8).min_ctas_per_sm == 1, "the deepest ring fills the SM"
+    assert hs.resident_ctas_per_sm(spec, 96) == 2, "5 warps of 96 registers per sub-partition"
+    four = spec_of("nvfp4", CONFIGS["decode"], stages=2)
+    assert spec.smem == four.smem and spec.tx_bytes == four.tx_bytes, "the ring does not change"
+    assert not spec_of("nvfp4", CONFIGS["not_swapped_decode"], small_n_warps=8).predecoded_tokens
+    with pytest.raises(ValueError, match="mma_bn <= 32"):
+        spec_of("nvfp4", CONFIGS["small_prefill"], small_n_warps=8)
+    with pytest.raises(ValueError, match="one of"):
+        spec_of("nvfp4", CONFIGS["decode"], small_n_warps=6)
+    with pytest.raises(ValueError, match="do not split evenly"):   # FP8 tokens: 128 items at bn8
+        spec_of("w4a8", CONFIGS["decode"], small_n_warps=8)
+    assert eight_warp_legal("w4a8", hs.StreamConfig(True, 16, 1))
+    rng = np.random.default_rng(3)
+    problem = build_problem(random_activations(rng, 4, 256), random_weights(rng, 2, 64, 256), [3, 1], [1, 0],
+                            fmt="nvfp4")
+    assert hs.check_can_implement(problem, CONFIGS["decode"], small_n_warps=8).small_n_warps == 8
+    with pytest.raises(ValueError, match="mma_bn <= 32"):
+        hs.check_can_implement(problem, CONFIGS["small_prefill"], small_n_warps=8)
 
 
 def test_small_n_builds_ask_for_three_ctas_per_sm():
@@ -871,6 +917,8 @@ COMPILE_MATRIX = [   # every format, and each regime's config with at least one 
     ("mxfp8_e5m2", "small_prefill"), ("w4a8", "decode"), ("w4a8", "wide_cg1"),
     # h200_plan's 2-stage small-N builds, whose launch bounds cap the registers for 2-3 CTAs per SM
     ("nvfp4", "decode", 2), ("w4a8", "mid", 2),
+    # 8 consumer warps of 16 rows on a small-N tile (``small_n_warps``), one producer warp, no setmaxnreg
+    ("nvfp4", "decode", 2, 8), ("mxfp8", "mid", 2, 8),
 ]
 COMPILE_WORKERS = 2
 MAX_SCALAR_SPILL_ACCESSES = 4   # one spilled word: a store and a few reloads outside the K loop
@@ -878,8 +926,10 @@ MAX_SCALAR_SPILL_ACCESSES = 4   # one spilled word: a store and a few reloads ou
 
 def _compile_one(case):
     """Worker: compile one spec offline; return its SASS facts (runs in a fresh process)."""
-    fmt, config, *stages = case
-    spec = spec_of(fmt, CONFIGS[config], stages=stages[0] if stages else None)
+    fmt, config, *knobs = case
+    stages = knobs[0] if knobs else None
+    small_n_warps = knobs[1] if len(knobs) > 1 else hs.CONSUMER_WARPS_SMALL_N
+    spec = spec_of(fmt, CONFIGS[config], stages=stages, small_n_warps=small_n_warps)
     cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
@@ -928,7 +978,7 @@ def test_compiles_for_sm90a_with_the_promised_sass(compiled, case):
     # 64-bit address) in local memory outside the K loop. Accumulators and fragments never go there.
     assert not r["local_in_k_loop"], "no local memory (LDL/STL) in the K loop"
     if not spec.uses_setmaxnreg:   # ptxas puts spills on the stack (cuobjdump: LOCAL 0, STACK > 0)
-        assert r["resources"].stack_bytes == 0 and not r["local"], "the 4-warp builds do not spill"
+        assert r["resources"].stack_bytes == 0 and not r["local"], "the small-N builds do not spill"
     assert not [op for _, op in r["local"] if op.endswith(".128")], "no accumulator arrays in local memory"
     assert len(r["local"]) <= MAX_SCALAR_SPILL_ACCESSES, f"at most a spilled scalar: {r['local']}"
     if spec.cta_group == 2:
@@ -1180,6 +1230,26 @@ def test_gpu_matches_the_reference(case):
     config = hs.StreamConfig(sw, bn, cg, stages)
     spec = hs.check_can_implement(problem, config)
     out = hs.grouped_matmul_h200(problem, config, num_ctas=None if pairs is None else pairs * cg)
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
+
+
+# (format, shape, ab_swapped, mma_bn, k_splits): 8 consumer warps of 16 rows (``small_n_warps``); the Kimi-like
+# split-K runs, FP4 and FP8 tokens, 32 token columns, tokens on M
+EIGHT_WARP_CASES = [("nvfp4", "n512_k7168", True, 8, 4), ("mxfp4", "n512_k7168", True, 8, None),
+                    ("w4a8", "n4096_k2048", True, 16, None), ("mxfp8", "n512_k7168", True, 16, 3),
+                    ("nvfp4", "n4096_k2048", True, 32, None), ("nvfp4", "n512_k7168", False, 8, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", EIGHT_WARP_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'swap' if c[2] else 'noswap'}{c[3]}"
+                         f"-splits{c[4]}")
+def test_gpu_eight_small_n_warps_match_the_reference(case):
+    fmt, shape, sw, bn, k_splits = case
+    problem, ref = gpu_problem(fmt, shape)
+    config = hs.StreamConfig(sw, bn, 1, 2)
+    spec = hs.check_can_implement(problem, config, small_n_warps=8)
+    out = hs.grouped_matmul_h200(problem, config, k_splits=k_splits, small_n_warps=8)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
 

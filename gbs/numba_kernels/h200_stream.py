@@ -20,8 +20,8 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   rows' slice (3-D map over ``b``: rows past N read as zero and never bleed into the next expert), the
   token rows' slice (2-D map over ``a``) and the 512-byte scale atoms of both, straight from the 128x4
   layouts (the weights' 6-D scales as stored: no re-layout).
-* The consumers: 4 warps (``mma_bn <= 32``) or 8. They do not walk: after the ``full`` wait of an
-  item's first stage they read its record. Each owns a ``WM x WN`` part of the CTA's
+* The consumers: 4 warps (``mma_bn <= 32``; 8 of 16 rows with ``StreamSpec.small_n_warps``) or 8. They
+  do not walk: after the ``full`` wait of an item's first stage they read its record. Each owns a ``WM x WN`` part of the CTA's
   ``128 x mma_bn`` MMA tile (M = weight rows when ``ab_swapped``, else tokens), waits for a full
   stage, reads raw FP4/FP8 bytes and scale bytes from shared memory, decodes them to bf16 times
   their block scale in registers and issues ``mma.sync.m16n8k16.bf16`` into fp32 register
@@ -132,8 +132,16 @@ WARP_SIZE = 32
 QUAD = 4                       # lanes of a quad share an MMA row and split its K slice in 4
 GROUP_ELEMENTS = 8             # K elements one decode group covers: 4 bf16x2 registers, 2 MMA steps
 MMA_M, MMA_N = 16, 8           # mma.sync.m16n8k16
+SMALL_N_MAX_MMA_BN = 32        # the small-N consumer grid: one column of warps, each on all of N
 CONSUMER_WARPS_SMALL_N = 4     # mma_bn <= 32: 4 warps x (32 rows, mma_bn)
-CONSUMER_WARPS_LARGE_N = 8     # mma_bn >= 64: 8 warps, 2-D warp grid (see ``consumer_warp_grid``)
+# ``StreamSpec.small_n_warps``: 8 warps of 16 rows instead of 4 of 32 (still one producer warp, no setmaxnreg):
+# twice the warps per scheduler to hide the K slices' latency where CTAs are few (Kimi's split-K runs: one
+# consumer warp per scheduler took ~0.9 us per 256-element slice, H200 run 56) or two per SM (32 tokens).
+SMALL_N_WARP_CHOICES = (CONSUMER_WARPS_SMALL_N, 2 * CONSUMER_WARPS_SMALL_N)
+# 9-warp CTAs built for two per SM (<= 113 registers by the launch bounds; two need <= 96 on the SM's
+# sub-partitions, 5 warps each): offline, NVFP4 bn32 takes 94 registers this way (114 built for one, which
+# would leave one CTA and 8 consumer warps per SM, as the 4-warp build has now), bn8 79; no local memory.
+SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM = 2
 WARPGROUP_WARPS = 4
 # With 8 consumer warps a lone producer warp would make 9 warps, and ptxas caps every thread at 168
 # registers (3 warps on one SM sub-partition): the 64-128 fp32 accumulators then spill. Instead the
@@ -276,14 +284,14 @@ class StreamConfig:
         return cls(tile.ab_swapped, tile.mma_bn, tile.cta_group, getattr(config, "num_pipeline_stages", AUTO_STAGES))
 
 
-def consumer_warp_grid(mma_bn: int) -> tuple[int, int]:
+def consumer_warp_grid(mma_bn: int, small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> tuple[int, int]:
     """(warps along M, warps along N) of the consumers for a ``128 x mma_bn`` CTA tile.
 
-    Small N: 4 warps of 32 rows x all of N (weights decoded once, tokens once per warp). From 64 up:
-    8 warps, 32 x (mma_bn / 2) for 64 and 128 and 64 x 64 for 256 (128 fp32 accumulators per thread,
-    the most that fits with the operands in registers)."""
-    if mma_bn <= 32:
-        return CONSUMER_WARPS_SMALL_N, 1
+    Small N: ``small_n_warps`` warps (4 of 32 rows, or 8 of 16) x all of N (weights decoded once, tokens
+    once per warp). From 64 up: 8 warps, 32 x (mma_bn / 2) for 64 and 128 and 64 x 64 for 256 (128 fp32
+    accumulators per thread, the most that fits with the operands in registers)."""
+    if mma_bn <= SMALL_N_MAX_MMA_BN:
+        return small_n_warps, 1
     if mma_bn <= 128:
         return 4, 2
     return 2, 4
@@ -432,6 +440,7 @@ class StreamSpec:
     # the consumers take their work items from the producer's records (``WORK_RECORD_WORDS``) instead of
     # walking the tiles themselves; False for kernels whose consumers walk (``h200_wgmma``)
     work_records: bool = True
+    small_n_warps: int = CONSUMER_WARPS_SMALL_N   # consumer warps of a small-N tile (``SMALL_N_WARP_CHOICES``)
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -443,6 +452,19 @@ class StreamSpec:
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")
+        if self.small_n_warps not in SMALL_N_WARP_CHOICES:
+            raise ValueError(f"small_n_warps must be one of {SMALL_N_WARP_CHOICES}, got {self.small_n_warps!r}")
+        if self.small_n_warps != CONSUMER_WARPS_SMALL_N:
+            if not self.small_n:
+                raise ValueError(f"small_n_warps={self.small_n_warps} needs mma_bn <= {SMALL_N_MAX_MMA_BN} "
+                                 f"(got {self.mma_bn}: wider tiles have their own 8-warp grid)")
+            side = self.n_side
+            items = side.rows * QUAD * (side.groups // self.token_decode_groups)
+            if self.predecoded_tokens and items % (WARP_SIZE * self.consumer_warps):
+                raise ValueError(
+                    f"small_n_warps={self.small_n_warps} at mma_bn={self.mma_bn} with {side.format} tokens: the "
+                    f"stage's {items} token-decode items do not split evenly over {WARP_SIZE * self.consumer_warps} "
+                    f"consumer threads; use {CONSUMER_WARPS_SMALL_N} warps or a wider mma_bn")
 
     # -- formats and the K slice --------------------------------------------------------------
     @property
@@ -495,8 +517,13 @@ class StreamSpec:
 
     # -- consumers -----------------------------------------------------------------------------
     @property
+    def small_n(self) -> bool:
+        """The small-N consumer grid (one column of warps, each on all ``mma_bn`` columns)."""
+        return self.mma_bn <= SMALL_N_MAX_MMA_BN
+
+    @property
     def warp_grid(self) -> tuple[int, int]:
-        return consumer_warp_grid(self.mma_bn)
+        return consumer_warp_grid(self.mma_bn, self.small_n_warps)
 
     @property
     def consumer_warps(self) -> int:
@@ -505,8 +532,8 @@ class StreamSpec:
 
     @property
     def uses_setmaxnreg(self) -> bool:
-        """A whole producer warpgroup and setmaxnreg (8 consumer warps), see the constants."""
-        return self.consumer_warps == CONSUMER_WARPS_LARGE_N
+        """A whole producer warpgroup and setmaxnreg (the large-N grid's 8 warps), see the constants."""
+        return not self.small_n
 
     @property
     def producer_warps(self) -> int:
@@ -523,7 +550,7 @@ class StreamSpec:
         slice ONCE, cooperatively, into bf16 in shared memory (``decoded_token_offset``), instead of
         once per consumer warp in registers: the warps then read ready MMA B fragments (one 16-byte
         load per token row and group). Wider token tiles (8 warps) would need up to 128 KiB."""
-        return self.ab_swapped and self.consumer_warps == CONSUMER_WARPS_SMALL_N
+        return self.ab_swapped and self.small_n
 
     @property
     def token_decode_groups(self) -> int:
@@ -540,8 +567,8 @@ class StreamSpec:
     def prefetch_groups(self) -> bool:
         """Small-N configs (one consumer warp per SM sub-partition, nothing else to hide latency
         with) load the next 8-element group's words while decoding the current one, and their N
-        rows with the group; the 8-warp configs keep registers for their accumulators instead."""
-        return self.consumer_warps == CONSUMER_WARPS_SMALL_N
+        rows with the group; the large-N 8-warp configs keep registers for their accumulators instead."""
+        return self.small_n
 
     @property
     def warp_tile(self) -> tuple[int, int]:
@@ -558,10 +585,12 @@ class StreamSpec:
     def min_ctas_per_sm(self) -> int:
         """The launch bounds' minimum CTAs per SM (ptxas fits its register allocation to it): the 4-warp
         configs ask for what their shared memory allows, up to ``SMALL_N_MIN_CTAS_PER_SM`` (or
-        ``SMALL_N_WIDE_MIN_CTAS_PER_SM`` from ``SMALL_N_WIDE_MMA_BN`` token columns); the 8-warp
-        configs (``setmaxnreg``) for one."""
+        ``SMALL_N_WIDE_MIN_CTAS_PER_SM`` from ``SMALL_N_WIDE_MMA_BN`` token columns), the 8 small-N warps
+        up to ``SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM``; the large-N configs (``setmaxnreg``) for one."""
         if self.uses_setmaxnreg:
             return 1
+        if self.small_n_warps != CONSUMER_WARPS_SMALL_N:
+            return max(1, min(SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM, SM90_SMEM_PER_SM // self.smem.total_bytes))
         target = SMALL_N_WIDE_MIN_CTAS_PER_SM if self.mma_bn >= SMALL_N_WIDE_MMA_BN else SMALL_N_MIN_CTAS_PER_SM
         return max(1, min(target, SM90_SMEM_PER_SM // self.smem.total_bytes))
 
@@ -803,7 +832,9 @@ def token_decode_item(item, chunks, groups):
 
 def scale_row_step(i):
     """``scale_byte_offset(g + 8 i, ...) - scale_byte_offset(g, ...)`` for any g < 8 with row g on a
-    32-row boundary of its 128-row atom: 16 bytes per row inside a 32-row block, 4 per block."""
+    32-row boundary of its 128-row atom: 16 bytes per row inside a 32-row block, 4 per block. Also for
+    row g 16 rows past such a boundary when i < 2 (the 16-row warps of ``small_n_warps`` = 8): rows g
+    and g + 8 then stay in the block."""
     return SF_LANE_BYTES * 8 * (i % 4) + SF_ATOM_COLS * (i // 4)
 
 
@@ -1650,13 +1681,13 @@ def check_config_formats(formats: tuple[str, str], config) -> None:
             raise ValueError(f"config was decided for {side}={got!r} but the problem's {side} is {want!r}")
 
 
-def check_can_implement(problem, config) -> StreamSpec:
+def check_can_implement(problem, config, *, small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> StreamSpec:
     """Static checks before any device work; returns the resolved ``StreamSpec``.
 
     ``problem``: a ``GroupedProblem`` or ``launch.DeviceProblem``. ``config``: a ``KernelConfig``
     (its formats must be the problem's; its stage count is taken as is), a ``StreamConfig`` or a
-    ``schedule.TileConfig`` (auto stages). TypeError / ValueError saying what is wrong and what
-    is allowed.
+    ``schedule.TileConfig`` (auto stages). ``small_n_warps``: see ``StreamSpec``. TypeError / ValueError
+    saying what is wrong and what is allowed.
     """
     if not isinstance(problem, (GroupedProblem, launch.DeviceProblem)):
         raise TypeError(f"problem must be a GroupedProblem or DeviceProblem, got {type(problem).__name__}")
@@ -1697,8 +1728,8 @@ def check_can_implement(problem, config) -> StreamSpec:
             f"use num_pipeline_stages <= {real_max} or {AUTO_STAGES} (auto)")
     if problem.n >= 2 ** 31 or problem.total_tokens >= 2 ** 31:
         raise ValueError("N and the token count must be below 2**31 (TMA coordinates are s32)")
-    return dataclasses.replace(_spec_for(formats, stream_config, stages),
-                               b_layout=b_layout_of(problem))   # the spec checks the layout
+    return dataclasses.replace(_spec_for(formats, stream_config, stages), b_layout=b_layout_of(problem),
+                               small_n_warps=small_n_warps)   # the spec checks the layout and the warps
 
 
 def h200_stream_config(problem, config) -> StreamConfig:
@@ -1944,7 +1975,8 @@ def _device_out(problem: launch.DeviceProblem, out, align: int = 2):
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            k_splits: int | None = None, stream=0, trace: bool = False) -> StreamLaunch:
+            k_splits: int | None = None, stream=0, trace: bool = False,
+            small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> StreamLaunch:
     """Compile (cached), build the tensor maps and marshal the arguments once; returns a
     ``StreamLaunch`` that launches with no host copies or syncs (for the benchmark).
 
@@ -1953,11 +1985,13 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM). ``k_splits``: split-K runs
     per tile (default: ``choose_k_splits`` for that grid; 1 = no split). ``trace``: run the diagnostic
     build that stamps ``TRACE_EVENTS`` per CTA into ``StreamLaunch.trace_buffer`` (``trace_phases`` reads a copy).
+    ``small_n_warps``: consumer warps of a ``mma_bn <= 32`` tile (``SMALL_N_WARP_CHOICES``; an H200-only knob).
     """
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(SM90, "the H200 streaming kernel")
-    spec = dataclasses.replace(check_can_implement(problem_device, config), trace=bool(trace))
+    spec = dataclasses.replace(check_can_implement(problem_device, config, small_n_warps=small_n_warps),
+                               trace=bool(trace))
     device_out = _device_out(problem_device, out)
     max_tiles = max_tiles_bound(spec, problem_device.total_tokens, problem_device.num_active_experts,
                                 problem_device.n)
@@ -2014,7 +2048,8 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None, k_splits: int | None = None) -> np.ndarray:
+                        num_ctas: int | None = None, k_splits: int | None = None,
+                        small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> np.ndarray:
     """Run the H200 streaming kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)).
 
     ``out``: if given (bf16, C-contiguous), rows of skipped slots keep its contents and it is written
@@ -2022,7 +2057,7 @@ def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None 
     Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU.
     """
     launch.require_gpu(SM90, "the H200 streaming kernel")
-    check_can_implement(problem, config)
+    check_can_implement(problem, config, small_n_warps=small_n_warps)
     shape = (problem.total_tokens, problem.n)
     if out is None:
         out = poison_output(*shape)
@@ -2031,7 +2066,8 @@ def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None 
     device_problem = launch.to_device(problem)
     bits = out.view(np.uint16)
     device_out = cuda.to_device(bits)
-    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas, k_splits=k_splits)
+    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas, k_splits=k_splits,
+                       small_n_warps=small_n_warps)
     prepared()
     device_out.copy_to_host(bits)
     return out
