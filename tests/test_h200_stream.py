@@ -689,17 +689,14 @@ def test_work_records_round_trip_through_the_stage_words():
         assert got == want, stage
 
 
-def test_dynamic_items_only_for_single_ctas_of_the_streaming_kernel():
+def test_dynamic_items_only_for_single_ctas():
     from gbs.numba_kernels import h200_wgmma
 
     assert spec_of("nvfp4", CONFIGS["decode"]).dynamic_items
     assert spec_of("nvfp4", CONFIGS["not_swapped"]).dynamic_items
     assert not spec_of("nvfp4", CONFIGS["small_prefill"]).dynamic_items, "a pair takes static items"
     a, b = PROBLEM_FORMATS["nvfp4"]
-    ring = h200_wgmma.WgmmaSpec(a, b, 128, 2).ring
-    assert not ring.work_records and not ring.dynamic_items, "the wgmma consumers walk the tiles themselves"
-    with pytest.raises(ValueError, match="work records"):
-        hs.make_kernel_function(dataclasses.replace(spec_of("nvfp4", CONFIGS["decode"]), work_records=False))
+    assert h200_wgmma.WgmmaSpec(a, b, 128, 2).ring.dynamic_items, "the wgmma kernel's single CTAs too"
 
 
 # =============================================================================================

@@ -308,6 +308,8 @@ def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
         assert np.all(bits[skipped] == 0x1234)
         merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
         assert check_acceptance(problem, merged, ref).passed
+        # 3 CTAs take the tiles past the first three from the global counter; the last producer zeroes it
+        assert not prepared.split_counters.copy_to_host().any(), "the work-item counter is zero again"
 
 
 @pytest.mark.gpu

@@ -217,7 +217,7 @@ CONSUMER_BARRIER = 1           # named barrier id of the consumer warps (0 is __
 ROUTING_SMEM_SLOTS = 512
 MIN_SLICES_PER_SPLIT = 6       # shorter runs are mostly pipeline fill and epilogue (see h200_plan's notes)
 SPLIT_FLAG_WORDS = 1           # shared word after the mbarriers: "this CTA closes the tile"
-# Work records (``StreamSpec.work_records``): per ring stage, after the split flag, the work item whose first
+# Work records (both H200 kernels): per ring stage, after the split flag, the work item whose first
 # K slice the stage holds, written by the producer before it arms the stage and read by the consumers after
 # its ``full`` wait (the mbarrier's release / acquire orders them): u64 words (expert | tile << 32),
 # (t0 | t1 << 32), (r0 | r1 << 32), (first K slice | group start << 32); expert -1: no more work.
@@ -437,9 +437,6 @@ class StreamSpec:
     split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
     b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
-    # the consumers take their work items from the producer's records (``WORK_RECORD_WORDS``) instead of
-    # walking the tiles themselves; False for kernels whose consumers walk (``h200_wgmma``)
-    work_records: bool = True
     small_n_warps: int = CONSUMER_WARPS_SMALL_N   # consumer warps of a small-N tile (``SMALL_N_WARP_CHOICES``)
 
     def __post_init__(self):
@@ -488,7 +485,7 @@ class StreamSpec:
         """Past the first wave (item = CTA), producers take work items from a global counter, so CTAs
         that run faster take more (the CTAs of a static decode schedule finished 249-307 us apart, H200
         run 48). A CTA pair must work on the same tiles, so pairs keep the static schedule."""
-        return self.work_records and self.cta_group == 1
+        return self.cta_group == 1
 
     def _side(self, role: str, rows: int, scale_bands: int) -> OperandSide:
         fmt = self.a_format if role == "tokens" else self.b_format
@@ -958,11 +955,10 @@ def scale_selector_run_step(side: OperandSide) -> int:
 
 @dataclass(frozen=True)
 class RingDeviceFunctions:
-    """The device functions of the TMA ring both H200 kernels share (``make_ring``): the tile walk,
-    the routing copy, the barrier set-up and the producer."""
+    """The device functions of the TMA ring both H200 kernels share (``make_ring``): the routing copy,
+    the barrier set-up, the producer (which walks the tiles) and the work records the consumers read."""
 
     copy_routing: object    # (a_offsets, expert_ids, shared_offsets, shared_expert_ids): every thread
-    routing_views: object   # -> (offsets, expert_ids) the walk reads (shared copy or global)
     cta_position: object    # -> (rank in the pair, pair, pairs)
     block_sync: object      # every thread of the CTA (and the pair)
     next_work: object       # (work, cursor...) -> (slot, expert, tile, t0, t1, r0, r1, first slice, cursor...)
@@ -971,7 +967,7 @@ class RingDeviceFunctions:
     stamp: object           # (tensor_maps, event): the start-up trace record of this CTA (trace builds)
     write_work_record: object  # (bars, stage, expert, tile, t0, t1, r0, r1, first slice, group start): producer
     unpack_work_record: object  # (4 record words) -> the item's fields
-    read_work_record: object   # (bars, stage, lane) -> the item whose first K slice the stage holds (work_records)
+    read_work_record: object   # (bars, stage, lane) -> the item whose first K slice the stage holds
 
 
 def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
@@ -983,10 +979,10 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     ``spec.consumer_warps * cta_group``: one arrival per consumer warp of each CTA of the pair) in
     ``bars``, all meet at ``block_sync``, then thread 0 takes the CTA's work items (item = pair index, then
     with ``spec.dynamic_items`` from the global counter, else every ``pairs``-th), walks to their tiles and
-    fills the ring (module docstring). With ``spec.work_records`` it writes each item's record into the
-    stage of its first K slice and, after the last item, a record saying so (``NO_MORE_WORK``, armed by a
-    plain arrival); consumers read them (``read_work_record``). Otherwise consumers call ``block_sync``
-    once and walk the same items with ``next_work``."""
+    fills the ring (module docstring). It writes each item's record into the stage of its first K slice
+    and, after the last item, a record saying so (``NO_MORE_WORK``, armed by a plain arrival); consumers
+    call ``block_sync`` once and then read the records (``read_work_record``) after each item's first
+    ``full`` wait."""
     walk = schedule.device_functions()
     shape = spec.tile_shape
     tile_tokens, tile_rows = shape.tokens, shape.weight_rows
@@ -1005,7 +1001,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     token_band_of = _device(token_scale_band)
     weight_band_of = _device(weight_scale_band)
     trace = spec.trace
-    work_records, dynamic_items = spec.work_records, spec.dynamic_items
+    dynamic_items = spec.dynamic_items
     record_base = lay.work_record_base
 
     @_device
@@ -1183,7 +1179,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                         wait_parity_or_trap(empty, phase ^ 1)
                     if trace and first_tma:
                         stamp(tensor_maps, TRACE_FIRST_SLOT)
-                    if work_records and s == s_begin:   # before the arrival that releases it
+                    if s == s_begin:   # before the arrival that releases it
                         write_work_record(bars, stage, np.uint32(expert), np.uint32(tile), np.uint32(t0),
                                           np.uint32(t1), np.uint32(r0), np.uint32(r1), np.uint32(s_begin),
                                           np.uint32(group_start))
@@ -1220,16 +1216,16 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     work = np.int64(cuda.atomic.add(split_counters, counter, np.uint32(1))) + num_pairs
                 else:
                     work += num_pairs
-            if work_records:   # no more work: a record that says so, armed with no bytes
-                full = np.uint32(bar0 + MBARRIER_BYTES * stage)
-                empty = np.uint32(full + MBARRIER_BYTES * stages)
-                if cta_group > 1:
-                    wait_parity_cluster_or_trap(empty, phase ^ 1)
-                else:
-                    wait_parity_or_trap(empty, phase ^ 1)
-                write_work_record(bars, stage, NO_MORE_WORK, np.uint32(0), np.uint32(0), np.uint32(0),
-                                  np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0))
-                mb.mbarrier_arrive(full)
+            # no more work: a record that says so, armed with no bytes
+            full = np.uint32(bar0 + MBARRIER_BYTES * stage)
+            empty = np.uint32(full + MBARRIER_BYTES * stages)
+            if cta_group > 1:
+                wait_parity_cluster_or_trap(empty, phase ^ 1)
+            else:
+                wait_parity_or_trap(empty, phase ^ 1)
+            write_work_record(bars, stage, NO_MORE_WORK, np.uint32(0), np.uint32(0), np.uint32(0),
+                              np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0))
+            mb.mbarrier_arrive(full)
             if dynamic_items:   # the last producer to finish zeroes the counters for the next launch
                 cuda.threadfence()   # this CTA's last take of an item comes before its "done"
                 if cuda.atomic.add(split_counters, counter + 1, np.uint32(1)) == np.uint32(num_pairs - 1):
@@ -1238,7 +1234,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
             if trace:
                 stamp(tensor_maps, TRACE_PRODUCER_EXIT)
 
-    return RingDeviceFunctions(copy_routing, routing_views, cta_position, block_sync, next_work, produce,
+    return RingDeviceFunctions(copy_routing, cta_position, block_sync, next_work, produce,
                                walk.cta_output_rows, stamp, write_work_record, unpack_work_record,
                                read_work_record)
 
@@ -1246,9 +1242,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
 def make_kernel_function(spec: StreamSpec):
     """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
     compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``). Its
-    consumers take their work from the producer's records (``spec.work_records``)."""
-    if not spec.work_records:
-        raise ValueError("the streaming kernel's consumers read work records: build it with work_records=True")
+    consumers take their work from the producer's records."""
     ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
     copy_routing, cta_position, read_work_record = ring.copy_routing, ring.cta_position, ring.read_work_record
     block_sync, produce, cta_output_rows = ring.block_sync, ring.produce, ring.cta_output_rows
@@ -1901,6 +1895,16 @@ def choose_k_splits(max_tiles: int, k_slices: int, pair_slots: int) -> tuple[int
     return split_runs(k_slices, wanted)
 
 
+def zeroed_counters(tile_counters: int, stream=0):
+    """The kernels' ``split_counters`` argument: ``tile_counters`` split-K tile counters, then the
+    ``SCHEDULE_COUNTER_WORDS`` of the work-item counter; zeroed once here, on the launch's stream
+    (synchronous for the default 0). Every launch leaves them zeroed (``MIN_SLICES_PER_SPLIT``'s notes;
+    the last producer zeroes the item counter), so a prepared launch must not run concurrently with itself."""
+    counters = cuda.device_array(tile_counters + SCHEDULE_COUNTER_WORDS, np.uint32, stream=stream)
+    device_memset(counters, 0, counters.nbytes, stream=stream)
+    return counters
+
+
 def split_runs(k_slices: int, k_splits: int) -> tuple[int, int]:
     """(k_splits, slices_per_split) closest to ``k_splits`` runs of ``k_slices`` with none empty."""
     if not 1 <= k_splits <= k_slices:
@@ -2015,11 +2019,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     if num_ctas is None:   # the runs are the work items
         num_ctas = default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
-    # zeroed once here, on the launch's stream (synchronous for the default 0); every launch leaves
-    # them zeroed (MIN_SLICES_PER_SPLIT's notes; the last producer zeroes the item counter)
-    tile_counters = max_tiles * spec.cta_group if k_splits > 1 else 0
-    split_counters = cuda.device_array(tile_counters + SCHEDULE_COUNTER_WORDS, np.uint32, stream=stream)
-    device_memset(split_counters, 0, split_counters.nbytes, stream=stream)
+    split_counters = zeroed_counters(max_tiles * spec.cta_group if k_splits > 1 else 0, stream)
     if k_splits > 1:
         split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32, stream=stream)
         device_memset(split_sums, 0, split_sums.nbytes, stream=stream)

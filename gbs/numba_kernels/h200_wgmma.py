@@ -13,9 +13,11 @@ decodes itself: right for decode, where the weight bytes bound the time, but pre
 hardware, so here the operands are decoded to bf16 (exactly, scale applied: ``h200_stream``'s rule)
 and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
 
-* The ring is ``h200_stream``'s (``make_ring``: same tile walk, TMA maps, 128x4 scale atoms, producer
-  warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma M) by ``mma_bn`` weight rows
-  (wgmma N, 128 or 256). ``setmaxnreg`` leaves the producer 40 registers and gives the consumers 232.
+* The ring is ``h200_stream``'s (``make_ring``: same tile walk, work records and dynamic items, TMA maps,
+  128x4 scale atoms, producer warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma M) by
+  ``mma_bn`` weight rows (wgmma N, 128 or 256). The consumers take each tile from the producer's record
+  in the stage of its first K slice. ``setmaxnreg`` leaves the producer 40 registers and gives the
+  consumers 232.
 * Two consumer warpgroups, 64 tokens each. Per sub-step (``WgmmaSpec.sub_k``: 64 elements of K, or
   128 = half a raw K slice when both operands are FP4 and ``mma_bn`` is 128):
   - the 256 threads decode the tile's weight rows from the raw stage, scaled, into the wgmma B
@@ -205,7 +207,7 @@ class WgmmaSpec:
         """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps (its weight
         reader also decodes for this kernel, in the weights' layout)."""
         return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages,
-                             b_layout=self.b_layout, work_records=False)
+                             b_layout=self.b_layout)
 
     @property
     def cta_group(self) -> int:
@@ -399,11 +401,10 @@ def make_kernel_function(spec: WgmmaSpec):
 def _kernel_frame(spec: WgmmaSpec, ring, consume):
     """The kernel around a consumer: the shared arrays, the routing copy, the producer warpgroup (the ring's
     ``produce`` after ``setmaxnreg`` down to ``PRODUCER_REGISTERS``) and the two consumer warpgroups
-    (``setmaxnreg`` up, the block sync, then ``consume(dyn, bars, consumer_warp, walk_offsets,
-    walk_expert_ids, expert_scales, out, n, k_slices, max_tiles, k_splits, slices_per_split)``)."""
+    (``setmaxnreg`` up, the block sync, then ``consume(dyn, bars, consumer_warp, expert_scales, out, n,
+    k_slices, max_tiles)``, which takes its tiles from the producer's work records)."""
     ring_spec = spec.ring
-    copy_routing, routing_views, block_sync, produce = (
-        ring.copy_routing, ring.routing_views, ring.block_sync, ring.produce)
+    copy_routing, block_sync, produce = ring.copy_routing, ring.block_sync, ring.produce
     producer_warps = ring_spec.producer_warps
     if not ring_spec.uses_setmaxnreg:
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
@@ -430,10 +431,8 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
             cuda.syncwarp()
         else:
             consumer_regs()
-            block_sync()   # the mbarriers are initialised (and the routing copied)
-            walk_offsets, walk_expert_ids = routing_views(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
-            consume(dyn, bars, warp - producer_warps, walk_offsets, walk_expert_ids, expert_scales, out, n,
-                    k_slices, max_tiles, k_splits, slices_per_split)
+            block_sync()   # the mbarriers are initialised
+            consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles)
 
     return grouped_matmul_h200_wgmma
 
@@ -441,7 +440,7 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
 def _make_bf16_consumer(spec: WgmmaSpec, ring):
     """The consumer of ``mma_operands="bf16"`` (module docstring): a device function for ``_kernel_frame``."""
     ring_spec = spec.ring
-    next_work = ring.next_work   # numba reads device functions from plain names, not attributes
+    read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -484,12 +483,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         hs.CONSUMER_BARRIER, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD)
     ROTATION_RUN = hs.ROTATION_RUN
 
-    def consume(dyn, bars, cw, walk_offsets, walk_expert_ids, expert_scales, out, n, k_slices, max_tiles, k_splits,
-                slices_per_split):
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
         lane = cm.laneid()
         base = np.int64(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
-        cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
         g = lane >> 2
         q = lane & 3
         # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
@@ -518,15 +515,12 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         buffer = np.uint32(0)
         stage = np.int64(0)
         phase = np.int64(0)
-        cursor_slot = np.uint32(0)
-        cursor_first = np.uint32(0)
-        work = cta   # a while loop: range() with a run-time step divides (a 64-bit division call)
-        while work < max_tiles:
-            slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
-                work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
-            if slot < 0:
+        item = np.int64(0)
+        while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
+            wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
                 break
-            group_start = np.int64(walk_offsets[slot])
             m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
             n_sf_row0 = r0 % SF_ATOM_ROWS
             acc = zero_acc()
@@ -612,7 +606,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
-            work += num_ctas
+            item += 1
 
 
     return _device(consume)
@@ -633,7 +627,7 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
     b + 1's wgmma runs while block b is scaled. A warp releases the stage after its last block; a
     stage's tables are rewritten only after its refill, i.e. after every warp released it."""
     ring_spec = spec.ring
-    next_work = ring.next_work   # numba reads device functions from plain names, not attributes
+    read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
@@ -678,12 +672,10 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
 
     issue, promote = _device(issue), _device(promote)
 
-    def consume(dyn, bars, cw, walk_offsets, walk_expert_ids, expert_scales, out, n, k_slices, max_tiles, k_splits,
-                slices_per_split):
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
         lane = cm.laneid()
         base = np.int64(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
-        cta, num_ctas = np.int64(cuda.blockIdx.x), np.int64(cuda.gridDim.x)
         wg = cw // WARPGROUP_WARPS
         q = lane & 3
         # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
@@ -700,15 +692,12 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
         part_b = zero_acc()
         stage = np.uint32(0)
         phase = np.uint32(0)
-        cursor_slot = np.uint32(0)
-        cursor_first = np.uint32(0)
-        work = cta   # a while loop: range() with a run-time step divides (a 64-bit division call)
-        while work < max_tiles:
-            slot, expert, _, t0, t1, r0, r1, _, cursor_slot, cursor_first = next_work(
-                work, cursor_slot, cursor_first, walk_offsets, walk_expert_ids, n, k_splits, slices_per_split)
-            if slot < 0:
+        item = np.int64(0)
+        while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
+            wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
                 break
-            group_start = np.int64(walk_offsets[slot])
             m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + wg * TOKENS_PER_WARPGROUP + fill_token)
             n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
             acc = zero_acc()
@@ -752,7 +741,7 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
                     phase = np.uint32(phase ^ np.uint32(1))
             hp.accumulators_to_array(acc, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
-            work += num_ctas
+            item += 1
 
 
     return _device(consume)
@@ -914,17 +903,19 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     if num_ctas is None:
         num_ctas = hs.default_num_ctas(spec, max_tiles, kernel.registers)
     k_slices = problem_device.k // spec.k_slice
-    no_split_sums, no_split_counters = cuda.device_array((1, 1), np.float32), cuda.device_array(1, np.uint32)
+    no_split_sums, item_counter = cuda.device_array((1, 1), np.float32), hs.zeroed_counters(0, stream)
     arrays = problem_device.arrays()
     map_args = hs.tensor_map_args(spec.ring, {k: tuple(v.shape) for k, v in arrays.items()},
                                   {k: launch.device_address(v) for k, v in arrays.items()})
     maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
-            np.int64(k_slices), np.int64(max_tiles), no_split_sums, no_split_counters, np.int64(1),
+            np.int64(k_slices), np.int64(max_tiles), no_split_sums, item_counter, np.int64(1),
             np.int64(k_slices))
-    prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream, keepalive=(maps, problem_device))
-    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, kernel=KERNEL_NAME)
+    prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream,
+                                     keepalive=(maps, problem_device, item_counter))
+    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, split_counters=item_counter,
+                           kernel=KERNEL_NAME)
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
