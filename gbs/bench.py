@@ -485,13 +485,15 @@ def _load_h200_kernel(backend: str, b_layout: str = B_LAYOUT_PACKED):
 
 
 def launch_knobs(launcher) -> str:
-    """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid)."""
+    """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid, and
+    ``w8`` for 8 small-N consumer warps)."""
     spec = getattr(launcher, "spec", None)
     if spec is None:
         return ""
     kernel = "wgmma " if getattr(launcher, "kernel", "") == "h200_wgmma" else ""
+    warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
     return (f"{kernel}{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
-            f"splits{launcher.k_splits} ctas{launcher.num_ctas}")
+            f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}")
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what

@@ -39,7 +39,6 @@ class SweepPoint(NamedTuple):
     config: object          # StreamConfig, WgmmaConfig, or a plan's backend name
     k_splits: int | None = None
     num_ctas: int | None = None
-    small_n_warps: int = h200_stream.CONSUMER_WARPS_SMALL_N
 
 
 def parse_case(text: str, point: str) -> bench.BenchCase:
@@ -86,10 +85,10 @@ def parse_point(text: str):
     fmt, case, swapped, bn, cg, stages, splits = parts[:7]
     if swapped not in ("T", "F"):
         raise ValueError(f"point {text!r}: ab_swapped T or F")
-    config = h200_stream.StreamConfig(swapped == "T", int(bn), int(cg), int(stages))
+    config = h200_stream.StreamConfig(swapped == "T", int(bn), int(cg), int(stages), small_n_warps)
     k_splits = None if splits == "auto" else int(splits)
     num_ctas = int(parts[7]) if len(parts) == 8 else None
-    return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas, small_n_warps)
+    return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas)
 
 
 def trace_point(directory: str, text: str, problem, first, copies: int, budget_s: float) -> None:
@@ -100,9 +99,10 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
     import numpy as np
     from numba import cuda
 
-    config = h200_stream.StreamConfig(first.spec.ab_swapped, first.spec.mma_bn, first.spec.cta_group, first.spec.stages)
+    spec = first.spec
+    config = h200_stream.StreamConfig(spec.ab_swapped, spec.mma_bn, spec.cta_group, spec.stages, spec.small_n_warps)
     traced = [h200_stream.prepare(to_device(problem), config, num_ctas=first.num_ctas, k_splits=first.k_splits,
-                                  trace=True, small_n_warps=first.spec.small_n_warps) for _ in range(copies)]
+                                  trace=True) for _ in range(copies)]
     timing = bench.time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
     cuda.synchronize()
     records = np.stack([launch.trace_buffer.copy_to_host() for launch in traced])   # (copies, ctas, events, 2)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now)")
     env = bench.environment_fields()
     rows, problems = [], {}
-    for text, (fmt, case, config, k_splits, num_ctas, small_n_warps) in zip(args.points, points):
+    for text, (fmt, case, config, k_splits, num_ctas) in zip(args.points, points):
         key = (fmt, case.name)
         if key not in problems:
             problems[key] = case.problem(fmt)
@@ -164,8 +164,8 @@ def main(argv=None) -> int:
             elif isinstance(config, h200_wgmma.WgmmaConfig):
                 launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas) for _ in range(copies)]
             else:
-                launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits,
-                                                small_n_warps=small_n_warps) for _ in range(copies)]
+                launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
+                            for _ in range(copies)]
             timing = bench.time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
             print(f"{text:44} {type(err).__name__}: {err}", flush=True)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         p = problem_for(fmt, seed)
         cases = [("h200_stream", (c, splits, ctas, warps),
                   lambda c=c, splits=splits, ctas=ctas, warps=warps: h200_stream.grouped_matmul_h200(
-                      p, StreamConfig(*c), k_splits=splits, num_ctas=ctas, small_n_warps=warps))
+                      p, StreamConfig(*c, small_n_warps=warps), k_splits=splits, num_ctas=ctas))
                  for c, splits, ctas, warps in STREAM_CONFIGS]
         cases += [("h200_wgmma", (bn,), lambda bn=bn: h200_wgmma.grouped_matmul_h200(p, h200_wgmma.WgmmaConfig(bn)))
                   for bn in WGMMA_MMA_BN]

@@ -418,6 +418,8 @@ def test_launch_knobs_names_what_ran():
         k_splits, num_ctas = 4, 144
 
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144"
+    FakeLaunch.spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, small_n_warps=8)
+    assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144 w8"
     assert bench.launch_knobs(object()) == ""
 
 

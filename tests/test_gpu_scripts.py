@@ -37,15 +37,16 @@ def sweep():
 def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas):
     parsed = sweep.parse_point(point)
     assert parsed.config == config and parsed.num_ctas == num_ctas and parsed.k_splits is None
-    assert parsed.fmt == point.split(":")[1] and parsed.small_n_warps == h200_stream.CONSUMER_WARPS_SMALL_N
+    assert parsed.fmt == point.split(":")[1]
 
 
 def test_sweep_parses_stream_and_plan_points(sweep):
-    fmt, case, config, k_splits, ctas, warps = sweep.parse_point("nvfp4:512,256,8,1:T:8:1:2:4:144")
-    assert (fmt, case.n, case.k, config, k_splits, ctas, warps) == (
-        "nvfp4", 512, 256, h200_stream.StreamConfig(True, 8, 1, 2), 4, 144, 4)
-    assert sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:w8").small_n_warps == 8
-    assert sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:128:w8")[3:] == (4, 128, 8)
+    fmt, case, config, k_splits, ctas = sweep.parse_point("nvfp4:512,256,8,1:T:8:1:2:4:144")
+    assert (fmt, case.n, case.k, config, k_splits, ctas) == (
+        "nvfp4", 512, 256, h200_stream.StreamConfig(True, 8, 1, 2), 4, 144)
+    assert sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:w8").config.small_n_warps == 8
+    point = sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:128:w8")
+    assert (point.k_splits, point.num_ctas, point.config.small_n_warps) == (4, 128, 8)
     assert sweep.parse_point("plan:auto:w4a8:kimi_decode").config == "auto"
 
 

@@ -81,6 +81,10 @@ def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None,
                          small_n_warps=small_n_warps)
 
 
+def eight_warps(config: hs.StreamConfig) -> hs.StreamConfig:
+    return dataclasses.replace(config, small_n_warps=8)
+
+
 def eight_warp_legal(fmt: str, config: hs.StreamConfig) -> bool:
     """Whether ``small_n_warps=8`` builds for ``fmt`` and ``config`` (``StreamSpec``'s checks)."""
     try:
@@ -477,9 +481,14 @@ def test_eight_small_n_warps_are_checked():
     rng = np.random.default_rng(3)
     problem = build_problem(random_activations(rng, 4, 256), random_weights(rng, 2, 64, 256), [3, 1], [1, 0],
                             fmt="nvfp4")
-    assert hs.check_can_implement(problem, CONFIGS["decode"], small_n_warps=8).small_n_warps == 8
+    assert hs.check_can_implement(problem, eight_warps(CONFIGS["decode"])).small_n_warps == 8
     with pytest.raises(ValueError, match="mma_bn <= 32"):
-        hs.check_can_implement(problem, CONFIGS["small_prefill"], small_n_warps=8)
+        hs.check_can_implement(problem, eight_warps(CONFIGS["small_prefill"]))
+    for bad in (6, True, "8", None):   # the config refuses what is not a warp count before any spec
+        with pytest.raises(ValueError, match="small_n_warps must be one of"):
+            hs.StreamConfig(True, 8, 1, 2, bad)
+    assert hs.StreamConfig.of(eight_warps(CONFIGS["decode"])).small_n_warps == 8
+    assert hs.StreamConfig.of(schedule.TileConfig(True, 8, 1)).small_n_warps == hs.CONSUMER_WARPS_SMALL_N
 
 
 def test_small_n_builds_ask_for_three_ctas_per_sm():
@@ -523,19 +532,24 @@ def test_split_runs_and_its_errors():
         hs.choose_k_splits(0, 28, 132)
 
 
+# (n = 512: 4 weight-row tiles per expert)
 @pytest.mark.parametrize("fmt, total_tokens, slots, decided, want", [
-    ("nvfp4", 256, 64, hs.StreamConfig(True, 8, 1, 6), hs.StreamConfig(True, 8, 1, 2)),      # decode
-    ("nvfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2)),        # Kimi
-    ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2)),   # small prefill
-    ("mxfp4", 512, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),    # 16 per expert
-    ("w4a8", 640, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2)),     # 20 per expert
+    ("nvfp4", 256, 64, hs.StreamConfig(True, 8, 1, 6), hs.StreamConfig(True, 8, 1, 2)),      # decode: 256 tiles
+    ("nvfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2, 8)),     # Kimi: 32 tiles
+    ("mxfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2, 8)),
+    ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2, 8)),   # small prefill
+    ("mxfp4", 512, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2, 8)),    # 128 tiles
+    ("mxfp4", 528, 33, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),       # 132 tiles
+    ("w4a8", 640, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2)),     # FP8 tokens
+    ("w4a8", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2)),
     ("mxfp8", 4096, 64, hs.StreamConfig(True, 64, 2, 9), hs.StreamConfig(True, 64, 2, hs.AUTO_STAGES)),
     ("mxfp8", 256, 64, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(True, 8, 1, 2)),   # default route
     ("mxfp8", 16384, 32, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(False, 128, 1, hs.AUTO_STAGES)),
 ])
 def test_h200_plan(fmt, total_tokens, slots, decided, want):
-    """Small token tiles are cut to the tokens per expert, without a pair, on a 2-stage ring; the
-    rest keep the decision's tile knobs with the deepest ring that fits."""
+    """Small token tiles are cut to the tokens per expert, without a pair, on a 2-stage ring, on 8 warps
+    for FP4 tokens where they are latency-bound (32-token tiles, or fewer tiles than SMs); the rest
+    keep the decision's tile knobs with the deepest ring that fits."""
     problem = _problem(fmt, n=512, k=1024, group_sizes=[total_tokens // slots] * slots,
                        expert_ids=list(range(slots)), num_experts=slots)
     plan = hs.h200_plan(problem, decided)
@@ -1244,11 +1258,37 @@ EIGHT_WARP_CASES = [("nvfp4", "n512_k7168", True, 8, 4), ("mxfp4", "n512_k7168",
 def test_gpu_eight_small_n_warps_match_the_reference(case):
     fmt, shape, sw, bn, k_splits = case
     problem, ref = gpu_problem(fmt, shape)
-    config = hs.StreamConfig(sw, bn, 1, 2)
-    spec = hs.check_can_implement(problem, config, small_n_warps=8)
-    out = hs.grouped_matmul_h200(problem, config, k_splits=k_splits, small_n_warps=8)
+    config = hs.StreamConfig(sw, bn, 1, 2, small_n_warps=8)
+    spec = hs.check_can_implement(problem, config)
+    out = hs.grouped_matmul_h200(problem, config, k_splits=k_splits)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
+
+
+# (format, N, K, group sizes, expert ids, the plan's (mma_bn, small_n_warps)): Kimi-like (a -1 slot, an empty
+# group; 4 weight-row tiles per expert: split-K runs), 32-token tiles (ragged, sizes not multiples of 32)
+PLANNED_CASES = [("nvfp4", 512, 7168, [1, 1, 0, 1, 1, 1, 1, 1, 1], [0, 1, 2, 3, -1, 4, 5, 6, 7], (8, 8)),
+                 ("mxfp4", 512, 7168, [1, 1, 1, 1, 1, 1, 1, 1], list(range(8)), (8, 8)),
+                 ("nvfp4", 1000, 2048, [32, 29, 0, 31, 32], [3, 1, 0, -1, 2], (32, 8)),
+                 ("w4a8", 1000, 2048, [32, 29, 0, 31, 32], [3, 1, 0, -1, 2], (32, 4))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PLANNED_CASES, ids=lambda c: f"{c[0]}-n{c[1]}-k{c[2]}-bn{c[5][0]}-w{c[5][1]}")
+def test_gpu_the_plan_runs_and_matches_the_reference(case):
+    """``gbs.grouped_matmul`` without a config on the streaming kernel runs the plan's knobs (8 small-N
+    warps for FP4 tokens where latency-bound) within the acceptance (skipped rows keep the poison)."""
+    import gbs
+
+    fmt, n, k, sizes, ids, (mma_bn, warps) = case
+    problem = _problem(fmt, n=n, k=k, group_sizes=sizes, expert_ids=ids, num_experts=8,
+                       seed=zlib.crc32(f"plan/{fmt}/{n}".encode()))
+    plan = gbs.api.h200_stream_knobs(problem)
+    assert (plan.mma_bn, plan.small_n_warps) == (mma_bn, warps)
+    out = gbs.grouped_matmul(problem, backend="h200_stream")
+    ref = reference_grouped_matmul(problem)
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(problem, plan), out, ref)}"
 
 
 @pytest.mark.gpu

@@ -255,12 +255,15 @@ FRAGMENT_BYTES = 4 * FRAGMENT_WORDS
 @dataclass(frozen=True)
 class StreamConfig:
     """The knobs this kernel takes: ``gbs.dispatch`` legality (``TileConfig``) plus a stage count
-    (``AUTO_STAGES`` = the deepest ring that fits the H200)."""
+    (``AUTO_STAGES`` = the deepest ring that fits the H200) and, an H200-only knob, the consumer warps
+    of a small-N tile (``SMALL_N_WARP_CHOICES``: 4 of 32 rows or 8 of 16; ``StreamSpec`` checks it
+    against the tile and the formats)."""
 
     ab_swapped: bool
     mma_bn: int
     cta_group: int
     num_pipeline_stages: int = AUTO_STAGES
+    small_n_warps: int = CONSUMER_WARPS_SMALL_N
 
     def __post_init__(self):
         tile = schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
@@ -273,15 +276,21 @@ class StreamConfig:
         if stages < 1 and stages != AUTO_STAGES:
             raise ValueError(f"num_pipeline_stages must be >= 1 or {AUTO_STAGES} (auto), got {stages}")
         object.__setattr__(self, "num_pipeline_stages", int(stages))
+        warps = self.small_n_warps
+        if isinstance(warps, (bool, np.bool_)) or warps not in SMALL_N_WARP_CHOICES:
+            raise ValueError(f"small_n_warps must be one of {SMALL_N_WARP_CHOICES}, got {warps!r}")
+        object.__setattr__(self, "small_n_warps", int(warps))
 
     @classmethod
     def of(cls, config) -> "StreamConfig":
         """A ``StreamConfig`` from a ``KernelConfig`` (its stages), a ``StreamConfig``, a
-        ``schedule.TileConfig`` (auto stages) or anything with those attributes."""
+        ``schedule.TileConfig`` (auto stages) or anything with those attributes (4 small-N warps
+        unless it says otherwise)."""
         if isinstance(config, cls):
             return config
         tile = schedule.TileConfig.of(config)   # TypeError naming what the config lacks
-        return cls(tile.ab_swapped, tile.mma_bn, tile.cta_group, getattr(config, "num_pipeline_stages", AUTO_STAGES))
+        return cls(tile.ab_swapped, tile.mma_bn, tile.cta_group, getattr(config, "num_pipeline_stages", AUTO_STAGES),
+                   getattr(config, "small_n_warps", CONSUMER_WARPS_SMALL_N))
 
 
 def consumer_warp_grid(mma_bn: int, small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> tuple[int, int]:
@@ -1675,13 +1684,12 @@ def check_config_formats(formats: tuple[str, str], config) -> None:
             raise ValueError(f"config was decided for {side}={got!r} but the problem's {side} is {want!r}")
 
 
-def check_can_implement(problem, config, *, small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> StreamSpec:
+def check_can_implement(problem, config) -> StreamSpec:
     """Static checks before any device work; returns the resolved ``StreamSpec``.
 
     ``problem``: a ``GroupedProblem`` or ``launch.DeviceProblem``. ``config``: a ``KernelConfig``
     (its formats must be the problem's; its stage count is taken as is), a ``StreamConfig`` or a
-    ``schedule.TileConfig`` (auto stages). ``small_n_warps``: see ``StreamSpec``. TypeError / ValueError
-    saying what is wrong and what is allowed.
+    ``schedule.TileConfig`` (auto stages). TypeError / ValueError saying what is wrong and what is allowed.
     """
     if not isinstance(problem, (GroupedProblem, launch.DeviceProblem)):
         raise TypeError(f"problem must be a GroupedProblem or DeviceProblem, got {type(problem).__name__}")
@@ -1723,7 +1731,7 @@ def check_can_implement(problem, config, *, small_n_warps: int = CONSUMER_WARPS_
     if problem.n >= 2 ** 31 or problem.total_tokens >= 2 ** 31:
         raise ValueError("N and the token count must be below 2**31 (TMA coordinates are s32)")
     return dataclasses.replace(_spec_for(formats, stream_config, stages), b_layout=b_layout_of(problem),
-                               small_n_warps=small_n_warps)   # the spec checks the layout and the warps
+                               small_n_warps=stream_config.small_n_warps)   # the spec checks the layout and the warps
 
 
 def h200_stream_config(problem, config) -> StreamConfig:
@@ -1761,9 +1769,17 @@ def h200_stream_config(problem, config) -> StreamConfig:
 #   320.9 us, 3 CTAs at the 128-register cap (spilling) 339.2 / 355.3 (bench run 36).
 # * Split-K runs (``choose_k_splits``) fill the GPU when tiles are few: Kimi NVFP4 bn8 4 runs of 7
 #   slices 21.0 us, 7 of 4: 22.3, 10 of 3: 25.5, unsplit 38.2 (hence ``MIN_SLICES_PER_SPLIT``).
+# * 8 consumer warps of 16 rows (``StreamConfig.small_n_warps``) for FP4 tokens where the K slices'
+#   latency, not the weight stream, bounds the time (H200 runs 58-59, re-laid weights, two runs each): 32-token
+#   tiles, NVFP4 4096 x 7168, 32 x 32 tokens 310.8 / 308.4 -> 294.8 / 293.6 us, MXFP4 312.0 -> 310.2 (312.9 in
+#   run 58); and tiles too few for the SMs (split-K runs), Kimi NVFP4 17.5 / 17.4 -> 16.5 / 16.5 us, MXFP4
+#   16.9 -> 16.6. Not where the tiles fill the GPU (NVFP4 decode, 2048 tiles: 273 -> 314.9 us) nor for FP8
+#   tokens at 32 (W4A8 276.1 -> 313.5, MXFP8 292.4 -> 327.1: their 4-warp builds hold three CTAs per SM).
 H200_SMALL_N_MAX_TOKENS = 32
 H200_SMALL_N_MMA_BN = (8, 16, 32)   # token tile widths the small-N mapping chooses from
 H200_SMALL_N_STAGES = 2
+H200_EIGHT_WARP_MMA_BN = 32   # the small-N tile width that runs on 8 warps whatever the tile count
+H200_SM_COUNT = 132   # fewer tiles than this (``estimated_small_n_tiles``): split-K runs, 8 warps
 
 
 def average_tokens_per_expert(problem) -> int:
@@ -1783,7 +1799,15 @@ def h200_plan(problem, decision) -> StreamConfig:
     if tokens_per_expert > H200_SMALL_N_MAX_TOKENS:
         return h200_stream_config(problem, dataclasses.replace(stream_config, num_pipeline_stages=AUTO_STAGES))
     mma_bn = next((bn for bn in H200_SMALL_N_MMA_BN if bn >= tokens_per_expert), H200_SMALL_N_MMA_BN[-1])
-    return h200_stream_config(problem, StreamConfig(True, mma_bn, 1, H200_SMALL_N_STAGES))
+    latency_bound = mma_bn == H200_EIGHT_WARP_MMA_BN or estimated_small_n_tiles(problem) < H200_SM_COUNT
+    fp4_tokens = get_format(problem.a_format).packed
+    warps = 2 * CONSUMER_WARPS_SMALL_N if fp4_tokens and latency_bound else CONSUMER_WARPS_SMALL_N
+    return h200_stream_config(problem, StreamConfig(True, mma_bn, 1, H200_SMALL_N_STAGES, warps))
+
+
+def estimated_small_n_tiles(problem) -> int:
+    """Weight-row tiles of a swapped small-N plan (one token tile per expert), from host metadata only."""
+    return problem.num_active_experts * -(-problem.n // TILE_M_ROWS)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
@@ -1979,8 +2003,7 @@ def _device_out(problem: launch.DeviceProblem, out, align: int = 2):
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            k_splits: int | None = None, stream=0, trace: bool = False,
-            small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> StreamLaunch:
+            k_splits: int | None = None, stream=0, trace: bool = False) -> StreamLaunch:
     """Compile (cached), build the tensor maps and marshal the arguments once; returns a
     ``StreamLaunch`` that launches with no host copies or syncs (for the benchmark).
 
@@ -1989,13 +2012,11 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     (default: every resident CTA slot, ``resident_ctas_per_sm`` per SM). ``k_splits``: split-K runs
     per tile (default: ``choose_k_splits`` for that grid; 1 = no split). ``trace``: run the diagnostic
     build that stamps ``TRACE_EVENTS`` per CTA into ``StreamLaunch.trace_buffer`` (``trace_phases`` reads a copy).
-    ``small_n_warps``: consumer warps of a ``mma_bn <= 32`` tile (``SMALL_N_WARP_CHOICES``; an H200-only knob).
     """
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(SM90, "the H200 streaming kernel")
-    spec = dataclasses.replace(check_can_implement(problem_device, config, small_n_warps=small_n_warps),
-                               trace=bool(trace))
+    spec = dataclasses.replace(check_can_implement(problem_device, config), trace=bool(trace))
     device_out = _device_out(problem_device, out)
     max_tiles = max_tiles_bound(spec, problem_device.total_tokens, problem_device.num_active_experts,
                                 problem_device.n)
@@ -2048,8 +2069,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None, k_splits: int | None = None,
-                        small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> np.ndarray:
+                        num_ctas: int | None = None, k_splits: int | None = None) -> np.ndarray:
     """Run the H200 streaming kernel on a host problem; returns ``C`` (bf16, (total_tokens, N)).
 
     ``out``: if given (bf16, C-contiguous), rows of skipped slots keep its contents and it is written
@@ -2057,7 +2077,7 @@ def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None 
     Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU.
     """
     launch.require_gpu(SM90, "the H200 streaming kernel")
-    check_can_implement(problem, config, small_n_warps=small_n_warps)
+    check_can_implement(problem, config)
     shape = (problem.total_tokens, problem.n)
     if out is None:
         out = poison_output(*shape)
@@ -2066,8 +2086,7 @@ def grouped_matmul_h200(problem: GroupedProblem, config, out: np.ndarray | None 
     device_problem = launch.to_device(problem)
     bits = out.view(np.uint16)
     device_out = cuda.to_device(bits)
-    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas, k_splits=k_splits,
-                       small_n_warps=small_n_warps)
+    prepared = prepare(device_problem, config, device_out, num_ctas=num_ctas, k_splits=k_splits)
     prepared()
     device_out.copy_to_host(bits)
     return out
