@@ -20,12 +20,13 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   rows' slice (3-D map over ``b``: rows past N read as zero and never bleed into the next expert), the
   token rows' slice (2-D map over ``a``) and the 512-byte scale atoms of both, straight from the 128x4
   layouts (the weights' 6-D scales as stored: no re-layout).
-* The consumers: 4 warps (``mma_bn <= 32``; 8 of 16 rows with ``StreamSpec.small_n_warps``) or 8. They
-  do not walk: after the ``full`` wait of an item's first stage they read its record. Each owns a ``WM x WN`` part of the CTA's
-  ``128 x mma_bn`` MMA tile (M = weight rows when ``ab_swapped``, else tokens), waits for a full
-  stage, reads raw FP4/FP8 bytes and scale bytes from shared memory, decodes them to bf16 times
-  their block scale in registers and issues ``mma.sync.m16n8k16.bf16`` into fp32 register
-  accumulators; then one lane per warp releases the stage. After a tile's last slice it multiplies
+* The consumers: 4 warps (``mma_bn <= 32``; 8 of 16 rows with ``StreamConfig.small_n_warps``, which
+  ``h200_plan`` picks for latency-bound tiles) or 8. They do not walk: after the ``full`` wait of an
+  item's first stage they read its record. Each owns a ``WM x WN`` part of the CTA's ``128 x mma_bn``
+  MMA tile (M = weight rows when ``ab_swapped``, else tokens), waits for a full stage, reads raw
+  FP4/FP8 bytes and scale bytes from shared memory, decodes them to bf16 times their block scale in
+  registers and issues ``mma.sync.m16n8k16.bf16`` into fp32 register accumulators; then one lane per
+  warp releases the stage. After a tile's last slice it multiplies
   by ``expert_scales[e]`` (and the power of two below), rounds to bf16 (RNE) and stores
   ``C[token, n]`` with predicated 2-byte stores, masked to the group's tokens and to N: rows of
   skipped slots are never written.
