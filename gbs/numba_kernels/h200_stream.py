@@ -277,10 +277,7 @@ class StreamConfig:
         if stages < 1 and stages != AUTO_STAGES:
             raise ValueError(f"num_pipeline_stages must be >= 1 or {AUTO_STAGES} (auto), got {stages}")
         object.__setattr__(self, "num_pipeline_stages", int(stages))
-        warps = self.small_n_warps
-        if isinstance(warps, (bool, np.bool_)) or warps not in SMALL_N_WARP_CHOICES:
-            raise ValueError(f"small_n_warps must be one of {SMALL_N_WARP_CHOICES}, got {warps!r}")
-        object.__setattr__(self, "small_n_warps", int(warps))
+        object.__setattr__(self, "small_n_warps", require_small_n_warps(self.small_n_warps))
 
     @classmethod
     def of(cls, config) -> "StreamConfig":
@@ -292,6 +289,14 @@ class StreamConfig:
         tile = schedule.TileConfig.of(config)   # TypeError naming what the config lacks
         return cls(tile.ab_swapped, tile.mma_bn, tile.cta_group, getattr(config, "num_pipeline_stages", AUTO_STAGES),
                    getattr(config, "small_n_warps", CONSUMER_WARPS_SMALL_N))
+
+
+def require_small_n_warps(warps) -> int:
+    """``warps`` as an int if it is one of ``SMALL_N_WARP_CHOICES`` (the config's and the spec's check), else
+    ValueError."""
+    if isinstance(warps, (bool, np.bool_)) or warps not in SMALL_N_WARP_CHOICES:
+        raise ValueError(f"small_n_warps must be one of {SMALL_N_WARP_CHOICES}, got {warps!r}")
+    return int(warps)
 
 
 def consumer_warp_grid(mma_bn: int, small_n_warps: int = CONSUMER_WARPS_SMALL_N) -> tuple[int, int]:
@@ -459,8 +464,7 @@ class StreamSpec:
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")
-        if self.small_n_warps not in SMALL_N_WARP_CHOICES:
-            raise ValueError(f"small_n_warps must be one of {SMALL_N_WARP_CHOICES}, got {self.small_n_warps!r}")
+        require_small_n_warps(self.small_n_warps)
         if self.small_n_warps != CONSUMER_WARPS_SMALL_N:
             if not self.small_n:
                 raise ValueError(f"small_n_warps={self.small_n_warps} needs mma_bn <= {SMALL_N_MAX_MMA_BN} "
