@@ -367,12 +367,14 @@ class BlockScaled:
 
 
 def _nvfp4_global_scale(absx: np.ndarray, block_finite: np.ndarray, per_expert: bool) -> np.ndarray:
-    """``S_enc = 448*6 / amax`` over the finite blocks of the tensor (per expert for 3-D)."""
+    """``S_enc = 448*6 / amax`` over the finite blocks of the tensor (per expert for 3-D); amax 0 gives 1,
+    and an amax below ``448*6 / FLT_MAX`` (~7.9e-36) the largest finite float32 instead of an infinite
+    S_enc, which would make every all-zero block's scale ``0 * inf`` = NaN."""
     finite_abs = np.where(np.repeat(block_finite, absx.shape[-1] // block_finite.shape[-1], axis=-1), absx, 0)
     axes = tuple(range(1, absx.ndim)) if per_expert else None
     amax = np.max(finite_abs, axis=axes).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        s_enc = (np.float32(NVFP4_GLOBAL_NUMERATOR) / amax).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        s_enc = np.minimum(np.float32(NVFP4_GLOBAL_NUMERATOR) / amax, np.finfo(np.float32).max).astype(np.float32)
     return np.where(amax > 0, s_enc, np.float32(1.0)).astype(np.float32)   # amax 0 -> S_enc = 1
 
 
