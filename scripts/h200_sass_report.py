@@ -4,8 +4,9 @@ innermost loop that holds the tensor-core instructions (HMMA for ``h200_stream``
 ``h200_wgmma``) with its instruction mix. This is how the instruction counts quoted in the kernels'
 docstrings and in ``notes/`` are read; compare before / after a decode change. ~8 s per spec.
 
-Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] | wgmma:FMT:MMA_BN ...]
-(``:w8``: 8 consumer warps on a small-N tile, ``h200_stream.StreamSpec.small_n_warps``.)
+Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] | wgmma:FMT:MMA_BN[:t256] ...]
+(``:w8``: 8 consumer warps on a small-N tile, ``h200_stream.StreamConfig.small_n_warps``; ``:t256``: 256-token
+tiles, ``h200_wgmma.WgmmaConfig.tile_tokens``.)
 A spec may end in ``:e2m1_h200``: the weights re-laid for the H200 (``gbs.quant.E2M1H200Order``).
 Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8,
 and NVFP4's two with re-laid weights.
@@ -43,13 +44,17 @@ def parse_spec(text: str):
         spec = h200_stream.StreamSpec(a_format, b_format, knobs[0] == "T", int(knobs[1]), int(knobs[2]),
                                       int(knobs[3]), b_layout=b_layout, small_n_warps=small_n_warps)
         return spec, h200_stream, "HMMA"
+    tile_tokens = h200_wgmma.TILE_TOKENS[0]
+    if kind == "wgmma" and knobs and knobs[-1].startswith("t") and knobs[-1][1:].isdigit():
+        tile_tokens = int(knobs.pop()[1:])
     if kind == "wgmma" and len(knobs) == 1:
-        config = h200_wgmma.WgmmaConfig(int(knobs[0]))
+        config = h200_wgmma.WgmmaConfig(int(knobs[0]), tile_tokens=tile_tokens)
         stages = h200_wgmma.max_pipeline_stages(a_format, b_format, config)
-        return (h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages, b_layout=b_layout), h200_wgmma,
-                "HGMMA")
-    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN "
-                     f"(either may end in :{B_LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps)")
+        return (h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages, b_layout=b_layout,
+                                     tile_tokens=tile_tokens), h200_wgmma, "HGMMA")
+    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256] "
+                     f"(either may end in :{B_LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, :t256 = "
+                     f"256-token tiles)")
 
 
 def report(text: str) -> str:

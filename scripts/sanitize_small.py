@@ -28,7 +28,7 @@ EXPERT_IDS = [2, 0, 1, -1, 3]
 STREAM_CONFIGS = [((True, 8, 1, 2), 1, None, 4), ((True, 8, 1, 2), 1, 2, 4), ((True, 16, 1, 2), 2, None, 4),
                   ((True, 32, 1, 2), 1, None, 4), ((True, 64, 2, 3), 2, None, 4), ((False, 128, 1, 2), 1, None, 4),
                   ((True, 256, 1, 2), 1, None, 4), ((True, 16, 1, 2), 2, None, 8), ((True, 16, 1, 2), 1, 2, 8)]
-WGMMA_MMA_BN = (128, 256)
+WGMMA_CONFIGS = ((128, 128), (256, 128), (128, 256))   # (mma_bn, tile_tokens): 256-token tiles too
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
 
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
                   lambda c=c, splits=splits, ctas=ctas, warps=warps: h200_stream.grouped_matmul_h200(
                       p, StreamConfig(*c, small_n_warps=warps), k_splits=splits, num_ctas=ctas))
                  for c, splits, ctas, warps in STREAM_CONFIGS]
-        cases += [("h200_wgmma", (bn,), lambda bn=bn: h200_wgmma.grouped_matmul_h200(p, h200_wgmma.WgmmaConfig(bn)))
-                  for bn in WGMMA_MMA_BN]
+        cases += [("h200_wgmma", (bn, tokens), lambda bn=bn, tokens=tokens: h200_wgmma.grouped_matmul_h200(
+                      p, h200_wgmma.WgmmaConfig(bn, tile_tokens=tokens))) for bn, tokens in WGMMA_CONFIGS]
         if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)
             e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
             cases.append(("h200_wgmma", (128, "e4m3"), lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))

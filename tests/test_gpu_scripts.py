@@ -33,6 +33,7 @@ def sweep():
     ("wgmma:mxfp8:large_prefill_up:128:4:e4m3", h200_wgmma.WgmmaConfig(128, 4, "e4m3"), None),
     ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66),
     ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132),
+    ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None),
 ])
 def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas):
     parsed = sweep.parse_point(point)

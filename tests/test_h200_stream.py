@@ -81,6 +81,14 @@ def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None,
                          small_n_warps=small_n_warps)
 
 
+def spec_for_case(fmt: str, name: str) -> hs.StreamSpec:
+    """``spec_of`` for a ``CONFIGS`` name, or "wgmma_ring_256": the wgmma kernel's ring with 256 token rows
+    (``StreamSpec.m_rows``; its own consumers are ``h200_wgmma``'s)."""
+    if name == "wgmma_ring_256":
+        return dataclasses.replace(spec_of(fmt, CONFIGS["not_swapped"]), m_rows=2 * hs.TILE_M_ROWS)
+    return spec_of(fmt, CONFIGS[name])
+
+
 def eight_warps(config: hs.StreamConfig) -> hs.StreamConfig:
     return dataclasses.replace(config, small_n_warps=8)
 
@@ -622,10 +630,10 @@ def test_weight_scale_atoms_land_where_the_consumers_read(fmt, config):
                             assert got == linear[expert, row, col], f"expert {expert} row {row} slice {s} q {q} b {b}"
 
 
-@pytest.mark.parametrize("config", ["decode", "small_prefill", "wide", "not_swapped", "wide_cg1"])
+@pytest.mark.parametrize("config", ["decode", "small_prefill", "wide", "not_swapped", "wide_cg1", "wgmma_ring_256"])
 def test_token_scale_atoms_land_where_the_consumers_read(config):
     fmt = "nvfp4"
-    spec = spec_of(fmt, CONFIGS[config])
+    spec = spec_for_case(fmt, config)
     sizes = [5, 0, 1, 300, 130, 7]
     p = _problem(fmt, n=256, k=spec.k_slice, group_sizes=sizes, expert_ids=[0, 1, -1, 2, 3, 1])
     shapes, addresses = _shapes_and_fake_addresses(p)
@@ -651,12 +659,12 @@ def test_token_scale_atoms_land_where_the_consumers_read(config):
 
 @pytest.mark.parametrize("config, k_splits, slices_per_split, num_pairs", [
     ("decode", 1, 28, 5), ("decode", 4, 7, 13), ("decode", 3, 3, 1), ("not_swapped", 1, 4, 3),
-    ("wide_cg1", 2, 2, 7)])
+    ("wide_cg1", 2, 2, 7), ("wgmma_ring_256", 1, 4, 3)])
 def test_device_walk_visits_the_tiles_of_the_host_walk(config, k_splits, slices_per_split, num_pairs):
     """The kernels' 32-bit walk (``make_ring(spec).next_work``, run here as Python) with its cursor, as every
     CTA pair steps through its work items, finds exactly ``schedule.iter_tiles``' tiles and K runs: ragged
     groups, an empty group, a -1 slot, a 1-token group, N not a multiple of the tile."""
-    spec = dataclasses.replace(spec_of("nvfp4", CONFIGS[config]), split_k=k_splits > 1)
+    spec = dataclasses.replace(spec_for_case("nvfp4", config), split_k=k_splits > 1)
     next_work = hs.make_ring(spec).next_work.py_func
     sizes = [5, 0, 1, 300, 130, 7, 9]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32)
@@ -701,6 +709,26 @@ def test_work_records_round_trip_through_the_stage_words():
         got = tuple(int(v) for v in unpack_record(*bars[rec:rec + hs.WORK_RECORD_WORDS]))
         want = (-1,) + fields[1:] if fields[0] == hs.NO_MORE_WORK else fields
         assert got == want, stage
+
+
+def test_ring_m_rows_256_is_the_wgmma_rings_only():
+    """``StreamSpec.m_rows`` = 256: 256 token rows in two scale bands, one token box of 256 rows (TMA's
+    limit), 256-token tiles for the walk; refused where the tokens are not the M side or a pair shares
+    them, and by this kernel's own consumers."""
+    spec = spec_for_case("nvfp4", "wgmma_ring_256")
+    assert spec.m_side.role == "tokens" and spec.m_side.rows == 256 and spec.m_side.scale_bands == 2
+    assert spec.token_box[1] == 256 and spec.tile_shape.tokens == 256 and spec.tile_shape.weight_rows == 128
+    loads = hs.stage_loads(spec)
+    assert [size for what, _, size, _ in loads if what == "tokens"] == [256 * spec.token_side.row_bytes]
+    assert len([what for what, _, _, _ in loads if what == "token scales"]) == 2
+    assert sum(size for _, _, size, _ in loads) == spec.tx_bytes
+    for config in ("decode", "small_prefill", "mid"):
+        with pytest.raises(ValueError, match="m_rows=256"):
+            dataclasses.replace(spec_of("nvfp4", CONFIGS[config]), m_rows=256)
+    with pytest.raises(ValueError, match="m_rows must be one of"):
+        dataclasses.replace(spec_of("nvfp4", CONFIGS["not_swapped"]), m_rows=192)
+    with pytest.raises(ValueError, match="consumers take 128 M rows"):
+        hs.make_kernel_function(spec)
 
 
 def test_dynamic_items_only_for_single_ctas():

@@ -21,17 +21,18 @@ from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
+from gbs.quant import scale_byte_offset
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
 FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN]
 
 
-def spec_of(fmt: str, mma_bn: int, stages: int | None = None) -> hw.WgmmaSpec:
+def spec_of(fmt: str, mma_bn: int, stages: int | None = None, tile_tokens: int = 128) -> hw.WgmmaSpec:
     a, b = PROBLEM_FORMATS[fmt]
     if stages is None:
-        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn))
-    return hw.WgmmaSpec(a, b, mma_bn, stages)
+        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn, tile_tokens=tile_tokens))
+    return hw.WgmmaSpec(a, b, mma_bn, stages, tile_tokens=tile_tokens)
 
 
 def sub_step_group(spec: hw.WgmmaSpec, sub: int, step: int, q: int) -> int:
@@ -173,6 +174,29 @@ def _problem(fmt, n=512, k=1024, sizes=(5, 0, 1, 37, 130, 300), ids=(0, 4, 1, -1
     return synthetic_problem(fmt, n=n, k=k, group_sizes=list(sizes), expert_ids=list(ids), num_experts=5, seed=seed)
 
 
+def test_256_token_tiles_cover_each_token_row_once():
+    """The consumers' rows of a 256-token tile (the kernel's ``m_row`` + 128 per m64 tile, g + 8 i per
+    lane, as the A fragments, their scales and the epilogue use them): every token row 0..255 exactly once
+    per quad lane, and rows 128.. read their scales from the stage's second band (``scale_byte_offset``
+    moves a whole band of atoms)."""
+    spec = spec_of("nvfp4", 128, tile_tokens=256)
+    atoms = spec.ring.m_side.sf_atoms_per_slice
+    m_tile_rows = hw.CONSUMER_WARPGROUPS * hw.TOKENS_PER_WARPGROUP
+    for q in range(hs.QUAD):
+        rows = collections.Counter()
+        for cw in range(hw.CONSUMER_WARPGROUPS * hw.WARPGROUP_WARPS):
+            for g in range(8):
+                warpgroup, warp = divmod(cw, hw.WARPGROUP_WARPS)
+                m_row = warpgroup * hw.TOKENS_PER_WARPGROUP + warp * hw.ROWS_PER_WARP + g
+                for mt in range(spec.m_tiles):
+                    for i in range(2):
+                        row = m_row + m_tile_rows * mt + 8 * i
+                        rows[row] += 1
+                        band = scale_byte_offset(row, 0, atoms) // (atoms * hs.SF_ATOM_BYTES)
+                        assert band == row // hs.SF_ATOM_ROWS
+        assert sorted(rows) == list(range(256)) and set(rows.values()) == {1}
+
+
 @pytest.mark.parametrize("config, error, match", [
     (hs.StreamConfig(True, 128, 1), ValueError, "ab_swapped=False"),
     (types.SimpleNamespace(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group=1"),
@@ -190,6 +214,29 @@ def test_wgmma_config_checks_its_knobs():
     with pytest.raises(TypeError):
         hw.WgmmaConfig(128, 2.0)
     assert hw.WgmmaConfig.of(hs.StreamConfig(False, 256, 1, 3)) == hw.WgmmaConfig(256, 3)
+    assert hw.WgmmaConfig.of(hw.WgmmaConfig(128, tile_tokens=256)).tile_tokens == 256
+    with pytest.raises(ValueError, match="tile_tokens in"):
+        hw.WgmmaConfig(128, tile_tokens=192)
+    with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
+        hw.WgmmaConfig(256, tile_tokens=256)   # 2 x 128 accumulators per thread
+    with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
+        hw.WgmmaConfig(128, mma_operands="e4m3", tile_tokens=256)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_256_token_tiles_share_one_weight_decode(fmt):
+    """``tile_tokens`` = 256: each warpgroup two m64 tiles on the same B buffer, 64-kappa sub-steps, the ring's
+    M side 256 token rows (two scale bands, one 256-row TMA box), at least 2 stages beside the buffers; the
+    weight decode per sub-step is the 128-token tile's, for twice the tokens."""
+    spec = spec_of(fmt, 128, tile_tokens=256)
+    narrow = spec_of(fmt, 128)
+    assert spec.m_tiles == 2 and narrow.m_tiles == 1
+    assert spec.sub_k == hw.WIDE_SUB_K and spec.ring.m_side.rows == 256 and spec.ring.m_side.scale_bands == 2
+    assert spec.ring.tile_shape.tokens == 256 and spec.ring.token_box[1] == 256
+    assert 2 <= spec.stages and spec.smem.total_bytes <= H200_SMEM_PER_SM
+    assert spec.buffer_bytes == hw.WIDE_SUB_K * 128 * 2, "a sub-step's 128 weight rows of bf16"
+    # each item: one weight row's group step in all 4 quarters (32 elements)
+    assert spec.weight_items * narrow.sub_k == narrow.weight_items * spec.sub_k, "weight work per kappa unchanged"
 
 
 def test_k_not_a_multiple_of_the_slice_is_refused():
@@ -197,30 +244,43 @@ def test_k_not_a_multiple_of_the_slice_is_refused():
         hw.check_can_implement(_problem("nvfp4", k=384), hw.WgmmaConfig(128))
 
 
-# Local memory the offline compile may use (ptxas 13.5), per tile width. 128 wide: nothing in the K loop
-# (first to last HGMMA), <= ~45 scalar accesses of the tile walk / epilogue outside it. 256 wide (128
-# accumulators at the 232-register budget): a few spilled loop invariants reloaded in the K loop and the
-# epilogue's accumulator copy in local memory (measured on the H200 anyway: MXFP8 +8 %, W4A8 +16 %).
-LOCAL_IN_K_LOOP = {128: 0, 256: 8}
-LOCAL_TOTAL = {128: 64, 256: 256}
+# Local memory the offline compile may use (ptxas 13.5), per (mma_bn, tile_tokens). 128 x 128: nothing in
+# the K loop (first to last HGMMA), <= ~45 scalar accesses of the tile walk / epilogue outside it. 256 wide
+# (128 accumulators at the 232-register budget): a few spilled loop invariants reloaded in the K loop and
+# the epilogue's accumulator copy in local memory (measured on the H200 anyway: MXFP8 +8 %, W4A8 +16 %).
+# 256 tokens (2 x 64 accumulators and two tiles' A fragments, 240 registers per consumer thread): NVFP4 4
+# from the first to the last HGMMA, 215 in all, 75 of them the producer's at 24 registers (not yet run on a GPU).
+LOCAL_IN_K_LOOP = {(128, 128): 0, (256, 128): 8, (128, 256): 8}
+LOCAL_TOTAL = {(128, 128): 64, (256, 128): 256, (128, 256): 224}
 
 
-@pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("mxfp8", 128), ("w4a8", 128), ("mxfp8", 256), ("w4a8", 256)])
-def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn):
+@pytest.mark.parametrize("fmt, bn, tile_tokens", [("nvfp4", 128, 128), ("mxfp8", 128, 128), ("w4a8", 128, 128),
+                                                  ("mxfp8", 256, 128), ("w4a8", 256, 128), ("nvfp4", 128, 256)])
+def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens):
     """Offline (ptxas 13.5, sm_90a): the consumers issue HGMMA with A from registers (two register
     sets, so the wgmma pipeline is not serialized: at most one wait per sub-step), and local memory
     stays within the budgets above."""
-    spec = spec_of(fmt, bn)
+    spec = spec_of(fmt, bn, tile_tokens=tile_tokens)
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
     hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{bn}x16.F32.BF16")]
     local = [(i, ins.split()[0]) for i, ins in enumerate(instructions) if re.match(r"(LDL|STL)\b", ins)]
     waits = [ins for ins in instructions[hgmma[0]:hgmma[-1] + 1] if ins.startswith("WARPGROUP.DEPBAR")]
-    assert len(hgmma) >= hw.A_FRAGMENT_SETS * spec.k_steps, "two sub-steps' wgmmas, unrolled"
-    assert len(waits) <= len(hgmma) // spec.k_steps, "no wait between the wgmmas of one sub-step"
-    assert len([op for i, op in local if hgmma[0] <= i <= hgmma[-1]]) <= LOCAL_IN_K_LOOP[bn]
-    assert len(local) <= LOCAL_TOTAL[bn], local
+    assert len(hgmma) >= hw.A_FRAGMENT_SETS * spec.m_tiles * spec.k_steps, "two sub-steps' wgmmas, unrolled"
+    assert len(waits) <= len(hgmma) // (spec.m_tiles * spec.k_steps), "no wait between the wgmmas of one sub-step"
+    assert len([op for i, op in local if hgmma[0] <= i <= hgmma[-1]]) <= LOCAL_IN_K_LOOP[bn, tile_tokens]
+    assert len(local) <= LOCAL_TOTAL[bn, tile_tokens], local
+
+
+def test_register_splits_fill_the_launch_allocation():
+    """``setmaxnreg``: the producer warpgroup's registers plus the two consumer warpgroups' are exactly the
+    launch's 384 threads x 168, for the 128-token split and the 256-token one (multiples of 8, 24..256)."""
+    launch_allocation = hs.WARP_SIZE * (hs.WARPGROUP_WARPS + 2 * hs.WARPGROUP_WARPS) * 168
+    for producer, consumer in ((hw.PRODUCER_REGISTERS, hw.CONSUMER_REGISTERS),
+                               (hw.PRODUCER_REGISTERS_TWO_M_TILES, hw.CONSUMER_REGISTERS_TWO_M_TILES)):
+        assert hp.WGMMA_THREADS * (producer + 2 * consumer) == launch_allocation
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in (producer, consumer))
 
 
 def reuse_is_safe(buffers: int, sub_steps: int = 12) -> bool:
@@ -256,18 +316,22 @@ def test_a_kernel_config_decided_for_other_formats_is_refused():
 # ----------------------------------------------------------------------------------------------
 GPU_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
 GPU_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
-GPU_CASES = [(fmt, 128) for fmt in FORMATS] + [("nvfp4", 256), ("mxfp8", 256), ("w4a8", 256), ("mxfp4", 256)]
+# (format, mma_bn, tile_tokens): 256-token tiles with FP4 and FP8 tokens (300 tokens: a full and a partial
+# 256-token tile; 129: one tile past its second scale band's first row)
+GPU_CASES = ([(fmt, 128, 128) for fmt in FORMATS] + [("nvfp4", 256, 128), ("mxfp8", 256, 128), ("w4a8", 256, 128),
+                                                      ("mxfp4", 256, 128)]
+             + [(fmt, 128, 256) for fmt in FORMATS])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, bn", GPU_CASES)
-def test_gpu_matches_the_reference(fmt, bn):
+@pytest.mark.parametrize("fmt, bn, tile_tokens", GPU_CASES)
+def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
     if launch.gpu_compute_capability() != hs.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=4096 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
                                 num_experts=8, seed=zlib.crc32(f"wgmma/{fmt}".encode()))
     ref = reference_grouped_matmul(problem)
-    config = hw.WgmmaConfig(bn, AUTO_STAGES)
+    config = hw.WgmmaConfig(bn, AUTO_STAGES, tile_tokens=tile_tokens)
     out = hw.grouped_matmul_h200(problem, config)   # poisoned output: skipped rows keep it
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"

@@ -129,6 +129,10 @@ from gbs.reference import poison_output
 SM90 = (9, 0)
 K_SLICE_BYTES = 128            # bytes of K per stage of a 1-byte (FP8) operand row (the SM100 K tile)
 TILE_M_ROWS = schedule.MMA_M_ROWS   # rows of the CTA's MMA M side (weight rows when swapped)
+# ``StreamSpec.m_rows``: the ring's M side may hold 256 token rows (not swapped, one CTA) for the wgmma
+# kernel (``h200_wgmma.WgmmaConfig.tile_tokens``), which decodes each weight tile once for twice the
+# tokens; this kernel's own consumers (mma.sync, 128-row warp grid) take 128.
+RING_M_ROWS = (TILE_M_ROWS, 2 * TILE_M_ROWS)
 WARP_SIZE = 32
 QUAD = 4                       # lanes of a quad share an MMA row and split its K slice in 4
 GROUP_ELEMENTS = 8             # K elements one decode group covers: 4 bf16x2 registers, 2 MMA steps
@@ -453,6 +457,7 @@ class StreamSpec:
     b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
     small_n_warps: int = CONSUMER_WARPS_SMALL_N   # consumer warps of a small-N tile (``SMALL_N_WARP_CHOICES``)
+    m_rows: int = TILE_M_ROWS   # rows of the ring's M side (``RING_M_ROWS``; 256: the wgmma kernel's ring only)
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -465,6 +470,11 @@ class StreamSpec:
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")
         require_small_n_warps(self.small_n_warps)
+        if self.m_rows not in RING_M_ROWS:
+            raise ValueError(f"m_rows must be one of {RING_M_ROWS}, got {self.m_rows!r}")
+        if self.m_rows != TILE_M_ROWS and (self.ab_swapped or self.cta_group != 1 or self.small_n):
+            raise ValueError(f"m_rows={self.m_rows} (token rows of the wgmma kernel's ring) needs ab_swapped False, "
+                             f"cta_group 1 and mma_bn > {SMALL_N_MAX_MMA_BN}")
         if self.small_n_warps != CONSUMER_WARPS_SMALL_N:
             if not self.small_n:
                 raise ValueError(f"small_n_warps={self.small_n_warps} needs mma_bn <= {SMALL_N_MAX_MMA_BN} "
@@ -492,7 +502,8 @@ class StreamSpec:
 
     @property
     def tile_shape(self) -> schedule.TileShape:
-        return schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group).tile_shape
+        shape = schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group).tile_shape
+        return dataclasses.replace(shape, tokens=self.m_rows) if self.m_rows != TILE_M_ROWS else shape
 
     @property
     def dynamic_items(self) -> bool:
@@ -509,8 +520,9 @@ class StreamSpec:
 
     @property
     def m_side(self) -> OperandSide:
-        """The 128-row MMA M side: weights when swapped, else tokens."""
-        return self._side("weights" if self.ab_swapped else "tokens", TILE_M_ROWS, 1)
+        """The ``m_rows``-row MMA M side (128; 256 token rows in the wgmma kernel's ring): weights when
+        swapped, else tokens; one scale band per 128 rows."""
+        return self._side("weights" if self.ab_swapped else "tokens", self.m_rows, self.m_rows // SF_ATOM_ROWS)
 
     @property
     def n_side(self) -> OperandSide:
@@ -628,7 +640,7 @@ class StreamSpec:
     def token_box(self) -> tuple[int, int]:
         """(bytes, rows) each CTA loads of the token slice: half the token tile per CTA of a pair."""
         side = self.token_side
-        rows = self.mma_bn // self.cta_group if self.ab_swapped else TILE_M_ROWS
+        rows = self.mma_bn // self.cta_group if self.ab_swapped else self.m_rows
         return side.row_bytes, rows
 
     @property
@@ -1257,6 +1269,8 @@ def make_kernel_function(spec: StreamSpec):
     """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
     compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``). Its
     consumers take their work from the producer's records."""
+    if spec.m_rows != TILE_M_ROWS:
+        raise ValueError(f"this kernel's consumers take {TILE_M_ROWS} M rows (m_rows={spec.m_rows} is the wgmma ring's)")
     ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
     copy_routing, cta_position, read_work_record = ring.copy_routing, ring.cta_position, ring.read_work_record
     block_sync, produce, cta_output_rows = ring.block_sync, ring.produce, ring.cta_output_rows

@@ -33,6 +33,13 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
     a buffer is rewritten only after every thread passed a wait that covers its MMAs.
 * Epilogue: ``wait_group 0``, ``C = bf16(acc * 2**epilogue_log2 * expert_scales[e])``, paired 4-byte
   stores where both columns are in range (rows of skipped slots are never written).
+* ``WgmmaConfig.tile_tokens`` = 256 (``mma_bn`` 128): the ring's M side holds 256 token rows (two scale
+  bands, ``h200_stream.StreamSpec.m_rows``) and each warpgroup runs two m64 tiles (rows ``r`` and ``r + 128``)
+  on the same B buffer, so the weights are decoded once for twice the tokens (run 59's diagnostic: the
+  weight decode is ~26 % of NVFP4 large prefill); 64-kappa sub-steps keep the A fragments of both tiles
+  in registers, and the consumers take 240 registers (the producer 24). Offline (ptxas 13.5, NVFP4
+  re-laid): 647 K-loop instructions per 128 kappa x 256 tokens against 928 per 256 kappa x 128 tokens, with
+  17 local accesses in the loop. Not yet run on a GPU.
 
 The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
@@ -102,12 +109,25 @@ SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle 
 BF16_ROW_BYTES = 2 * SW128_KAPPA
 A_FRAGMENT_SETS = 2           # consecutive sub-steps alternate two register sets of A fragments
 WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa buffers of 256 rows do not fit)
+# Tokens per tile (``WgmmaConfig.tile_tokens``): 128 (each consumer warpgroup one m64 tile), or 256 (two m64
+# tiles per warpgroup on the same bf16 B buffer: the weight decode, ~26 % of the NVFP4 large-prefill time by
+# H200 run 59's diagnostic, is done once for twice the tokens). 256 takes mma_bn 128 (2 x 64 accumulators
+# per thread, as mma_bn 256 has 128) and 64-kappa sub-steps (the A fragments of two m64 tiles: 2 sets x 2
+# tiles x 4 k16 steps x 4 registers).
+TILE_TOKENS = (2 * TOKENS_PER_WARPGROUP, 4 * TOKENS_PER_WARPGROUP)
+TWO_M_TILES_MMA_BN = (128,)
 # Registers per thread after setmaxnreg: the producer warpgroup only walks tiles and issues TMA (it
 # spills a little below ~64 registers, outside any hot loop) and the consumers need every register
 # they can get (accumulators + two A fragment sets + decode temporaries); 4 x 32 x 40 + 8 x 32 x 232
 # = 64512 = 384 x 168, the launch allocation (see h200_stream's constants).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
+# 256-token tiles (2 x 64 accumulators, two tiles' A fragments) move 16 more per consumer thread from the
+# producer (4 x 32 x 24 + 8 x 32 x 240 = 64512): offline (ptxas 13.5, NVFP4 re-laid) the consumers' K loop
+# then has 17 local accesses instead of 34 (647 instructions instead of 689), the producer's TMA loop 75
+# instead of 10 (one thread, ~4.6 us per stage at 8 x 1024 tokens: the ring hides it). Not measured yet.
+PRODUCER_REGISTERS_TWO_M_TILES = 24
+CONSUMER_REGISTERS_TWO_M_TILES = 240
 # Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's. At sub-step
 # v the wait (wait_group 1, before v's commit) covers the MMAs of v - 2 and older, so buffer u % 3 is
 # rewritten at u + 3 only after every thread's wait at u + 2 and u + 2's barrier. Two buffers would
@@ -146,9 +166,17 @@ class WgmmaConfig:
     mma_bn: int = 256
     num_pipeline_stages: int = AUTO_STAGES
     mma_operands: str = "bf16"
+    tile_tokens: int = TILE_TOKENS[0]
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
+        tokens = require_int("tile_tokens", self.tile_tokens, 1)
+        if tokens not in TILE_TOKENS:
+            raise ValueError(f"the wgmma kernel takes tile_tokens in {TILE_TOKENS}, got {tokens}")
+        if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.mma_operands != "bf16"):
+            raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN} and mma_operands 'bf16' "
+                             f"(two m64 accumulator tiles per warpgroup), got mma_bn={bn}, {self.mma_operands!r}")
+        object.__setattr__(self, "tile_tokens", int(tokens))
         if bn not in WGMMA_MMA_BN:
             raise ValueError(f"the wgmma kernel takes mma_bn in {WGMMA_MMA_BN}, got {bn}")
         if self.mma_operands not in MMA_OPERANDS:
@@ -178,7 +206,7 @@ class WgmmaConfig:
         if not hasattr(config, "mma_bn"):
             raise TypeError(f"config must have mma_bn, got {type(config).__name__}")
         return cls(config.mma_bn, getattr(config, "num_pipeline_stages", AUTO_STAGES),
-                   getattr(config, "mma_operands", "bf16"))
+                   getattr(config, "mma_operands", "bf16"), getattr(config, "tile_tokens", TILE_TOKENS[0]))
 
 
 @dataclass(frozen=True)
@@ -191,9 +219,10 @@ class WgmmaSpec:
     stages: int
     b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
     mma_operands: str = "bf16"
+    tile_tokens: int = TILE_TOKENS[0]
 
     def __post_init__(self):
-        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands)
+        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens)
         ring = self.ring   # format pair, layout and stage checks
         if self.mma_operands == "e4m3":
             for side in (ring.token_side, ring.weight_side):
@@ -207,7 +236,7 @@ class WgmmaSpec:
         """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps (its weight
         reader also decodes for this kernel, in the weights' layout)."""
         return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages,
-                             b_layout=self.b_layout)
+                             b_layout=self.b_layout, m_rows=self.tile_tokens)
 
     @property
     def cta_group(self) -> int:
@@ -226,10 +255,15 @@ class WgmmaSpec:
         return self.ring.k_slice
 
     @property
+    def m_tiles(self) -> int:
+        """m64 accumulator tiles per consumer warpgroup: 1, or 2 with 256-token tiles."""
+        return self.tile_tokens // (CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP)
+
+    @property
     def sub_k(self) -> int:
         """kappa (K elements) per sub-step: half a raw K slice (128 for FP4 x FP4, else 64), or 64
-        with ``mma_bn`` 256."""
-        return WIDE_SUB_K if self.mma_bn == 256 else self.k_slice // 2
+        with ``mma_bn`` 256 or 256-token tiles."""
+        return WIDE_SUB_K if self.mma_bn == 256 or self.m_tiles > 1 else self.k_slice // 2
 
     @property
     def subs_per_slice(self) -> int:
@@ -408,8 +442,9 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
     producer_warps = ring_spec.producer_warps
     if not ring_spec.uses_setmaxnreg:
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
-    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS)
-    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS)
+    two_m_tiles = spec.m_tiles == 2
+    producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS_TWO_M_TILES if two_m_tiles else PRODUCER_REGISTERS)
+    consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS_TWO_M_TILES if two_m_tiles else CONSUMER_REGISTERS)
     barrier_words = ring_spec.smem.barrier_words
     routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
@@ -476,7 +511,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     store_tile = _make_store_tile(num_acc)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
-    a_frag_words, rotation_run = A_FRAGMENT_SETS * 4 * k_steps, hs.ROTATION_RUN
+    m_tiles = spec.m_tiles
+    two_m_tiles = m_tiles == 2   # a second m64 tile per warpgroup: 128 token rows further
+    m_tile_rows = CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP
+    a_frag_words, m_sc_words, rotation_run = A_FRAGMENT_SETS * m_tiles * 4 * k_steps, 4 * m_tiles, hs.ROTATION_RUN
     subs_per_slice = spec.subs_per_slice
     # module constants as plain names (numba reads globals of other modules at compile time only by name)
     CONSUMER_BARRIER, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD = (
@@ -504,14 +542,17 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             gl0 = rotated(c, q)
             m_col0[c] = column(q, gl0, m_thread_bytes, m_group_bytes, m_xor)
             m_sel0[c] = m_selector(gl0)
-        m_sc = cuda.local.array(4, np.uint32)               # (s0, s1) of rows m_row, m_row + 8
+        m_sc = cuda.local.array(m_sc_words, np.uint32)      # (s0, s1) of rows m_row, m_row + 8 per m64 tile
         w_sc = cuda.local.array(w_sc_words, np.uint32)      # (s0, s1) per item and quarter
         m_w = cuda.local.array(4, np.uint32)
         w_dec = cuda.local.array(w_dec_words, np.uint32)    # [quarter][register]
-        # two sets (the sub-steps of a slice alternate): an in-flight wgmma still reads the other's
+        # two sets (the sub-steps of a slice alternate): an in-flight wgmma still reads the other's; each
+        # set holds the warpgroup's m64 tiles in turn
         a_frag = cuda.local.array(a_frag_words, np.uint32)
         acc_out = cuda.local.array(num_acc, float32)
         acc = zero_acc()
+        if two_m_tiles:   # the second m64 tile's accumulators (a constant: pruned otherwise)
+            acc_hi = zero_acc()
         buffer = np.uint32(0)
         stage = np.int64(0)
         phase = np.int64(0)
@@ -524,6 +565,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
             n_sf_row0 = r0 % SF_ATOM_ROWS
             acc = zero_acc()
+            if two_m_tiles:
+                acc_hi = zero_acc()
             for _ in range(k_slices):
                 full = bar0 + MBARRIER_BYTES * stage
                 wait_parity_or_trap(full, phase)
@@ -532,17 +575,24 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                     address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
                                                                   atoms))
                     m_sc[2 * i], m_sc[2 * i + 1] = m_load_scales(address, q)
+                if two_m_tiles:   # rows past 128 are in the stage's second scale band
+                    for i in range(2):
+                        address = np.uint32(st + m_sf_off + sf_offset(
+                            np.uint32(m_sf_row0 + m_row + m_tile_rows + 8 * i), m_col, atoms))
+                        m_sc[4 + 2 * i], m_sc[4 + 2 * i + 1] = m_load_scales(address, q)
                 for it in range(items):
                     for qq in range(QUAD):
                         address = np.uint32(st + n_sf_off + sf_offset(
                             np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
                         w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
                 st_m = np.uint32(st + m_row_addr)
+                if two_m_tiles:   # 128 rows further: the same swizzle (it repeats every 8 rows)
+                    st_m_hi = np.uint32(st_m + m_tile_rows * m_row_bytes)
                 # sub-steps in pairs, the inner one unrolled: the A set and the group steps' place in
                 # their rotation run are then constants (register and table indices)
                 for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
                     for parity in range(A_FRAGMENT_SETS):
-                        a_set = 4 * k_steps * parity
+                        a_set = 4 * k_steps * m_tiles * parity
                         first_c, run = step_groups(groups_per_sub, sub_pair, parity)
                         m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
                         m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
@@ -581,6 +631,19 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                                     # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
                                     a_frag[a_set + a_index(p, j, i)] = fma_bf16x2(
                                         m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
+                        if two_m_tiles:   # the same for the second m64 tile (written out: a loop over the
+                            # tiles or a device function changed the 128-token builds' register allocation)
+                            for p in range(groups_per_sub):
+                                c = first_c + p
+                                for i in range(2):
+                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m_hi | (m_col0[c] ^ m_run))
+                                                                        + 8 * i * m_row_bytes)
+                                for i in range(2):
+                                    scale = m_group_scale(m_sc[4 + 2 * i], m_sc[5 + 2 * i],
+                                                          np.uint32(m_sel0[c] + m_sel_run), run)
+                                    for j in range(4):
+                                        a_frag[a_set + 4 * k_steps + a_index(p, j, i)] = fma_bf16x2(
+                                            m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
                         # 4. meet the other warpgroup: the buffer is complete, then issue
                         cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
                         hp.wgmma_fence()
@@ -590,6 +653,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                                 SW128_ATOM_BYTES, "128B")
                             acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
                                             a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
+                            if two_m_tiles:   # the same B operand for the warpgroup's second m64 tile
+                                hi = a_set + 4 * k_steps + 4 * kb
+                                acc_hi = mma(acc_hi, (a_frag[hi], a_frag[hi + 1], a_frag[hi + 2], a_frag[hi + 3]), desc,
+                                             np.uint32(1))
                         hp.wgmma_commit_group()
                         buffer += np.uint32(1)
                         if buffer == BF16_BUFFERS:
@@ -606,6 +673,11 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
+            if two_m_tiles:
+                acc_hi = hp.wgmma_fence_accumulators(acc_hi)
+                hp.accumulators_to_array(acc_hi, acc_out)
+                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row + m_tile_rows, q,
+                           expert_scales[expert] * epilogue_scale)
             item += 1
 
 
@@ -775,7 +847,8 @@ def _make_store_tile(num_acc: int):
 # Host side
 # ----------------------------------------------------------------------------------------------
 def _spec_for(formats: tuple[str, str], config: WgmmaConfig, stages: int) -> WgmmaSpec:
-    return WgmmaSpec(formats[0], formats[1], config.mma_bn, stages, mma_operands=config.mma_operands)
+    return WgmmaSpec(formats[0], formats[1], config.mma_bn, stages, mma_operands=config.mma_operands,
+                     tile_tokens=config.tile_tokens)
 
 
 def max_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
