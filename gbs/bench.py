@@ -486,14 +486,16 @@ def _load_h200_kernel(backend: str, b_layout: str = B_LAYOUT_PACKED):
 
 def launch_knobs(launcher) -> str:
     """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid, and
-    ``w8`` for 8 small-N consumer warps)."""
+    ``w8`` for 8 small-N consumer warps; ``t256`` for the wgmma kernel's 256-token tiles)."""
     spec = getattr(launcher, "spec", None)
     if spec is None:
         return ""
     kernel = "wgmma " if getattr(launcher, "kernel", "") == "h200_wgmma" else ""
     warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
+    from .numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
+    tokens = f" t{spec.m_rows}" if getattr(spec, "m_rows", TILE_M_ROWS) != TILE_M_ROWS else ""
     return (f"{kernel}{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
-            f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}")
+            f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}{tokens}")
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what

@@ -420,6 +420,9 @@ def test_launch_knobs_names_what_ran():
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144"
     FakeLaunch.spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, small_n_warps=8)
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144 w8"
+    FakeLaunch.spec = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256)
+    FakeLaunch.kernel = "h200_wgmma"
+    assert bench.launch_knobs(FakeLaunch()) == "wgmma noswap bn128 cg1 st3 splits4 ctas144 t256"
     assert bench.launch_knobs(object()) == ""
 
 

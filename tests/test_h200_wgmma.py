@@ -21,7 +21,7 @@ from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
-from gbs.quant import scale_byte_offset
+from gbs.quant import get_format, scale_byte_offset
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
@@ -302,6 +302,37 @@ def test_three_buffers_are_the_fewest_the_sub_step_order_allows():
     assert hw.BF16_BUFFERS == 3 and reuse_is_safe(3) and not reuse_is_safe(2)
 
 
+def _metadata(fmt, n, slots, tokens_per_expert):
+    """Host metadata of a balanced problem: all ``wgmma_plan`` reads."""
+    a_format, b_format = (get_format(name) for name in PROBLEM_FORMATS[fmt])
+    return types.SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=7168,
+                                 num_active_experts=slots, estimated_total_m=slots * tokens_per_expert)
+
+
+# what compare run 64 (and run 63 for W4A8) measured faster: 256-token tiles or the 128-token plan
+@pytest.mark.parametrize("fmt, n, slots, tokens, want_tokens", [
+    ("mxfp4", 4096, 8, 1024, 256), ("mxfp4", 7168, 8, 1024, 256), ("mxfp4", 4096, 32, 256, 256),
+    ("mxfp4", 4096, 16, 384, 128),          # the second tile of every expert half empty
+    ("mxfp8", 4096, 8, 1024, 256), ("mxfp8", 7168, 8, 1024, 256), ("mxfp8", 4096, 32, 256, 256),
+    ("nvfp4", 4096, 8, 1024, 128), ("nvfp4", 7168, 8, 1024, 128), ("w4a8", 4096, 8, 1024, 128),
+    ("mxfp4", 4096, 1, 256, 128),           # 32 wide tiles on 132 SMs: one wave either way, twice as long
+])
+def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slots, tokens, want_tokens):
+    problem = _metadata(fmt, n, slots, tokens)
+    plan = hw.wgmma_plan(problem)
+    assert plan.tile_tokens == want_tokens
+    assert plan.mma_bn == (128 if want_tokens == 256 or hw._both_fp4(problem) else 256)
+    assert plan.num_pipeline_stages == AUTO_STAGES
+
+
+def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
+    problem = _metadata("mxfp4", 4096, 16, 384)   # 3 tiles of 128 or 2 of 256 per expert, 32 columns
+    assert hw.estimated_tile_work(problem, 128, 128, 1.0) == pytest.approx(16 * 3 * 32 / 132 * 128 * 128)
+    assert hw.estimated_tile_work(problem, 256, 128, 0.5) == pytest.approx(16 * 2 * 32 / 132 * 256 * 128 * 0.5)
+    single = _metadata("mxfp4", 4096, 1, 256)     # fewer tiles than SMs: one wave, whatever the count
+    assert hw.estimated_tile_work(single, 128, 128, 1.0) == 128 * 128
+
+
 def test_a_kernel_config_decided_for_other_formats_is_refused():
     from gbs.api import dispatch_for
 
@@ -387,6 +418,24 @@ def test_gpu_auto_backend_runs_prefill_on_wgmma():
     problem = synthetic_problem("nvfp4", n=640, k=1024, group_sizes=[300, 0, 200, 129], expert_ids=[1, 0, -1, 2],
                                 num_experts=3, seed=5)
     assert h200_kernel(problem)[0] is hw
+    out = gbs.grouped_matmul(problem)
+    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
+    """The plan's 256-token tiles through ``gbs.grouped_matmul``: ragged groups (a 1-token group, an
+    empty one, a -1 slot, sizes not multiples of 256) averaging ~460 tokens on 4096 weight rows."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    import gbs
+    from gbs.api import h200_kernel
+
+    problem = synthetic_problem(fmt, n=4096, k=1024, group_sizes=[1000, 1, 0, 700, 600],
+                                expert_ids=[2, 0, 1, 3, -1], num_experts=4, seed=7)
+    kernel, plan = h200_kernel(problem)
+    assert kernel is hw and plan.tile_tokens == 256
     out = gbs.grouped_matmul(problem)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 

@@ -929,12 +929,51 @@ WGMMA_PLAN_MMA_BN_FP4 = 128
 WGMMA_PLAN_MMA_BN_FP8 = 256
 
 
+# wgmma_plan's token tile, measured (compare run 64, 2026-11-30, commit 0f0a9f5 = 68fd346's kernels, two
+# rounds, medians, weights in E2M1H200Order; notes/h200/2026-11-30-compare-t256-run64.*), the 128-token plan
+# above -> 256-token tiles at mma_bn 128 (us):
+#   MXFP4  4096 x 7168, 8 x 1024   993.4 -> 875.6     7168 x 2048, 8 x 1024   555.3 -> 513.9
+#          4096 x 7168, 32 x 256   994.1 -> 877.6     4096 x 7168, 16 x 384   747.0 -> 865.9 (second tiles half empty)
+#   MXFP8  4096 x 7168, 8 x 1024  1018.2 -> 978.5     7168 x 2048, 8 x 1024   634.9 -> 558.4 (vs bn256)
+#          4096 x 7168, 32 x 256  1036.1 -> 993.1
+# Not taken: NVFP4 997.0 -> 975.9 at 2 stages but 1093.6 at 3 (its K loop spills 17 words, UE4M3 scale
+# selectors; a 221 KB ring leaves L1 too small for them), 7168 x 2048 556.3 -> 571.4; W4A8 (run 63)
+# 1012.2 -> 1103.6 (its bn256 tile already halves the token decode per MMA).
+# The cost of one token row of a 256-token tile relative to the 128-token plan's, the largest measured
+# at full waves (MXFP4 0.88-0.93, MXFP8 0.88-0.96): what ``wgmma_tile_tokens`` weighs padding against.
+TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96}
+
+
+def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
+    """A launch's time in units of one 128-token tile's row (host metadata only): tiles of
+    ``tile_tokens`` x ``mma_bn`` for experts of the average size, in waves of ``H200_SM_COUNT`` CTAs
+    (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
+    tokens = hs.average_tokens_per_expert(problem)
+    tiles = problem.num_active_experts * -(-tokens // tile_tokens) * -(-problem.n // mma_bn)
+    return max(1.0, tiles / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost
+
+
+def wgmma_tile_tokens(problem, mma_bn: int) -> int:
+    """256 where the format pair has a measured ``TWO_M_TILES_ROW_COST`` and its cheaper rows outweigh
+    the padding of the experts' last tiles and the waves (``estimated_tile_work``), else 128."""
+    row_cost = TWO_M_TILES_ROW_COST.get(hs._problem_formats(problem))
+    if row_cost is None:
+        return TILE_TOKENS[0]
+    two_m_bn = TWO_M_TILES_MMA_BN[0]
+    wide = estimated_tile_work(problem, TILE_TOKENS[1], two_m_bn, row_cost)
+    return TILE_TOKENS[1] if wide < estimated_tile_work(problem, TILE_TOKENS[0], mma_bn, 1.0) else TILE_TOKENS[0]
+
+
 def wgmma_plan(problem) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the measured tile
-    width for the format pair (above) and the deepest ring that fits. The SM100 decision does not
-    carry over (its tiles are for tcgen05; this kernel's tile is 128 tokens by ``mma_bn`` weight rows,
-    one CTA per SM)."""
-    return WgmmaConfig(WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8, AUTO_STAGES)
+    width for the format pair and its token tile (above), and the deepest ring that fits. The SM100
+    decision does not carry over (its tiles are for tcgen05; this kernel's tile is 128 or 256 tokens
+    by ``mma_bn`` weight rows, one CTA per SM)."""
+    mma_bn = WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8
+    tile_tokens = wgmma_tile_tokens(problem, mma_bn)
+    if tile_tokens != TILE_TOKENS[0]:
+        mma_bn = TWO_M_TILES_MMA_BN[0]
+    return WgmmaConfig(mma_bn, AUTO_STAGES, tile_tokens=tile_tokens)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
@@ -1011,4 +1050,5 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "can_implement", "check_can_implement", "prepare",
-           "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "wgmma_plan"]
+           "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "wgmma_plan",
+           "wgmma_tile_tokens"]
