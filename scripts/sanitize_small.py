@@ -29,14 +29,17 @@ STREAM_CONFIGS = [((True, 8, 1, 2), 1, None, 4), ((True, 8, 1, 2), 1, 2, 4), ((T
                   ((True, 32, 1, 2), 1, None, 4), ((True, 64, 2, 3), 2, None, 4), ((False, 128, 1, 2), 1, None, 4),
                   ((True, 256, 1, 2), 1, None, 4), ((True, 16, 1, 2), 2, None, 8), ((True, 16, 1, 2), 1, 2, 8)]
 WGMMA_CONFIGS = ((128, 128), (256, 128), (128, 256))   # (mma_bn, tile_tokens): 256-token tiles too
+# groups past 128 tokens for 256-token tiles: tiles whose second m64 tiles hold tokens (140; 300 = 256 + 44)
+# besides tiles that skip them (every group above, and 300's last 44)
+TWO_M_GROUP_SIZES = [3, 0, 140, 1, 300]
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
 
 
-def problem_for(fmt, seed):
+def problem_for(fmt, seed, group_sizes=GROUP_SIZES):
     rng = np.random.default_rng(seed)
-    return build_problem(random_activations(rng, sum(GROUP_SIZES), K), random_weights(rng, 4, N, K),
-                         GROUP_SIZES, EXPERT_IDS, fmt=fmt)
+    return build_problem(random_activations(rng, sum(group_sizes), K), random_weights(rng, 4, N, K),
+                         group_sizes, EXPERT_IDS, fmt=fmt)
 
 
 def main(argv=None) -> int:
@@ -51,18 +54,21 @@ def main(argv=None) -> int:
         if fmt not in formats:
             continue
         p = problem_for(fmt, seed)
-        cases = [("h200_stream", (c, splits, ctas, warps),
+        wide = problem_for(fmt, seed, TWO_M_GROUP_SIZES)
+        cases = [("h200_stream", (c, splits, ctas, warps), p,
                   lambda c=c, splits=splits, ctas=ctas, warps=warps: h200_stream.grouped_matmul_h200(
                       p, StreamConfig(*c, small_n_warps=warps), k_splits=splits, num_ctas=ctas))
                  for c, splits, ctas, warps in STREAM_CONFIGS]
-        cases += [("h200_wgmma", (bn, tokens), lambda bn=bn, tokens=tokens: h200_wgmma.grouped_matmul_h200(
+        cases += [("h200_wgmma", (bn, tokens), p, lambda bn=bn, tokens=tokens: h200_wgmma.grouped_matmul_h200(
                       p, h200_wgmma.WgmmaConfig(bn, tile_tokens=tokens))) for bn, tokens in WGMMA_CONFIGS]
+        cases.append(("h200_wgmma", (128, 256, TWO_M_GROUP_SIZES), wide, lambda: h200_wgmma.grouped_matmul_h200(
+            wide, h200_wgmma.WgmmaConfig(128, tile_tokens=256))))
         if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)
             e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
-            cases.append(("h200_wgmma", (128, "e4m3"), lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
-        cases.append(("simt", (True, 8, 1), lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
-        for name, knobs, run in [case for case in cases if case[0] in kernels]:
-            verdict = check_acceptance(p, run())
+            cases.append(("h200_wgmma", (128, "e4m3"), p, lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
+        cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
+        for name, knobs, problem, run in [case for case in cases if case[0] in kernels]:
+            verdict = check_acceptance(problem, run())
             failures += not verdict.passed
             print(f"{fmt:6} {name:12} {str(knobs):30} {verdict}", flush=True)
     print(f"{failures} failed")
