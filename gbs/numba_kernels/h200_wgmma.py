@@ -598,7 +598,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
                         b_addr = np.uint32(buffers + buffer * buffer_bytes)
                         # 1. the weights: bf16 B operand rows into the free buffer
-                        c_w = first_c + w_step   # this thread's group step in run 0
+                        if two_m_tiles:   # the group step from the lane read again (see the tokens, 3.)
+                            c_w = first_c + cm.laneid() // lanes_per_step
+                        else:
+                            c_w = first_c + w_step   # this thread's group step in run 0
                         for it in range(items):
                             w_row = w_row0 + lanes_per_step * it
                             st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
@@ -620,12 +623,19 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         # buffer written next) are done
                         hp.wgmma_wait_group_1()
                         # 3. the tokens: A fragments of the sub-step's group steps
+                        if two_m_tiles:   # the lane read again (volatile): its columns and selectors are
+                            q_now = cm.laneid() & 3   # recomputed here, not held (or spilled) across the loop
                         for p in range(groups_per_sub):
                             c = first_c + p
+                            if two_m_tiles:
+                                m_col_c = column(q_now, rotated(c, q_now), m_thread_bytes, m_group_bytes, m_xor)
+                                m_sel_c = m_selector(rotated(c, q_now))
+                            else:
+                                m_col_c, m_sel_c = m_col0[c], m_sel0[c]
                             for i in range(2):
-                                m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col0[c] ^ m_run)) + 8 * i * m_row_bytes)
+                                m_w[2 * i], m_w[2 * i + 1] = m_load((st_m | (m_col_c ^ m_run)) + 8 * i * m_row_bytes)
                             for i in range(2):
-                                scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel0[c] + m_sel_run),
+                                scale = m_group_scale(m_sc[2 * i], m_sc[2 * i + 1], np.uint32(m_sel_c + m_sel_run),
                                                       run)
                                 for j in range(4):
                                     # register j -> k16 step 2 p + j // 2, a-register 2 (j % 2) + i
@@ -635,12 +645,14 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                             # tiles or a device function changed the 128-token builds' register allocation)
                             for p in range(groups_per_sub):
                                 c = first_c + p
+                                m_col_c = column(q_now, rotated(c, q_now), m_thread_bytes, m_group_bytes, m_xor)
+                                m_sel_c = m_selector(rotated(c, q_now))
                                 for i in range(2):
-                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m_hi | (m_col0[c] ^ m_run))
+                                    m_w[2 * i], m_w[2 * i + 1] = m_load((st_m_hi | (m_col_c ^ m_run))
                                                                         + 8 * i * m_row_bytes)
                                 for i in range(2):
                                     scale = m_group_scale(m_sc[4 + 2 * i], m_sc[5 + 2 * i],
-                                                          np.uint32(m_sel0[c] + m_sel_run), run)
+                                                          np.uint32(m_sel_c + m_sel_run), run)
                                     for j in range(4):
                                         a_frag[a_set + 4 * k_steps + a_index(p, j, i)] = fma_bf16x2(
                                             m_decode(m_w[2 * i], m_w[2 * i + 1], j), scale, NEG_ZERO_BF16X2)
