@@ -948,12 +948,14 @@ WGMMA_PLAN_MMA_BN_FP8 = 256
 #          4096 x 7168, 32 x 256   994.1 -> 877.6     4096 x 7168, 16 x 384   747.0 -> 865.9 (second tiles half empty)
 #   MXFP8  4096 x 7168, 8 x 1024  1018.2 -> 978.5     7168 x 2048, 8 x 1024   634.9 -> 558.4 (vs bn256)
 #          4096 x 7168, 32 x 256  1036.1 -> 993.1
-# Not taken: NVFP4 997.0 -> 975.9 at 2 stages but 1093.6 at 3 (its K loop spills 17 words, UE4M3 scale
-# selectors; a 221 KB ring leaves L1 too small for them), 7168 x 2048 556.3 -> 571.4; W4A8 (run 63)
-# 1012.2 -> 1103.6 (its bn256 tile already halves the token decode per MMA).
+# NVFP4 spilled 17 words in that build's K loop (1093.6 us at 3 stages); without the spills (5da1462, sweep
+# run 69, one sample each): 4096 x 7168 1011.0 -> 918.2 (3 stages; 903.3 at 2), 7168 x 2048 552.3 (bench
+# run 65) -> 512.9. Not taken: W4A8 (run 63) 1012.2 -> 1103.6 (its bn256 tile already halves the token
+# decode per MMA).
 # The cost of one token row of a 256-token tile relative to the 128-token plan's, the largest measured
-# at full waves (MXFP4 0.88-0.93, MXFP8 0.88-0.96): what ``wgmma_tile_tokens`` weighs padding against.
-TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96}
+# at full waves (MXFP4 0.88-0.93, MXFP8 0.88-0.96, NVFP4 0.91-0.93): what ``wgmma_tile_tokens`` weighs
+# padding against.
+TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96, ("nvfp4", "nvfp4"): 0.93}
 
 
 def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
