@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import peers as peer_lib
-from .problem import PROBLEM_FORMATS, GroupedProblem, operand_shape, resolve_formats
+from .problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
 from .quant import B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, E4M3, group_scale_offsets, swizzle_scales
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
@@ -361,9 +361,15 @@ def dataclass_row(obj) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Cases: the issue's table shapes
 # ----------------------------------------------------------------------------------------------
+BENCH_ROUTINGS = ("uniform", "ragged")   # gbs.problem.make_routing's, over exactly ``slots`` experts
+BENCH_ROUTING_SEED = 0                    # a case's group sizes are fixed: the same problem in every run
+
+
 @dataclass(frozen=True)
 class BenchCase:
-    """One benchmark shape: ``slots`` experts with ``tokens_per_expert`` tokens each, (N, K)."""
+    """One benchmark shape, (N, K): ``slots`` experts with ``tokens_per_expert`` tokens each
+    (``routing="uniform"``), or the same total drawn by ``make_routing``'s ``"ragged"`` (a few hot
+    experts, many cold or empty ones: ``tokens_per_expert`` is then the average)."""
 
     name: str
     n: int
@@ -372,17 +378,26 @@ class BenchCase:
     tokens_per_expert: int
     routing: str = "uniform"
 
+    def __post_init__(self):
+        if self.routing not in BENCH_ROUTINGS:
+            raise ValueError(f"routing must be one of {BENCH_ROUTINGS}, got {self.routing!r}")
+
     @property
     def label(self) -> str:
-        return f"{self.n}x{self.k} {self.slots}x{self.tokens_per_expert}"
+        ragged = "" if self.routing == "uniform" else f" ({self.routing})"
+        return f"{self.n}x{self.k} {self.slots}x{self.tokens_per_expert}{ragged}"
 
     @property
     def total_tokens(self) -> int:
         return self.slots * self.tokens_per_expert
 
+    def group_sizes(self) -> np.ndarray:
+        return make_routing(num_experts=self.slots, total_tokens=self.total_tokens, num_active_experts=self.slots,
+                            routing=self.routing, seed=BENCH_ROUTING_SEED).group_sizes
+
     def problem(self, fmt: str, seed: int = 0) -> GroupedProblem:
         """A synthetic problem with one expert per slot (only live experts cost bytes anywhere)."""
-        return synthetic_problem(fmt, n=self.n, k=self.k, group_sizes=[self.tokens_per_expert] * self.slots,
+        return synthetic_problem(fmt, n=self.n, k=self.k, group_sizes=self.group_sizes(),
                                  expert_ids=np.arange(self.slots), num_experts=self.slots, seed=seed)
 
 
@@ -393,6 +408,9 @@ BENCH_CASES: dict[str, BenchCase] = {c.name: c for c in (
     BenchCase("small_prefill_up", 4096, 7168, 32, 32),
     BenchCase("large_prefill_up", 4096, 7168, 8, 1024),
     BenchCase("large_prefill_down", 7168, 2048, 8, 1024),
+    # the same 8192 tokens over 32 experts as a router spreads them: 0-1694 each, four empty (workloads.md:
+    # "ragged loads (a few hot experts)"); the H200 plans see only the average (host metadata)
+    BenchCase("large_prefill_ragged", 4096, 7168, 32, 256, routing="ragged"),
 )}
 QUICK_CASES = ("decode_up", "kimi_decode", "small_prefill_up", "large_prefill_up")
 QUICK_FORMATS = ("nvfp4", "mxfp8")

@@ -112,6 +112,22 @@ def test_quick_and_full_selections():
                                       "torch_fp8_rowwise", "triton_dot_scaled", "copy")
 
 
+def test_uniform_cases_are_even_and_the_ragged_case_is_a_fixed_router_draw():
+    for case in bench.BENCH_CASES.values():
+        sizes = case.group_sizes()
+        assert sizes.sum() == case.total_tokens and len(sizes) == case.slots
+        if case.routing == "uniform":
+            assert (sizes == case.tokens_per_expert).all()
+    ragged = bench.BENCH_CASES["large_prefill_ragged"]
+    sizes = ragged.group_sizes()
+    assert (sizes == 0).any() and sizes.max() > 4 * ragged.tokens_per_expert, "hot, cold and empty experts"
+    assert (sizes == ragged.group_sizes()).all(), "the same draw in every run"
+    problem = ragged.problem("nvfp4")
+    assert (np.diff(problem.a_offsets) == sizes).all()
+    with pytest.raises(ValueError, match="routing must be one of"):
+        bench.BenchCase("x", 256, 256, 4, 4, routing="topk")
+
+
 def test_every_case_dispatches_to_the_regime_its_name_says():
     for case in bench.BENCH_CASES.values():
         regime = grouped_matmul_block_scaled_sm100_dispatch(
