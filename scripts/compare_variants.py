@@ -9,7 +9,8 @@ before / after comparison shares the GPU's state (clocks, temperature, the read 
     python3 scripts/compare_variants.py --rounds 2 --out $OUT main=wt/main new=wt/branch \\
         diag=wt/branch:GBS_SOME_SWITCH=1 -- plan:auto:nvfp4:decode_up plan:auto:nvfp4:kimi_decode
 
-A variant is ``NAME=DIR[:VAR=VALUE[,VAR=VALUE...]]``. Each run is a fresh process of the variant's own
+A variant is ``NAME=DIR[:VAR=VALUE[,VAR=VALUE...]]``; a tree written by ``--make-tree`` names its commit in
+``REVISION``, which its runs record as ``GBS_COMMIT``. Each run is a fresh process of the variant's own
 ``scripts/h200_stream_sweep.py`` (the tree's, else this checkout's) with ``DIR`` first on ``PYTHONPATH`` and
 the variables set, so no variant's compiled kernels or module state serve another. Rounds alternate the
 variants (A B A B ...). Each run writes ``OUT/<name>-r<round>.csv``; at the end a summary gives, per point,
@@ -29,6 +30,7 @@ from typing import NamedTuple
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SWEEP = pathlib.Path("scripts") / "h200_stream_sweep.py"
 TREE_PATHS = ("gbs", "scripts")   # what --make-tree takes from a revision
+REVISION_FILE = "REVISION"        # --make-tree writes the revision's commit id there
 
 
 class Variant(NamedTuple):
@@ -53,13 +55,25 @@ def parse_variant(text: str) -> Variant:
 
 
 def make_tree(rev: str, directory: str) -> None:
-    """Write ``TREE_PATHS`` of git revision ``rev`` into ``directory`` (``git archive``; must not exist yet)."""
+    """Write ``TREE_PATHS`` of git revision ``rev`` into ``directory`` (``git archive``; must not exist yet),
+    and its short commit id into ``directory/REVISION_FILE``: the commit its runs record."""
     target = pathlib.Path(directory)
     if target.exists():
         raise SystemExit(f"{target} exists: remove it first (a tree is one revision)")
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True,
+                            check=True).stdout.strip()
     target.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *TREE_PATHS], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    (target / REVISION_FILE).write_text(commit + "\n")
+
+
+def tree_environment(variant: Variant) -> dict:
+    """The variables of ``variant``'s runs: its own, over ``GBS_COMMIT`` from its tree's ``REVISION_FILE``
+    (so each variant's CSV rows name the commit that ran, not the one of the call's working tree)."""
+    revision = variant.tree / REVISION_FILE
+    env = {"GBS_COMMIT": revision.read_text().strip()} if revision.exists() else {}
+    return {**env, **variant.env}
 
 
 def run_commands(variants, points, rounds: int, out: pathlib.Path, sweep_args) -> list[tuple[str, int, list, dict]]:
@@ -70,7 +84,7 @@ def run_commands(variants, points, rounds: int, out: pathlib.Path, sweep_args) -
             tree = v.tree.resolve()
             sweep = tree / SWEEP if (tree / SWEEP).exists() else ROOT / SWEEP
             argv = [sys.executable, str(sweep), *sweep_args, "--csv", str(out / f"{v.name}-r{r}.csv"), *points]
-            env = dict(os.environ, **v.env)
+            env = dict(os.environ, **tree_environment(v))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
             runs.append((v.name, r, argv, env))
     return runs

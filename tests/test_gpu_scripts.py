@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
 
 import numpy as np
 import pytest
@@ -141,6 +142,8 @@ def test_compare_variants_alternates_fresh_processes_per_tree(variants, tmp_path
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("==")]
     assert rc == 0 and [line.split(",")[0] for line in lines] == ["== a", "== b", "== a", "== b"]
     assert all("GBS_X=1" in line for line in lines[1::2]) and not any("GBS_X" in line for line in lines[::2])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert all(f"GBS_COMMIT={head}" in line for line in lines[1::2]), "the tree's runs record its revision"
     assert str(tree / "scripts" / "h200_stream_sweep.py") in lines[1], "a tree runs its own sweep script"
     assert not (tmp_path / "o").exists(), "a dry run writes nothing"
     with pytest.raises(SystemExit):
