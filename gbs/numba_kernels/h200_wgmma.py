@@ -959,9 +959,9 @@ TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96, ("nv
 
 
 def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
-    """A launch's time in units of one 128-token tile's row (host metadata only): tiles of
-    ``tile_tokens`` x ``mma_bn`` for experts of the average size, in waves of ``H200_SM_COUNT`` CTAs
-    (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
+    """A launch's estimated time, in token x weight-row products at the 128-token plan's cost (host
+    metadata only): tiles of ``tile_tokens`` x ``mma_bn`` for experts of the average size, in waves of
+    ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
     tokens = hs.average_tokens_per_expert(problem)
     tiles = problem.num_active_experts * -(-tokens // tile_tokens) * -(-problem.n // mma_bn)
     return max(1.0, tiles / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost
