@@ -38,8 +38,10 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   on the same B buffer, so the weights are decoded once for twice the tokens (run 59's diagnostic: the
   weight decode is ~26 % of NVFP4 large prefill); 64-kappa sub-steps keep the A fragments of both tiles
   in registers, and the consumers take 240 registers (the producer 24). Offline (ptxas 13.5, NVFP4
-  re-laid): 647 K-loop instructions per 128 kappa x 256 tokens against 928 per 256 kappa x 128 tokens, with
-  17 local accesses in the loop. Not yet run on a GPU.
+  re-laid): 660 K-loop instructions per 128 kappa x 256 tokens against 931 per 256 kappa x 128 tokens, no
+  local accesses in the loop (the loop re-reads the lane rather than hold lane-derived columns and
+  selectors, which ptxas spilled). Measured on the H200 (runs 64 and 69): NVFP4 large prefill 1011 -> 918
+  us, MXFP4 993 -> 876; ``wgmma_plan`` picks it where it pays (``wgmma_tile_tokens``).
 
 The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
@@ -123,9 +125,10 @@ TWO_M_TILES_MMA_BN = (128,)
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # 256-token tiles (2 x 64 accumulators, two tiles' A fragments) move 16 more per consumer thread from the
-# producer (4 x 32 x 24 + 8 x 32 x 240 = 64512): offline (ptxas 13.5, NVFP4 re-laid) the consumers' K loop
-# then has 17 local accesses instead of 34 (647 instructions instead of 689), the producer's TMA loop 75
-# instead of 10 (one thread, ~4.6 us per stage at 8 x 1024 tokens: the ring hides it). Not measured yet.
+# producer (4 x 32 x 24 + 8 x 32 x 240 = 64512): offline (ptxas 13.5, NVFP4 re-laid, before the K loop
+# re-read the lane) the consumers' K loop had 17 local accesses instead of 34 at 232 (647 instructions instead
+# of 689), the producer's TMA loop 75 instead of 10 (one thread, ~4.6 us per stage at 8 x 1024 tokens: the
+# ring hides it; the 256-token times of runs 64 and 69 include it).
 PRODUCER_REGISTERS_TWO_M_TILES = 24
 CONSUMER_REGISTERS_TWO_M_TILES = 240
 # Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's. At sub-step
