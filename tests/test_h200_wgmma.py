@@ -337,6 +337,28 @@ def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
     assert hw.estimated_tile_work(single, 128, 128, 1.0) == 128 * 128
 
 
+def test_plan_counts_each_ragged_group_s_own_tiles_on_host_problems():
+    """Sweep run 71: the bench's large_prefill_ragged (average 256 tokens, groups 0-1694) ran 11-12 % faster
+    on 128-token tiles (its tiles cover 10240 rows vs 12800), which only the group sizes show."""
+    from gbs.bench import BENCH_CASES
+
+    case = BENCH_CASES["large_prefill_ragged"]
+    sizes = case.group_sizes()
+    for fmt in ("nvfp4", "mxfp4"):
+        averaged = _metadata(fmt, case.n, case.slots, case.tokens_per_expert)
+        assert hw.wgmma_plan(averaged).tile_tokens == 256   # a device problem: the average only
+        host = types.SimpleNamespace(**vars(averaged), expert_ids=np.arange(case.slots, dtype=np.int32),
+                                     a_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32))
+        assert hw.tile_token_rows(host, 128) == 10240 and hw.tile_token_rows(host, 256) == 12800
+        assert hw.wgmma_plan(host).tile_tokens == 128
+    # -1 slots cost no tiles, empty groups none either
+    skipped = types.SimpleNamespace(**vars(_metadata("mxfp4", 4096, 3, 200)), expert_ids=np.array([0, -1, 2]),
+                                    a_offsets=np.array([0, 300, 600, 600], np.uint32))
+    assert hw.tile_token_rows(skipped, 128) == 384 and hw.tile_token_rows(skipped, 256) == 512
+    real = synthetic_problem("mxfp4", n=256, k=256, group_sizes=[300, 0, 40], expert_ids=[0, 1, -1], num_experts=2)
+    assert hw.tile_token_rows(real, 128) == 384
+
+
 def test_a_kernel_config_decided_for_other_formats_is_refused():
     from gbs.api import dispatch_for
 
@@ -430,13 +452,14 @@ def test_gpu_auto_backend_runs_prefill_on_wgmma():
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
     """The plan's 256-token tiles through ``gbs.grouped_matmul``: ragged groups (a 1-token group, an
-    empty one, a -1 slot, sizes not multiples of 256) averaging ~460 tokens on 4096 weight rows."""
+    empty one, a -1 slot, sizes not multiples of 256) averaging ~820 tokens on 4096 weight rows (the plan
+    counts the live groups' own tiles: 15 of 256 tokens against 29 of 128)."""
     if launch.gpu_compute_capability() != hs.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
 
-    problem = synthetic_problem(fmt, n=4096, k=1024, group_sizes=[1000, 1, 0, 700, 600],
+    problem = synthetic_problem(fmt, n=4096, k=1024, group_sizes=[2000, 1, 0, 1500, 600],
                                 expert_ids=[2, 0, 1, 3, -1], num_experts=4, seed=7)
     kernel, plan = h200_kernel(problem)
     assert kernel is hw and plan.tile_tokens == 256

@@ -959,20 +959,36 @@ WGMMA_PLAN_MMA_BN_FP8 = 256
 # at full waves (MXFP4 0.88-0.93, MXFP8 0.88-0.96, NVFP4 0.91-0.93): what ``wgmma_tile_tokens`` weighs
 # padding against.
 TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96, ("nvfp4", "nvfp4"): 0.93}
+# Ragged groups, where the average misleads (sweep run 71, 2026-11-30, commit 762596b, one sample each,
+# re-laid weights; notes/h200/2026-11-30-sweep-ragged-run71.*): the bench's large_prefill_ragged, 8192
+# tokens over 32 experts, 0-1694 each, four empty (average 256), 4096 x 7168. Its tiles cover 10240 token
+# rows at 128 tokens and 12800 at 256 (x 0.93 = 11904): 128-token tiles 1260.1 / 1234.3 us (NVFP4 / MXFP4)
+# against 1413.6 / 1378.8 with 256. So the estimate counts each group's own tiles where the problem holds
+# its offsets on the host.
+
+
+def tile_token_rows(problem, tile_tokens: int) -> int:
+    """Token rows the tiles of ``tile_tokens`` cover, padding of each group's last tile included (host
+    metadata only): each live group's own size where the problem holds its offsets and expert ids as host
+    arrays, else ``num_active_experts`` experts of the average size (device problems)."""
+    offsets, expert_ids = getattr(problem, "a_offsets", None), getattr(problem, "expert_ids", None)
+    if isinstance(offsets, np.ndarray) and isinstance(expert_ids, np.ndarray):
+        sizes = np.diff(offsets.astype(np.int64))[expert_ids >= 0]
+        return int((-(-sizes // tile_tokens)).sum()) * tile_tokens
+    return problem.num_active_experts * -(-hs.average_tokens_per_expert(problem) // tile_tokens) * tile_tokens
 
 
 def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
     """A launch's estimated time, in token x weight-row products at the 128-token plan's cost (host
-    metadata only): tiles of ``tile_tokens`` x ``mma_bn`` for experts of the average size, in waves of
+    metadata only): the tiles of ``tile_tokens`` x ``mma_bn`` (``tile_token_rows``) in waves of
     ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
-    tokens = hs.average_tokens_per_expert(problem)
-    tiles = problem.num_active_experts * -(-tokens // tile_tokens) * -(-problem.n // mma_bn)
+    tiles = tile_token_rows(problem, tile_tokens) // tile_tokens * -(-problem.n // mma_bn)
     return max(1.0, tiles / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost
 
 
 def wgmma_tile_tokens(problem, mma_bn: int) -> int:
     """256 where the format pair has a measured ``TWO_M_TILES_ROW_COST`` and its cheaper rows outweigh
-    the padding of the experts' last tiles and the waves (``estimated_tile_work``), else 128."""
+    the padding of the groups' last tiles and the waves (``estimated_tile_work``), else 128."""
     row_cost = TWO_M_TILES_ROW_COST.get(hs._problem_formats(problem))
     if row_cost is None:
         return TILE_TOKENS[0]
