@@ -155,8 +155,9 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
     on ``stream``, default the caller's current stream; see ``gbs.interop``). Rows of skipped slots
     keep the contents of ``out`` (host default: the poison sentinel of
     ``gbs.reference.poison_output``; device default: uninitialised). FP4 weights re-laid for the H200
-    (``problem.with_b_layout("e2m1_h200")``) run on the H200 backends and the reference; the SIMT and
-    SM100 backends read packed weights only and say so.
+    (``problem.with_b_layout("e2m1_h200")``) and FP4 tokens in the same order (``a_layout``, written so
+    by their quantizer; ``problem.with_a_layout``) run on the H200 backends and the reference; the SIMT
+    and SM100 backends read packed operands only and say so.
     """
     if not isinstance(problem, GroupedProblem):
         from .interop import DeviceGroupedProblem, prepare

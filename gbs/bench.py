@@ -37,7 +37,7 @@ import numpy as np
 
 from . import peers as peer_lib
 from .problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from .quant import B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, E4M3, group_scale_offsets, swizzle_scales
+from .quant import LAYOUT_E2M1_H200, LAYOUT_PACKED, E4M3, group_scale_offsets, swizzle_scales
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
@@ -478,23 +478,26 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
-def _load_h200_kernel(backend: str, b_layout: str = B_LAYOUT_PACKED):
+def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED):
     """``gbs.api.h200_kernel``'s kernel and knobs for ``backend`` without a config: ``"auto"`` is what
     ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
     otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``.
-    ``b_layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``, untimed) before the runs."""
+    ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
+    order (``with_a_layout``: their quantizer would write it, and the quantization is not timed either),
+    both untimed, before the runs."""
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
 
     last = [None, None]   # the last problem and its re-laid copy: one re-layout per bench case
 
     def prepare(problem: GroupedProblem, config):
-        if b_layout != B_LAYOUT_PACKED:
+        if layout != LAYOUT_PACKED:
             if not problem.b_format.packed:
-                raise NotImplementedError(f"no {b_layout} re-layout for {problem.b_format.name} weights")
+                raise NotImplementedError(f"no {layout} re-layout for {problem.b_format.name} weights")
             if last[0] is not problem:
                 last[:] = [None, None]   # drop the previous case's copy before making this one
-                last[:] = [problem, problem.with_b_layout(b_layout)]
+                relaid = problem.with_b_layout(layout)
+                last[:] = [problem, relaid.with_a_layout(layout) if problem.a_format.packed else relaid]
             problem = last[1]
         kernel, knobs = h200_kernel(problem, None, backend)
         return kernel.prepare(to_device(problem), knobs)
@@ -517,10 +520,11 @@ def launch_knobs(launcher) -> str:
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what
-# ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200); a loader raises
+# ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200 and FP4 tokens come in that
+# order); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
-                   "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", B_LAYOUT_E2M1_H200),
+                   "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
                    "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
                    "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma")}

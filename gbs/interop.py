@@ -71,8 +71,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .problem import GroupedProblem, ProblemShape, _is_int, check_b_layout, problem_format_name, resolve_formats
-from .quant import B_LAYOUT_PACKED, BlockFormat, get_format
+from .problem import GroupedProblem, ProblemShape, _is_int, check_layout, problem_format_name, resolve_formats
+from .quant import LAYOUT_PACKED, BlockFormat, get_format
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
 DEVICE_BACKENDS = ("h200_stream", "h200_wgmma")
@@ -367,13 +367,15 @@ class DeviceGroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    b_layout: str = B_LAYOUT_PACKED   # the bytes of b (``gbs.quant.B_LAYOUTS``; re-lay on the host, once)
+    b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.quant.OPERAND_LAYOUTS``; re-lay on the host, once)
+    a_layout: str = LAYOUT_PACKED   # the bytes of a (the same; written so by the tokens' quantizer)
 
     def __post_init__(self):
         for name in ("a_format", "b_format"):
             object.__setattr__(self, name, get_format(getattr(self, name)))
         problem_format_name(self.a_format, self.b_format)   # ValueError for an unsupported pair
-        check_b_layout(self.b_layout, self.b_format)
+        check_layout(self.b_layout, self.b_format, "b")
+        check_layout(self.a_layout, self.a_format, "a")
         for name in ("num_active_experts", "estimated_total_m", "n", "k"):
             value = getattr(self, name)
             if not _is_int(value):
@@ -449,7 +451,8 @@ class DeviceGroupedProblem(ProblemShape):
 
 def device_problem(a, b, a_scales, b_scales, a_offsets, a_scale_offsets, expert_ids, expert_scales, *,
                    fmt: str = "nvfp4", estimated_total_m: int | None = None, validate: bool = True,
-                   stream=None, b_layout: str = B_LAYOUT_PACKED) -> DeviceGroupedProblem:
+                   stream=None, b_layout: str = LAYOUT_PACKED,
+                   a_layout: str = LAYOUT_PACKED) -> DeviceGroupedProblem:
     """A ``DeviceGroupedProblem`` over the caller's device arrays (no copies of them).
 
     Shapes as in ``GroupedProblem``: ``a`` (total_tokens, K bytes), ``b`` (num_experts, N, K bytes),
@@ -460,8 +463,9 @@ def device_problem(a, b, a_scales, b_scales, a_offsets, a_scale_offsets, expert_
     ``validate``: copy the routing arrays to the host and check them (see the module docstring).
     ``stream``: the stream the routing copy and DLPack exports are ordered on (default: the caller's
     current stream for torch / CuPy, else the legacy default stream). ``b_layout``: the byte layout of
-    ``b`` (``gbs.quant.B_LAYOUTS``: FP4 weights re-laid once with ``gbs.quant.E2M1H200Order.swizzle``
-    decode faster on the H200 kernels).
+    ``b`` (``gbs.quant.OPERAND_LAYOUTS``: FP4 weights re-laid once with ``gbs.quant.E2M1H200Order.swizzle``
+    decode faster on the H200 kernels). ``a_layout``: the byte layout of ``a`` (the same layouts: FP4
+    tokens written in ``E2M1H200Order`` by their quantizer decode faster too).
     """
     a_format, b_format = resolve_formats(fmt)
     given = None if stream is None else stream_handle(stream)
@@ -478,7 +482,7 @@ def device_problem(a, b, a_scales, b_scales, a_offsets, a_scale_offsets, expert_
     problem = DeviceGroupedProblem(
         a_format=a_format, b_format=b_format, **arrays, num_active_experts=arrays["expert_ids"].shape[0],
         estimated_total_m=total_tokens if estimated_total_m is None else estimated_total_m,
-        n=arrays["b"].shape[1], k=row_bytes * 8 // a_format.element_bits, b_layout=b_layout)
+        n=arrays["b"].shape[1], k=row_bytes * 8 // a_format.element_bits, b_layout=b_layout, a_layout=a_layout)
     if validate:
         problem.validate_routing(handle)
     return problem
@@ -497,7 +501,7 @@ def to_host(problem: DeviceGroupedProblem, stream=None) -> GroupedProblem:
     return GroupedProblem(a_format=problem.a_format, b_format=problem.b_format, **host,
                           num_active_experts=problem.num_active_experts,
                           estimated_total_m=problem.estimated_total_m, n=problem.n, k=problem.k,
-                          b_layout=problem.b_layout)
+                          b_layout=problem.b_layout, a_layout=problem.a_layout)
 
 
 # ----------------------------------------------------------------------------------------------

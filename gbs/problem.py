@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .quant import (
-    B_LAYOUT_PACKED,
-    B_LAYOUTS,
+    LAYOUT_PACKED,
+    OPERAND_LAYOUTS,
     BlockFormat,
     BlockScaled,
     _ceil_div,
@@ -119,24 +119,33 @@ class GroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    # the bytes of b: a name of gbs.quant.B_LAYOUTS. A tag, not checked against the bytes: change it only
-    # with ``with_b_layout`` (``dataclasses.replace`` of ``b`` alone keeps the tag)
-    b_layout: str = B_LAYOUT_PACKED
+    # the bytes of b and of a: names of gbs.quant.OPERAND_LAYOUTS. Tags, not checked against the bytes: change
+    # them only with ``with_b_layout`` / ``with_a_layout`` (``dataclasses.replace`` of an array alone keeps its tag)
+    b_layout: str = LAYOUT_PACKED
+    a_layout: str = LAYOUT_PACKED
 
     def __post_init__(self):
         self.validate()
 
     def with_b_layout(self, b_layout: str) -> "GroupedProblem":
-        """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.B_LAYOUTS``: ``"packed"``, or
+        """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.OPERAND_LAYOUTS``: ``"packed"``, or
         ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions). One-time
         weight preparation: returns a new problem (``b`` copied), the result of the matmul is the same."""
-        check_b_layout(b_layout, self.b_format)
-        b = self.b
-        if self.b_layout != B_LAYOUT_PACKED:
-            b = B_LAYOUTS[self.b_layout].unswizzle(b)
-        if b_layout != B_LAYOUT_PACKED:
-            b = B_LAYOUTS[b_layout].swizzle(b)
-        return dataclasses.replace(self, b=b if b is not self.b else b.copy(), b_layout=b_layout)
+        return self._with_layout("b", b_layout)
+
+    def with_a_layout(self, a_layout: str) -> "GroupedProblem":
+        """The same problem with the tokens ``a`` in ``a_layout`` (as ``with_b_layout``; ``"e2m1_h200"`` for
+        FP4 tokens). The tokens change every call: in a model, the kernel that quantizes them writes this
+        order (a bit permutation inside each 4-byte word, as cheap to write as ``pack_fp4``'s); this
+        host re-layout is for tests, benchmarks and notebooks."""
+        return self._with_layout("a", a_layout)
+
+    def _with_layout(self, operand: str, layout: str) -> "GroupedProblem":
+        check_layout(layout, getattr(self, f"{operand}_format"), operand)
+        raw = getattr(self, operand)
+        relaid = _relaid(raw, getattr(self, f"{operand}_layout"), layout)
+        return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
+                                            f"{operand}_layout": layout})
 
     # -- derived (format_name, num_experts, total_tokens: ProblemShape) ---------------------------
     @property
@@ -156,22 +165,20 @@ class GroupedProblem(ProblemShape):
         return mask
 
     def a_operand(self) -> BlockScaled:
-        """A as a ``BlockScaled`` with linear (unpadded) scales, for dequantization."""
+        """A as a ``BlockScaled`` with linear (unpadded) scales, for dequantization (in ``pack_fp4`` order
+        whatever ``a_layout``)."""
         from .quant import gather_group_scales
 
         cols = self.a_format.scale_cols(self.k)
         scales = gather_group_scales(self.a_scales, self.a_offsets, self.a_scale_offsets, cols)
-        return BlockScaled(self.a, scales, self.a_format)
+        return BlockScaled(_relaid(self.a, self.a_layout, LAYOUT_PACKED), scales, self.a_format)
 
     def b_operand(self, expert: int) -> BlockScaled:
         """B[expert] as a ``BlockScaled`` with linear scales (in ``pack_fp4`` order whatever ``b_layout``)."""
         from .quant import unswizzle_scales
 
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
-        b = self.b[expert]
-        if self.b_layout != B_LAYOUT_PACKED:
-            b = B_LAYOUTS[self.b_layout].unswizzle(b)
-        return BlockScaled(b, scales, self.b_format)
+        return BlockScaled(_relaid(self.b[expert], self.b_layout, LAYOUT_PACKED), scales, self.b_format)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes each tensor occupies (the whole B, not only the active experts)."""
@@ -195,7 +202,8 @@ class GroupedProblem(ProblemShape):
         for fmt in (self.a_format, self.b_format):
             _expect(k % fmt.block_size == 0,
                     f"K = {k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
-        check_b_layout(self.b_layout, self.b_format)
+        check_layout(self.b_layout, self.b_format, "b")
+        check_layout(self.a_layout, self.a_format, "a")
 
         if not isinstance(self.b, np.ndarray) or self.b.ndim != 3:
             raise ValueError(f"b must be a 3-D (num_experts, N, K bytes) array, got "
@@ -242,29 +250,42 @@ class GroupedProblem(ProblemShape):
                       (num_experts, _ceil_div(n, 128), _ceil_div(b_cols, 4), 32, 4, 4))
 
 
-def check_b_layout(b_layout, b_format: BlockFormat) -> str:
-    """``b_layout`` if it is a layout of ``gbs.quant.B_LAYOUTS`` that ``b_format`` weights can have (the
-    H200 order re-lays FP4 only); else ValueError."""
-    if not isinstance(b_layout, str) or b_layout not in B_LAYOUTS:
-        raise ValueError(f"b_layout must be one of {sorted(B_LAYOUTS)}, got {b_layout!r}")
-    if b_layout != B_LAYOUT_PACKED and not b_format.packed:
-        raise ValueError(f"b_layout {b_layout!r} re-lays FP4 (E2M1) weights; b is {b_format.name}")
-    return b_layout
+OPERAND_ROLES = {"a": "tokens", "b": "weights"}
 
 
-def b_layout_of(problem) -> str:
-    """The byte layout of ``problem.b`` (``"packed"`` for objects without the field, e.g. the
-    ``SimpleNamespace`` views ``gbs.ablate`` and ``launch.to_device`` callers may pass)."""
-    return getattr(problem, "b_layout", B_LAYOUT_PACKED)
+def check_layout(layout, fmt: BlockFormat, operand: str) -> str:
+    """``layout`` if it is a layout of ``gbs.quant.OPERAND_LAYOUTS`` that operand ``operand`` (``"a"``:
+    tokens, ``"b"``: weights) in ``fmt`` can have (the H200 order re-lays FP4 only); else ValueError."""
+    if not isinstance(layout, str) or layout not in OPERAND_LAYOUTS:
+        raise ValueError(f"{operand}_layout must be one of {sorted(OPERAND_LAYOUTS)}, got {layout!r}")
+    if layout != LAYOUT_PACKED and not fmt.packed:
+        raise ValueError(f"{operand}_layout {layout!r} re-lays FP4 (E2M1) {OPERAND_ROLES[operand]}; "
+                         f"{operand} is {fmt.name}")
+    return layout
 
 
-def require_packed_b(problem, backend: str) -> None:
-    """ValueError unless ``problem.b`` is in ``pack_fp4`` order: for kernels that read the raw bytes
-    and do not know the H200 re-layout."""
-    layout = b_layout_of(problem)
-    if layout != B_LAYOUT_PACKED:
-        raise ValueError(f"{backend} reads b in {B_LAYOUT_PACKED!r} order; this problem's b is {layout!r} "
-                         f"(use problem.with_b_layout({B_LAYOUT_PACKED!r}), or an H200 backend)")
+def layout_of(problem, operand: str) -> str:
+    """The byte layout of ``problem.a`` / ``problem.b`` (``"packed"`` for objects without the field, e.g.
+    the ``SimpleNamespace`` views ``gbs.ablate`` and ``launch.to_device`` callers may pass)."""
+    return getattr(problem, f"{operand}_layout", LAYOUT_PACKED)
+
+
+def _relaid(raw: np.ndarray, layout: str, new_layout: str) -> np.ndarray:
+    """``raw`` bytes in ``layout`` as ``new_layout`` (``raw`` itself when they are the same)."""
+    if layout == new_layout:
+        return raw
+    packed = raw if layout == LAYOUT_PACKED else OPERAND_LAYOUTS[layout].unswizzle(raw)
+    return packed if new_layout == LAYOUT_PACKED else OPERAND_LAYOUTS[new_layout].swizzle(packed)
+
+
+def require_packed(problem, backend: str) -> None:
+    """ValueError unless ``problem.a`` and ``problem.b`` are in ``pack_fp4`` order: for kernels that read
+    the raw bytes and do not know the H200 re-layout."""
+    for operand in ("a", "b"):
+        layout = layout_of(problem, operand)
+        if layout != LAYOUT_PACKED:
+            raise ValueError(f"{backend} reads {operand} in {LAYOUT_PACKED!r} order; this problem's {operand} is "
+                             f"{layout!r} (use problem.with_{operand}_layout({LAYOUT_PACKED!r}), or an H200 backend)")
 
 
 def build_problem(activations: np.ndarray, weights, group_sizes, expert_ids, *, fmt: str = "nvfp4",

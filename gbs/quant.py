@@ -17,7 +17,7 @@ Conventions (``../shared/spec/formats.md``):
 * UE8M0 exponents: ``"rceil"`` (default, never clips: ``e = ceil(log2(amax / max_elem))``) or
   ``"floor"`` (OCP MX v1.0: ``e = floor(log2(amax)) - emax_elem``, can clip the block maximum),
   computed exactly from the float bits, clamped to [-127, 127]; an all-zero block gets 0x00.
-* FP4 packing: two codes per byte, element ``2i`` in the low nibble (``B_LAYOUT_PACKED``); FP4
+* FP4 packing: two codes per byte, element ``2i`` in the low nibble (``LAYOUT_PACKED``); FP4
   weights may be re-laid once for the H200 kernels (``E2M1H200Order``).
 
 NaN / Inf policy (``nonfinite=``):
@@ -239,8 +239,8 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # FP4 weight byte layouts
 # ----------------------------------------------------------------------------------------------
-B_LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (every format's default)
-B_LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
+LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (every format's default)
+LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
 
 
 def _e2m1_h200_destinations() -> tuple[int, ...]:
@@ -258,8 +258,9 @@ def _e2m1_h200_destinations() -> tuple[int, ...]:
 
 
 class E2M1H200Order:
-    """Packed E2M1 weights with the 32 bits of every aligned 4-byte word (8 elements, element i in
-    nibble i after ``pack_fp4``) permuted, so that the H200 kernels decode them in fewer instructions.
+    """Packed E2M1 operands (weights, or tokens) with the 32 bits of every aligned 4-byte word (8 elements,
+    element i in nibble i after ``pack_fp4``) permuted, so that the H200 kernels decode them in fewer
+    instructions.
 
     The kernels turn elements ``(j, j + 4)`` of a word into one bf16x2 register whose halves read as
     ``value * 2**-126``: magnitude bits (m, e0, e1) on bf16 bits 6, 7, 8 and the sign on bit 15 (+16
@@ -271,9 +272,11 @@ class E2M1H200Order:
     SPREAD_MULTIPLIER) & BF16_MASK`` (4): 9 instructions per word. Three left shifts are all a
     word can hold: the slots ``BF16_MASK >> s`` are disjoint only for s in {0, 3, 6}.
 
-    A bijection of the bits of each word: ``swizzle`` / ``unswizzle`` (numpy, one-time; every 4-byte
-    word of each weight row, so the row's bytes must be a multiple of 4: K a multiple of 8). Scales
-    are unchanged, so is the K order the kernels see. ``GroupedProblem.with_b_layout`` applies it.
+    A bijection of the bits of each word: ``swizzle`` / ``unswizzle`` (numpy; every 4-byte word of each
+    row, so the row's bytes must be a multiple of 4: K a multiple of 8). Scales are unchanged, so is the
+    K order the kernels see. ``GroupedProblem.with_b_layout`` applies it to the weights (once),
+    ``with_a_layout`` to the tokens (which, in a model, their quantizer writes in this order: placing the
+    bits costs it no more than ``pack_fp4``'s nibbles).
     """
 
     BF16_TARGET_BITS = (6, 7, 8, 15)          # m, e0, e1, sign of the low bf16 half
@@ -328,7 +331,7 @@ def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:
 _E2M1_H200_DEST = _e2m1_h200_destinations()
 _E2M1_H200_TABLES = (_byte_tables(_E2M1_H200_DEST),
                      _byte_tables(tuple(int(i) for i in np.argsort(_E2M1_H200_DEST))))
-B_LAYOUTS = {B_LAYOUT_PACKED: None, B_LAYOUT_E2M1_H200: E2M1H200Order}
+OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,11 +20,11 @@ import sys
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
-from gbs.quant import B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, B_LAYOUTS
+from gbs.quant import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
 
 DEFAULT_SPECS = ("stream:nvfp4:T:8:1:2", "stream:mxfp4:T:8:1:2", "stream:mxfp8:T:8:1:2",
                  "wgmma:nvfp4:128", "wgmma:mxfp4:128", "wgmma:mxfp8:256",
-                 f"stream:nvfp4:T:8:1:2:{B_LAYOUT_E2M1_H200}", f"wgmma:nvfp4:128:{B_LAYOUT_E2M1_H200}")
+                 f"stream:nvfp4:T:8:1:2:{LAYOUT_E2M1_H200}", f"wgmma:nvfp4:128:{LAYOUT_E2M1_H200}")
 MIX_OPCODES = 8   # most frequent opcodes shown per loop
 
 
@@ -34,8 +34,8 @@ def parse_spec(text: str):
     if fmt not in PROBLEM_FORMATS:
         raise ValueError(f"{text!r}: format must be one of {sorted(PROBLEM_FORMATS)}")
     a_format, b_format = PROBLEM_FORMATS[fmt]
-    b_layout = B_LAYOUT_PACKED
-    if knobs and knobs[-1] in B_LAYOUTS:
+    b_layout = LAYOUT_PACKED
+    if knobs and knobs[-1] in OPERAND_LAYOUTS:
         b_layout = knobs.pop()
     small_n_warps = h200_stream.CONSUMER_WARPS_SMALL_N
     if kind == "stream" and knobs and knobs[-1].startswith("w") and knobs[-1][1:].isdigit():
@@ -53,7 +53,7 @@ def parse_spec(text: str):
         return (h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages, b_layout=b_layout,
                                      tile_tokens=tile_tokens), h200_wgmma, "HGMMA")
     raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256] "
-                     f"(either may end in :{B_LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, :t256 = "
+                     f"(either may end in :{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, :t256 = "
                      f"256-token tiles)")
 
 

@@ -27,7 +27,7 @@ from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.numba_kernels.launch import to_device
-from gbs.quant import B_LAYOUT_PACKED, B_LAYOUTS
+from gbs.quant import LAYOUT_PACKED, OPERAND_LAYOUTS
 
 
 PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
@@ -141,8 +141,11 @@ def main(argv=None) -> int:
     parser.add_argument("points", nargs="+")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--budget-s", type=float, default=1.0, help="timed seconds per point")
-    parser.add_argument("--b-layout", default=B_LAYOUT_PACKED, choices=sorted(B_LAYOUTS),
+    parser.add_argument("--b-layout", default=LAYOUT_PACKED, choices=sorted(OPERAND_LAYOUTS),
                         help="weights re-laid once before timing (GroupedProblem.with_b_layout; FP4 weights)")
+    parser.add_argument("--a-layout", default=LAYOUT_PACKED, choices=sorted(OPERAND_LAYOUTS),
+                        help="tokens in this order, as their quantizer would write them (GroupedProblem.with_a_layout; "
+                             "FP4 tokens; untimed, as the quantization is)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="streaming-kernel points: also run the start-up trace build (h200_stream.TRACE_EVENTS) "
                              "with the same grid, print its phases and save the stamps as DIR/<point>.npy")
@@ -157,8 +160,10 @@ def main(argv=None) -> int:
         key = (fmt, case.name)
         if key not in problems:
             problems[key] = case.problem(fmt)
-            if args.b_layout != B_LAYOUT_PACKED and problems[key].b_format.packed:
+            if args.b_layout != LAYOUT_PACKED and problems[key].b_format.packed:
                 problems[key] = problems[key].with_b_layout(args.b_layout)
+            if args.a_layout != LAYOUT_PACKED and problems[key].a_format.packed:
+                problems[key] = problems[key].with_a_layout(args.a_layout)
         problem = problems[key]
         copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
         try:
@@ -179,7 +184,7 @@ def main(argv=None) -> int:
         gbps = bench.useful_bytes(problem) / (timing.median_us * 1e3)
         tflops = bench.useful_flops(problem) / (timing.median_us * 1e6)
         spec = first.spec
-        row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, ab_swapped=spec.ab_swapped,
+        row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, a_layout=problem.a_layout, ab_swapped=spec.ab_swapped,
                    mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
                    k_splits=first.k_splits, num_ctas=first.num_ctas,
                    consumer_warps=spec.consumer_warps if first.kernel == "h200_stream" else None,

@@ -443,10 +443,10 @@ def test_launch_knobs_names_what_ran():
 
 
 @pytest.mark.parametrize("fmt, relaid", [("nvfp4", True), ("w4a8", True), ("mxfp8", False)])
-def test_h200_layout_method_relays_fp4_weights_once_per_case(fmt, relaid, monkeypatch):
-    """``gbs_auto_h200_layout`` hands the kernels the re-laid weights, re-laying each bench case once
-    however many rotation copies are prepared, and skips FP8 weights (no re-layout: the row would only
-    repeat ``gbs_auto``). Host-only: kernel and copy are stubbed."""
+def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, monkeypatch):
+    """``gbs_auto_h200_layout`` hands the kernels the re-laid weights and FP4 tokens (W4A8's FP8 tokens stay
+    as they are), re-laying each bench case once however many rotation copies are prepared, and skips FP8
+    weights (no re-layout: the row would only repeat ``gbs_auto``). Host-only: kernel and copy are stubbed."""
     import gbs.api
     import gbs.numba_kernels.launch as launch
     from gbs.quant import E2M1H200Order
@@ -465,7 +465,8 @@ def test_h200_layout_method_relays_fp4_weights_once_per_case(fmt, relaid, monkey
         return
     for _ in range(3):
         prepare(problem, None)
-    assert len(relayouts) == 1
-    assert all(p.b_layout == ("e2m1_h200" if relaid else "packed") for p in seen)
-    if relaid:
-        np.testing.assert_array_equal(E2M1H200Order.unswizzle(seen[0].b), problem.b)
+    fp4_tokens = problem.a_format.packed
+    assert len(relayouts) == 1 + fp4_tokens
+    assert all(p.b_layout == "e2m1_h200" and p.a_layout == ("e2m1_h200" if fp4_tokens else "packed") for p in seen)
+    np.testing.assert_array_equal(E2M1H200Order.unswizzle(seen[0].b), problem.b)
+    np.testing.assert_array_equal(seen[0].a_operand().data, problem.a)

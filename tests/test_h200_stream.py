@@ -43,7 +43,7 @@ from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_activations, random_weights
 from gbs.ptx_inline import offline
 from gbs.quant import (
-    B_LAYOUT_E2M1_H200,
+    LAYOUT_E2M1_H200,
     BF16,
     E2M1H200Order,
     BlockScaled,
@@ -1403,17 +1403,17 @@ def test_h200_weight_order_is_a_bit_permutation_of_each_word():
 
 def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply():
     problem = _problem("nvfp4", n=128, k=512, group_sizes=[5, 0, 3], expert_ids=[1, -1, 0])
-    relaid = problem.with_b_layout(B_LAYOUT_E2M1_H200)
+    relaid = problem.with_b_layout(LAYOUT_E2M1_H200)
     np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
                                   reference_grouped_matmul(problem).view(np.uint16))
     np.testing.assert_array_equal(relaid.with_b_layout("packed").b, problem.b)
     config = hs.StreamConfig(True, 8, 1)
-    assert hs.check_can_implement(relaid, config).b_layout == B_LAYOUT_E2M1_H200
+    assert hs.check_can_implement(relaid, config).b_layout == LAYOUT_E2M1_H200
     assert hs.check_can_implement(problem, config).b_layout == "packed"
-    assert hs.check_can_implement(relaid, config).m_side.layout == B_LAYOUT_E2M1_H200
+    assert hs.check_can_implement(relaid, config).m_side.layout == LAYOUT_E2M1_H200
     assert hs.check_can_implement(relaid, config).n_side.layout == "packed"   # tokens stay packed
     with pytest.raises(ValueError, match="re-lays FP4"):
-        _problem("mxfp8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(B_LAYOUT_E2M1_H200)
+        _problem("mxfp8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(LAYOUT_E2M1_H200)
     with pytest.raises(ValueError, match="b_layout must be one of"):
         problem.with_b_layout("tiled")
     with pytest.raises(ValueError, match="b_layout must be one of"):
@@ -1424,24 +1424,55 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
     with pytest.raises(ValueError, match="SM100 kernel reads b in 'packed' order"):
         sm100.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
     wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
-    assert wgmma_spec.b_layout == B_LAYOUT_E2M1_H200 and wgmma_spec.ring.weight_side.layout == B_LAYOUT_E2M1_H200
+    assert wgmma_spec.b_layout == LAYOUT_E2M1_H200 and wgmma_spec.ring.weight_side.layout == LAYOUT_E2M1_H200
     assert relaid.nbytes() == problem.nbytes()
     with pytest.raises(TypeError, match="packed FP4 bytes as uint8"):
         E2M1H200Order.swizzle(problem.b.view(np.int8))
+
+
+def test_h200_token_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply():
+    """FP4 tokens in ``E2M1H200Order`` (``a_layout``, as their quantizer would write them): the same
+    reference result, the token side of both kernels' specs reads that order, the raw-byte backends and
+    FP8 tokens refuse it."""
+    problem = _problem("nvfp4", n=128, k=512, group_sizes=[5, 0, 3], expert_ids=[1, -1, 0])
+    relaid = problem.with_a_layout(LAYOUT_E2M1_H200)
+    assert relaid.a_layout == LAYOUT_E2M1_H200 and relaid.b_layout == "packed"
+    assert not np.array_equal(relaid.a, problem.a)
+    np.testing.assert_array_equal(relaid.a_operand().data, problem.a)
+    np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
+                                  reference_grouped_matmul(problem).view(np.uint16))
+    np.testing.assert_array_equal(relaid.with_a_layout("packed").a, problem.a)
+    for config, token_side in ((hs.StreamConfig(True, 8, 1), "n_side"), (hs.StreamConfig(False, 128, 1), "m_side")):
+        spec = hs.check_can_implement(relaid, config)
+        assert spec.a_layout == LAYOUT_E2M1_H200 and getattr(spec, token_side).layout == LAYOUT_E2M1_H200
+        assert spec.weight_side.layout == "packed"
+    from gbs.numba_kernels import h200_wgmma, simt, sm100
+    wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
+    assert wgmma_spec.ring.token_side.layout == LAYOUT_E2M1_H200 and wgmma_spec.ring.weight_side.layout == "packed"
+    with pytest.raises(ValueError, match="SIMT kernel reads a in 'packed' order"):
+        simt.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
+    with pytest.raises(ValueError, match="SM100 kernel reads a in 'packed' order"):
+        sm100.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
+    with pytest.raises(ValueError, match="a_layout 'e2m1_h200' re-lays FP4 \\(E2M1\\) tokens; a is mxfp8"):
+        _problem("w4a8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_a_layout(LAYOUT_E2M1_H200)
+    with pytest.raises(ValueError, match="a_layout must be one of"):
+        hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, a_layout="tiled")
+    with pytest.raises(ValueError, match="a_layout must be one of"):
+        dataclasses.replace(problem, a_layout="tiled")
 
 
 def test_h200_weight_layout_shortens_the_decode_loop():
     """The point of the re-layout, read from the SASS (ptxas, sm_90a): the decode config's hot loop
     (4 groups of 16 registers) loses at least 50 of its ~358 instructions, with no spills."""
     sizes = {}
-    for layout in ("packed", B_LAYOUT_E2M1_H200):
+    for layout in ("packed", LAYOUT_E2M1_H200):
         spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout=layout)
         cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         assert offline.resource_usage(cubin).local_bytes == 0
         hot = [loop for loop in offline.sass_loops(offline.disassemble(cubin)) if loop.count("HMMA")][0]
         sizes[layout] = hot.size
-    assert sizes[B_LAYOUT_E2M1_H200] <= sizes["packed"] - 50, sizes
+    assert sizes[LAYOUT_E2M1_H200] <= sizes["packed"] - 50, sizes
 
 
 H200_LAYOUT_CASES = [   # (format, shape, ab_swapped, mma_bn, cta_group, k_splits): weights on M and on N
@@ -1459,14 +1490,32 @@ def test_gpu_h200_weight_layout_gives_the_same_bits(case):
     fmt, shape, sw, bn, cg, splits = case
     problem, ref = gpu_problem(fmt, shape)
     config = hs.StreamConfig(sw, bn, cg)
-    relaid = problem.with_b_layout(B_LAYOUT_E2M1_H200)
-    assert hs.check_can_implement(relaid, config).b_layout == B_LAYOUT_E2M1_H200
+    relaid = problem.with_b_layout(LAYOUT_E2M1_H200)
+    assert hs.check_can_implement(relaid, config).b_layout == LAYOUT_E2M1_H200
     out = hs.grouped_matmul_h200(relaid, config, k_splits=splits)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"
     if splits == 1:
         packed = hs.grouped_matmul_h200(problem, config, k_splits=1)
         np.testing.assert_array_equal(out.view(np.uint16), packed.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [("nvfp4", "n512_k7168", True, 8, 1, 4), ("mxfp4", "n4096_k2048", True, 32, 1, 8),
+                                  ("nvfp4", "n4096_k2048", False, 128, 1, 4)],
+                         ids=lambda c: f"{c[0]}-{'swap' if c[2] else 'noswap'}{c[3]}-w{c[5]}")
+def test_gpu_h200_token_layout_gives_the_same_bits(case):
+    """FP4 tokens in ``E2M1H200Order`` (``a_layout``): the decoded-token slots (swapped) and the M-side
+    token decode (not swapped) give bit-identical output."""
+    fmt, shape, sw, bn, cg, warps = case
+    problem, ref = gpu_problem(fmt, shape)
+    config = hs.StreamConfig(sw, bn, cg, AUTO_STAGES, warps)
+    relaid = problem.with_a_layout(LAYOUT_E2M1_H200)
+    assert hs.check_can_implement(relaid, config).token_side.layout == LAYOUT_E2M1_H200
+    out = hs.grouped_matmul_h200(relaid, config, k_splits=1)
+    result = check_acceptance(problem, out, ref)
+    assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"
+    np.testing.assert_array_equal(out.view(np.uint16), hs.grouped_matmul_h200(problem, config, k_splits=1).view(np.uint16))
 
 
 SPLIT_CASES = [   # (format, ab_swapped, mma_bn, cta_group, k_splits)

@@ -236,8 +236,8 @@ def test_device_problem_takes_its_sizes_and_the_dispatch_from_host_metadata(fmt,
 
 
 def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_copies):
-    """``device_problem(b_layout=...)`` tags the caller's re-laid weights; the kernels' view and the
-    explicit host copy keep the tag, and FP8 weights refuse it."""
+    """``device_problem(b_layout=..., a_layout=...)`` tags the caller's re-laid weights / tokens; the kernels'
+    view and the explicit host copy keep the tags, and FP8 operands refuse them."""
     p = ragged("nvfp4").with_b_layout("e2m1_h200")
     dp = interop.device_problem(**fake_arrays(p), fmt="nvfp4", b_layout="e2m1_h200")
     assert dp.b_layout == "e2m1_h200" and dp.launch_view().b_layout == "e2m1_h200"
@@ -247,6 +247,12 @@ def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_co
     np.testing.assert_array_equal(host.with_b_layout("packed").b, ragged("nvfp4").b)
     with pytest.raises(ValueError, match="re-lays FP4"):
         interop.device_problem(**fake_arrays(ragged("mxfp8")), fmt="mxfp8", b_layout="e2m1_h200")
+    tokens = ragged("nvfp4").with_a_layout("e2m1_h200")
+    dp = interop.device_problem(**fake_arrays(tokens), fmt="nvfp4", a_layout="e2m1_h200")
+    assert dp.a_layout == "e2m1_h200" and dp.launch_view().a_layout == "e2m1_h200" and dp.b_layout == "packed"
+    assert interop.to_host(dp).a_layout == "e2m1_h200"
+    with pytest.raises(ValueError, match="a_layout 'e2m1_h200' re-lays FP4"):
+        interop.device_problem(**fake_arrays(ragged("w4a8")), fmt="w4a8", a_layout="e2m1_h200")
 
 
 def test_int32_routing_is_read_as_the_kernels_dtypes(routing_copies):

@@ -87,7 +87,9 @@ into the other of two register buffers (358 instructions per run). Per stage add
 60 % of the read ceiling. Weights re-laid once in ``gbs.quant.E2M1H200Order`` (``b_layout``
 "e2m1_h200", ``e2m1_h200_pair_bits``) decode in 9 instead of 13 integer instructions per word: 294 per
 run, 73 % of the read ceiling (bench run 36, with the sleeping mbarrier waits and run-sized token-decode
-items), bit-identical output. FP8 decodes twice the bytes per instruction and streams at 87 %.
+items), bit-identical output. FP4 tokens in that order (``a_layout``) take the same decode, bit-identical
+too; here the tokens are a few per weight row, so it does not show (run 72: decode 281 us either way).
+FP8 decodes twice the bytes per instruction and streams at 87 %.
 
 Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
 are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned
@@ -109,7 +111,7 @@ from gbs import schedule
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, KernelConfig, pipeline_smem_terms, require_int
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import PROBLEM_FORMATS, GroupedProblem, b_layout_of, check_b_layout
+from gbs.problem import PROBLEM_FORMATS, GroupedProblem, check_layout, layout_of
 from gbs.ptx_inline import cluster as cl
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import copy as cp
@@ -119,7 +121,7 @@ from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2,
 from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
-from gbs.quant import (B_LAYOUT_E2M1_H200, B_LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
+from gbs.quant import (LAYOUT_E2M1_H200, LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
                        SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, get_format)
 from gbs.reference import poison_output
 
@@ -326,7 +328,7 @@ class OperandSide:
     row_bytes: int      # bytes of one row's K slice (128, or 64 for FP4 in a 128-element slice)
     k_slice: int        # K elements per stage
     scale_bands: int    # 128-row scale bands staged per stage
-    layout: str = B_LAYOUT_PACKED   # byte layout of the operand (``gbs.quant.B_LAYOUTS``; weights only)
+    layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.quant.OPERAND_LAYOUTS``; weights only)
 
     @property
     def fmt(self):
@@ -454,7 +456,8 @@ class StreamSpec:
     cta_group: int
     stages: int
     split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
-    b_layout: str = B_LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.B_LAYOUTS``)
+    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.OPERAND_LAYOUTS``)
+    a_layout: str = LAYOUT_PACKED   # the tokens' byte layout (the same layouts)
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
     small_n_warps: int = CONSUMER_WARPS_SMALL_N   # consumer warps of a small-N tile (``SMALL_N_WARP_CHOICES``)
     m_rows: int = TILE_M_ROWS   # rows of the ring's M side (``RING_M_ROWS``; 256: the wgmma kernel's ring only)
@@ -465,7 +468,8 @@ class StreamSpec:
             raise ValueError(f"unsupported operand formats A={pair[0]} x B={pair[1]}; "
                              f"supported: {sorted(PROBLEM_FORMATS.values())}")
         schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
-        check_b_layout(self.b_layout, get_format(self.b_format))
+        check_layout(self.b_layout, get_format(self.b_format), "b")
+        check_layout(self.a_layout, get_format(self.a_format), "a")
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")
@@ -514,7 +518,7 @@ class StreamSpec:
 
     def _side(self, role: str, rows: int, scale_bands: int) -> OperandSide:
         fmt = self.a_format if role == "tokens" else self.b_format
-        layout = B_LAYOUT_PACKED if role == "tokens" else self.b_layout
+        layout = self.a_layout if role == "tokens" else self.b_layout
         return OperandSide(role, get_format(fmt).name, rows, get_format(fmt).row_bytes(self.k_slice),
                            self.k_slice, scale_bands, layout)
 
@@ -898,7 +902,7 @@ def _make_side_reader(side: OperandSide, pairing: str):
     groups_per_block = side.groups // blocks
     ue4m3 = side.fmt.scale_dtype == "ue4m3"
     ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 else None
-    e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == B_LAYOUT_E2M1_H200 else e2m1_pair_bits)
+    e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == LAYOUT_E2M1_H200 else e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
     ue8m0_bits = _device(ue8m0_scale_bits)
     ue8m0_pair_bits = _device(ue8m0_pair_scale_bits)
@@ -1749,7 +1753,8 @@ def check_can_implement(problem, config) -> StreamSpec:
             f"use num_pipeline_stages <= {real_max} or {AUTO_STAGES} (auto)")
     if problem.n >= 2 ** 31 or problem.total_tokens >= 2 ** 31:
         raise ValueError("N and the token count must be below 2**31 (TMA coordinates are s32)")
-    return dataclasses.replace(_spec_for(formats, stream_config, stages), b_layout=b_layout_of(problem),
+    return dataclasses.replace(_spec_for(formats, stream_config, stages), b_layout=layout_of(problem, "b"),
+                               a_layout=layout_of(problem, "a"),
                                small_n_warps=stream_config.small_n_warps)   # the spec checks the layout and the warps
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from gbs.dispatch import require_int
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
 from gbs.problem import ProblemShape
-from gbs.quant import B_LAYOUT_PACKED, BlockFormat, get_format
+from gbs.quant import LAYOUT_PACKED, BlockFormat, get_format
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
@@ -112,7 +112,8 @@ class DeviceProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    b_layout: str = B_LAYOUT_PACKED   # the bytes of b (``gbs.quant.B_LAYOUTS``)
+    b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.quant.OPERAND_LAYOUTS``)
+    a_layout: str = LAYOUT_PACKED   # the bytes of a (the same)
 
     def arrays(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PROBLEM_ARRAY_DTYPES}
@@ -183,7 +184,7 @@ def to_device(problem, *, stream=0) -> DeviceProblem:
     ``PROBLEM_ARRAY_DTYPES``, each a numpy array (copied) or a ``__cuda_array_interface__`` object
     (used in place: keep it alive while kernels read it). FP8 and FP4 bytes go as uint8.
     """
-    from gbs.problem import GroupedProblem, b_layout_of, check_b_layout, problem_format_name
+    from gbs.problem import GroupedProblem, check_layout, layout_of, problem_format_name
 
     if isinstance(problem, GroupedProblem):
         problem.validate()
@@ -198,9 +199,10 @@ def to_device(problem, *, stream=0) -> DeviceProblem:
             raise TypeError(f"{name} must be an int, got {value!r}")
         ints[name] = int(value)
     arrays = {name: _as_device_array(name, getattr(problem, name), stream) for name in PROBLEM_ARRAY_DTYPES}
-    b_format = get_format(problem.b_format)
-    device = DeviceProblem(a_format=get_format(problem.a_format), b_format=b_format, **ints, **arrays,
-                           b_layout=check_b_layout(b_layout_of(problem), b_format))
+    a_format, b_format = get_format(problem.a_format), get_format(problem.b_format)
+    device = DeviceProblem(a_format=a_format, b_format=b_format, **ints, **arrays,
+                           b_layout=check_layout(layout_of(problem, "b"), b_format, "b"),
+                           a_layout=check_layout(layout_of(problem, "a"), a_format, "a"))
     problem_format_name(device.a_format, device.b_format)   # ValueError for an unsupported pair
     _check_device_shapes(device)
     return device

@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda, float32
 
 from gbs import schedule
-from gbs.problem import GroupedProblem, require_packed_b
+from gbs.problem import GroupedProblem, require_packed
 from gbs.quant import (BF16, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, get_format,
                        scale_byte_offset)
 from gbs.reference import poison_output
@@ -304,7 +304,7 @@ def check_can_implement(problem: GroupedProblem, config) -> schedule.TileConfig:
     if not isinstance(problem, GroupedProblem):
         raise TypeError(f"problem must be a GroupedProblem, got {type(problem).__name__}")
     problem.validate()   # the arrays of a frozen problem can still have been swapped or mutated
-    require_packed_b(problem, "the SIMT kernel")
+    require_packed(problem, "the SIMT kernel")
     for fmt in (problem.a_format, problem.b_format):
         if fmt.element not in ELEMENT_DECODERS or fmt.scale_dtype not in SCALE_DECODERS:
             raise ValueError(f"format {fmt.name} ({fmt.element} elements, {fmt.scale_dtype} scales) has no "

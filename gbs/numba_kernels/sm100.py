@@ -57,7 +57,7 @@ import numpy as np
 
 from gbs import dispatch, schedule
 from gbs.numba_kernels.simt import bf16_bits_rne
-from gbs.problem import GroupedProblem, require_packed_b
+from gbs.problem import GroupedProblem, require_packed
 from gbs.ptx_inline import sm100_descriptors as desc
 from gbs.quant import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, SF_LANE_BYTES, SF_LANES, get_format
 from gbs.quant import scale_byte_offset
@@ -714,7 +714,7 @@ def check_can_implement(problem: GroupedProblem, config) -> tuple[Sm100KernelSpe
     if not isinstance(problem, GroupedProblem):
         raise TypeError(f"problem must be a GroupedProblem, got {type(problem).__name__}")
     problem.validate()
-    require_packed_b(problem, "the SM100 kernel")
+    require_packed(problem, "the SM100 kernel")
     for side in ("a_format", "b_format"):
         want, got = getattr(problem, side).name, getattr(config, side, None)
         if got is not None and got != want:
