@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="variants_out", help="directory for the per-run CSVs")
     parser.add_argument("--budget-s", default="0.3", help="the sweep's timing budget per point")
     parser.add_argument("--b-layout", default="e2m1_h200", help="the sweep's weight layout")
+    parser.add_argument("--a-layout", default="packed", help="the sweep's FP4 token layout (trees from before "
+                        "a_layout existed take only the default)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("variants", nargs="*", metavar="NAME=DIR[:VAR=VALUE,...]", help="then -- and the points")
     words = list(sys.argv[1:] if argv is None else argv)
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
         parser.error("--rounds must be >= 1")
     out = pathlib.Path(args.out)
     sweep_args = ["--budget-s", args.budget_s, "--b-layout", args.b_layout]
+    if args.a_layout != "packed":
+        sweep_args += ["--a-layout", args.a_layout]
     failures = 0
     for name, r, command, env in run_commands(variants, points, args.rounds, out, sweep_args):
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}

@@ -146,6 +146,9 @@ def test_compare_variants_alternates_fresh_processes_per_tree(variants, tmp_path
     assert all(f"GBS_COMMIT={head}" in line for line in lines[1::2]), "the tree's runs record its revision"
     assert str(tree / "scripts" / "h200_stream_sweep.py") in lines[1], "a tree runs its own sweep script"
     assert not (tmp_path / "o").exists(), "a dry run writes nothing"
+    assert not any("--a-layout" in line for line in lines), "packed tokens: the flag older trees lack stays off"
+    variants.main(["--dry-run", "--a-layout", "e2m1_h200", "--out", str(tmp_path / "o"), "a=.", "--", "p"])
+    assert "--a-layout e2m1_h200" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         variants.main(["a=.", "a=wt/x", "--", "p"])   # two variants of one name
     with pytest.raises(SystemExit):

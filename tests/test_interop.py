@@ -538,6 +538,26 @@ def test_h200_on_device_arrays_without_copies(library, fmt, kernel_spy):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["h200_stream", "h200_wgmma"])
+def test_h200_layouts_of_device_arrays_give_the_same_bits(backend):
+    """Torch arrays holding FP4 weights and tokens in ``E2M1H200Order``, tagged with ``b_layout`` /
+    ``a_layout``: both H200 kernels read them in place and give the packed arrays' bits."""
+    pytest.importorskip("torch")
+    lib = Library("torch")
+    p = gpu_problem("nvfp4")
+    relaid = p.with_b_layout("e2m1_h200").with_a_layout("e2m1_h200")
+    results = []
+    for problem, layouts in ((p, {}), (relaid, {"a_layout": "e2m1_h200", "b_layout": "e2m1_h200"})):
+        device = {name: lib.upload(getattr(problem, name)) for name in launch.PROBLEM_ARRAY_DTYPES}
+        out = lib.poisoned_out(p.total_tokens, p.n)
+        gbs.grouped_matmul(gbs.device_problem(**device, fmt="nvfp4", **layouts), backend=backend, out=out)
+        lib.synchronize()
+        results.append(lib.to_bf16(out))
+    assert check_acceptance(p, results[0]).passed
+    np.testing.assert_array_equal(results[1].view(np.uint16), results[0].view(np.uint16))
+
+
+@pytest.mark.gpu
 def test_torch_runs_on_the_current_stream_and_prepare_reruns(kernel_spy):
     torch = pytest.importorskip("torch")
     lib = Library("torch")
