@@ -5,7 +5,8 @@
     compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt] [nvfp4 mxfp4 mxfp8 w4a8]
 
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
-not multiples of the tile), output poisoned before the launch, checked against the reference.
+not multiples of the tile), output poisoned before the launch, checked against the reference. FP4 tokens
+also run with both operands in the H200 order (``E2M1H200Order``: ``a_layout`` / ``b_layout``).
 Exit status 1 if any case fails the acceptance check.
 """
 import sys
@@ -15,6 +16,7 @@ import numpy as np
 from gbs.numba_kernels import h200_stream, h200_wgmma, simt
 from gbs.numba_kernels.h200_stream import StreamConfig
 from gbs.problem import build_problem, random_activations, random_weights
+from gbs.quant import LAYOUT_E2M1_H200
 from gbs.reference import check_acceptance
 from gbs.schedule import TileConfig
 
@@ -64,6 +66,15 @@ def main(argv=None) -> int:
             wide = problem_for(fmt, seed, TWO_M_GROUP_SIZES)
             cases.append(("h200_wgmma", (128, 256, TWO_M_GROUP_SIZES), wide,
                           lambda: h200_wgmma.grouped_matmul_h200(wide, h200_wgmma.WgmmaConfig(128, tile_tokens=256))))
+        if p.a_format.packed:   # FP4 tokens and weights in the H200 order (a_layout / b_layout): the short decode
+            relaid = p.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
+            cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200), relaid,
+                          lambda: h200_stream.grouped_matmul_h200(relaid, StreamConfig(True, 8, 1, 2))))
+            if "h200_wgmma" in kernels:
+                wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
+                cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,
+                              lambda: h200_wgmma.grouped_matmul_h200(wide_relaid,
+                                                                     h200_wgmma.WgmmaConfig(128, tile_tokens=256))))
         if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)
             e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
             cases.append(("h200_wgmma", (128, "e4m3"), p, lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
