@@ -507,7 +507,8 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED):
 
 def launch_knobs(launcher) -> str:
     """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid, and
-    ``w8`` for 8 small-N consumer warps; ``t256`` for the wgmma kernel's 256-token tiles)."""
+    ``w8`` for 8 small-N consumer warps; ``t256`` for the wgmma kernel's 256-token tiles; ``e2m1_h200:ab``
+    for the operands it reads in ``E2M1H200Order``, ``b`` weights, ``a`` tokens)."""
     spec = getattr(launcher, "spec", None)
     if spec is None:
         return ""
@@ -515,8 +516,10 @@ def launch_knobs(launcher) -> str:
     warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
     from .numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
     tokens = f" t{spec.m_rows}" if getattr(spec, "m_rows", TILE_M_ROWS) != TILE_M_ROWS else ""
+    relaid = "".join(op for op in "ab" if getattr(spec, f"{op}_layout", LAYOUT_PACKED) == LAYOUT_E2M1_H200)
+    layouts = f" {LAYOUT_E2M1_H200}:{relaid}" if relaid else ""
     return (f"{kernel}{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
-            f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}{tokens}")
+            f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}{tokens}{layouts}")
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what

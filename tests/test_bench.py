@@ -439,6 +439,10 @@ def test_launch_knobs_names_what_ran():
     FakeLaunch.spec = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256)
     FakeLaunch.kernel = "h200_wgmma"
     assert bench.launch_knobs(FakeLaunch()) == "wgmma noswap bn128 cg1 st3 splits4 ctas144 t256"
+    FakeLaunch.spec = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256, b_layout="e2m1_h200")
+    assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:b")
+    FakeLaunch.spec = dataclasses.replace(FakeLaunch.spec, a_layout="e2m1_h200")
+    assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:ab")
     assert bench.launch_knobs(object()) == ""
 
 
