@@ -299,6 +299,13 @@ class E2M1H200Order:
                              "must be a multiple of 4 bytes (K a multiple of 8)")
         return packed.view("<u4")
 
+    @staticmethod
+    def byte_tables(inverse: bool = False) -> np.ndarray:
+        """(4, 256) uint32: for byte ``i`` of a little-endian word and each of its 256 values, that byte's
+        bits in their places in the re-laid word (``inverse``: back to ``pack_fp4`` order). A word's image is
+        the OR of its four bytes' entries (``gbs.numba_kernels.relayout`` reads them on the device)."""
+        return _E2M1_H200_TABLES[inverse].copy()
+
     @classmethod
     def _permute(cls, packed: np.ndarray, inverse: bool) -> np.ndarray:
         words = cls._words(packed)

@@ -1,0 +1,84 @@
+"""FP4 bytes into ``gbs.quant.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
+(from a quantizer that cannot write the H200 order itself) before a launch with ``a_layout="e2m1_h200"``.
+
+    from gbs.numba_kernels import relayout
+    a_h200 = relayout.to_e2m1_h200(a)      # a: (tokens, K/2) FP4 bytes on the GPU, any __cuda_array_interface__
+    problem = gbs.device_problem(a_h200, b, ..., fmt="nvfp4", a_layout="e2m1_h200")
+
+One thread per 4-byte word (grid-stride loop): the word's image is the OR of its four bytes' entries in the
+order's byte tables (``E2M1H200Order.byte_tables``, 4 KiB, read through L1), bit-identical to
+``E2M1H200Order.swizzle``. It reads and writes each byte once; for 8192 tokens x K 7168 (29 MB) that is
+~15 us at the H200's ~4 TB/s copy rate (modelled, not measured yet), against the 3-4 % (~30 us) that FP4
+tokens in this order save the 256-token prefill kernel (run 72). A quantizer that writes the order directly
+costs nothing extra: this kernel is for the ones that do not.
+
+Constraints (checked before any device work): a C-contiguous device array of 1-byte elements whose last
+axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same. Runs in Numba's CUDA
+simulator too (``NUMBA_ENABLE_CUDASIM=1``).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from gbs.quant import E2M1H200Order
+
+THREADS = 256
+MAX_BLOCKS = 132 * 8   # a few waves of the H200's SMs; the grid-stride loop takes the rest
+
+
+def relay_words(words, tables, out_words):
+    """Kernel: ``out_words[i]`` = the image of ``words[i]`` under the byte ``tables``."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, words.size, stride):
+        w = words[i]
+        out_words[i] = (tables[0, w & 0xFF] | tables[1, (w >> 8) & 0xFF] | tables[2, (w >> 16) & 0xFF]
+                        | tables[3, w >> 24])
+
+
+@functools.cache
+def _kernel():
+    return cuda.jit(relay_words)
+
+
+@functools.cache
+def _device_tables():
+    return cuda.to_device(E2M1H200Order.byte_tables())
+
+
+def _byte_array(name: str, value):
+    """A numba device array of uint8 over ``value`` (no copy), or TypeError / ValueError saying why not."""
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"{name} is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle")
+    if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
+        arr = value
+    elif hasattr(value, "__cuda_array_interface__"):
+        arr = cuda.as_cuda_array(value)
+    else:
+        raise TypeError(f"{name} must be a GPU array (__cuda_array_interface__), got {type(value).__name__}")
+    if arr.dtype.itemsize != 1:
+        raise TypeError(f"{name} must hold 1-byte FP4 pairs (uint8), got {arr.dtype}")
+    shape = tuple(arr.shape)   # the simulator's shape takes no negative indices
+    if not shape or shape[-1] % 4:
+        raise ValueError(f"{name}: the last axis ({shape[-1:]}) must be a multiple of 4 bytes (K a multiple of 8)")
+    if not arr.is_c_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+    return arr.view(np.uint8)
+
+
+def to_e2m1_h200(a, out=None, *, stream=0):
+    """``a``'s FP4 bytes (``pack_fp4`` order) re-laid in ``E2M1H200Order`` on the GPU, enqueued on
+    ``stream``: a new numba device array, or ``out`` (a device array of the same shape) filled and
+    returned as a numba view of it. ``a`` is not modified."""
+    src = _byte_array("a", a)
+    dst = cuda.device_array(src.shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"out has shape {tuple(dst.shape)}, a has {tuple(src.shape)}")
+    words = src.size // 4
+    if words:
+        blocks = min(-(-words // THREADS), MAX_BLOCKS)
+        _kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
+                                           dst.reshape(dst.size).view(np.uint32))
+    return dst

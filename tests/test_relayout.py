@@ -1,0 +1,139 @@
+"""The device re-layout of FP4 bytes into ``E2M1H200Order`` (``gbs.numba_kernels.relayout``).
+
+Simulator runs (a worker subprocess with ``NUMBA_ENABLE_CUDASIM=1``, which numba reads when first imported):
+bit-identical to the host ``E2M1H200Order.swizzle`` on random bytes of several shapes (an empty one
+included), into a new array and into a given ``out``, the input untouched; bad input refused before any
+launch. Offline: the kernel assembles for sm_90a without local memory. GPU: torch tokens re-laid on the
+device run the H200 kernels with ``a_layout`` and give the packed tokens' bits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gbs.quant import E2M1H200Order
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = [(37, 24), (5, 4), (0, 8), (3, 2, 16)]   # odd rows, one word per row, empty, 3-D
+
+_SIMULATOR_SCRIPT = r"""
+import json, sys
+import numpy as np
+from numba import cuda
+from gbs.numba_kernels import relayout
+
+shapes = json.loads(sys.argv[1])
+rng = np.random.default_rng(5)
+results = {"outputs": [], "errors": {}}
+for shape in shapes:
+    host = rng.integers(0, 256, shape, dtype=np.uint8)
+    device = cuda.to_device(host)
+    fresh = relayout.to_e2m1_h200(device).copy_to_host()
+    out = cuda.device_array(tuple(shape), np.uint8)
+    returned = relayout.to_e2m1_h200(device, out).copy_to_host()
+    results["outputs"].append([host.tolist(), fresh.tolist(), out.copy_to_host().tolist(), returned.tolist(),
+                               bool(np.array_equal(device.copy_to_host(), host))])
+bad = {"host": lambda: relayout.to_e2m1_h200(np.zeros((2, 8), np.uint8)),
+       "two_bytes": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 8), np.uint16))),
+       "odd_row": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 6), np.uint8))),
+       "strided": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((4, 16), np.uint8))[:, :8]),
+       "out_shape": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 8), np.uint8)),
+                                                  cuda.device_array((2, 4), np.uint8))}
+for name, call in bad.items():
+    try:
+        call()
+        results["errors"][name] = "no error"
+    except (TypeError, ValueError) as err:
+        results["errors"][name] = f"{type(err).__name__}: {err}"
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", _SIMULATOR_SCRIPT, json.dumps(SHAPES)], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_device_relayout_is_the_host_swizzle_in_the_simulator(simulated):
+    for shape, (host, fresh, given, returned, untouched) in zip(SHAPES, simulated["outputs"]):
+        host = np.array(host, np.uint8).reshape(shape)
+        want = E2M1H200Order.swizzle(host)
+        for got in (fresh, given, returned):   # a new array; a given out, and the view of it that comes back
+            np.testing.assert_array_equal(np.array(got, np.uint8).reshape(shape), want)
+        assert untouched, "the input bytes are not modified"
+    assert any(np.array(f).size and not np.array_equal(f, h) for h, f, *_ in simulated["outputs"]), \
+        "random bytes change under the permutation"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("host", "TypeError: a is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle"),
+    ("two_bytes", "TypeError: a must hold 1-byte FP4 pairs"),
+    ("odd_row", "ValueError: a: the last axis ((6,)) must be a multiple of 4 bytes"),
+    ("strided", "ValueError: a must be C-contiguous"),
+    ("out_shape", "ValueError: out has shape (2, 4), a has (2, 8)"),
+])
+def test_device_relayout_refuses_bad_input(simulated, case, message):
+    assert simulated["errors"][case].startswith(message), simulated["errors"][case]
+
+
+def test_byte_tables_rebuild_the_host_swizzle():
+    """The tables the kernel reads: OR of the four bytes' entries = ``swizzle``; the inverse tables undo it."""
+    words = np.random.default_rng(1).integers(0, 2 ** 32, 1000, dtype=np.uint64).astype(np.uint32)
+    for inverse, expect in ((False, E2M1H200Order.swizzle), (True, E2M1H200Order.unswizzle)):
+        tables = E2M1H200Order.byte_tables(inverse)
+        image = np.bitwise_or.reduce([tables[i][(words >> np.uint32(8 * i)) & np.uint32(0xFF)] for i in range(4)])
+        np.testing.assert_array_equal(image, expect(words.view(np.uint8)).view(np.uint32))
+
+
+def test_relayout_kernel_assembles_for_sm90a_without_local_memory():
+    from numba import config as numba_config
+
+    if numba_config.ENABLE_CUDASIM:
+        pytest.skip("offline compilation needs numba without the simulator")
+    from numba.cuda import types
+
+    from gbs.numba_kernels import relayout
+    from gbs.ptx_inline import offline
+
+    words = types.Array(types.uint32, 1, "C")
+    cubin = offline.compile_cubin(relayout.relay_words, (words, types.Array(types.uint32, 2, "C"), words),
+                                  offline.SM90A)
+    assert offline.resource_usage(cubin).local_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["h200_stream", "h200_wgmma"])
+def test_gpu_tokens_relaid_on_the_device_give_the_packed_bits(backend):
+    """Torch tokens re-laid on the GPU (read back: the host swizzle's bytes) run both H200 kernels with
+    ``a_layout="e2m1_h200"`` and give the packed tokens' bits, skipped rows keeping the poison."""
+    torch = pytest.importorskip("torch")
+    import gbs
+    from gbs.bench import synthetic_problem
+    from gbs.numba_kernels import launch, relayout
+    from gbs.reference import check_acceptance, poison_output
+
+    problem = synthetic_problem("nvfp4", n=512, k=1024, group_sizes=[150, 0, 1, 40], expert_ids=[1, 0, -1, 2],
+                                num_experts=3, seed=11)
+    device = {name: torch.from_numpy(np.ascontiguousarray(getattr(problem, name))).cuda()
+              for name in launch.PROBLEM_ARRAY_DTYPES}
+    relaid = torch.as_tensor(relayout.to_e2m1_h200(device["a"]), device="cuda")
+    np.testing.assert_array_equal(relaid.cpu().numpy(), E2M1H200Order.swizzle(problem.a))
+    outs = []
+    for a, layout in ((device["a"], "packed"), (relaid, "e2m1_h200")):
+        out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
+        dp = gbs.device_problem(**dict(device, a=a), fmt="nvfp4", a_layout=layout)
+        gbs.grouped_matmul(dp, backend=backend, out=out.view(torch.bfloat16))
+        outs.append(out.cpu().numpy().view(np.uint16))
+    assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
+    np.testing.assert_array_equal(outs[1], outs[0])
