@@ -328,7 +328,7 @@ class OperandSide:
     row_bytes: int      # bytes of one row's K slice (128, or 64 for FP4 in a 128-element slice)
     k_slice: int        # K elements per stage
     scale_bands: int    # 128-row scale bands staged per stage
-    layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.quant.OPERAND_LAYOUTS``; weights only)
+    layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.quant.OPERAND_LAYOUTS``: weights or tokens)
 
     @property
     def fmt(self):
