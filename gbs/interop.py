@@ -30,9 +30,11 @@ Routing checks (offsets non-decreasing and within ``a``, ``a_scale_offsets`` con
 in ``[-1, num_experts)``, the band count of ``a_scales``) need the values: ``device_problem`` copies
 ``a_offsets``, ``a_scale_offsets`` and ``expert_ids`` (``12 * slots + 4`` bytes) to the host on the
 stream, waits for it, and runs ``GroupedProblem.validate`` on them (with zero-byte stand-ins for the
-big arrays). ``validate=False`` skips that copy and its synchronisation (CUDA-graph style hot paths,
-routing produced on the device): the kernel then trusts the routing, and bad offsets make it write
-out of bounds. ``expert_scales`` values are never read on the host.
+big arrays); the checked copies stay with the problem (``host_routing``), and the wgmma kernel's plan
+reads the group sizes from them (``h200_wgmma.tile_token_rows``). ``validate=False`` skips that copy and
+its synchronisation (CUDA-graph style hot paths, routing produced on the device): the kernel then trusts
+the routing, bad offsets make it write out of bounds, and the plan sees only the average group.
+``expert_scales`` values are never read on the host.
 
 Backends: only the H200 kernels (``"h200_stream"``, ``"h200_wgmma"``; ``"auto"`` on an sm_90 GPU picks
 between them as ``gbs.api.h200_kernel`` does) run device problems. ``"simt"`` and
@@ -369,6 +371,11 @@ class DeviceGroupedProblem(ProblemShape):
     k: int
     b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.quant.OPERAND_LAYOUTS``; re-lay on the host, once)
     a_layout: str = LAYOUT_PACKED   # the bytes of a (the same; written so by the tokens' quantizer)
+    # not a field: the routing arrays' host copies ``validate_routing`` checked (``ROUTING_ARRAYS`` -> numpy
+    # arrays in the kernels' dtypes), which the H200 plans may read (``h200_wgmma.tile_token_rows``); None
+    # until then. A launch prepared from them keeps its plan if the device routing changes later: only
+    # the choice of tile can be stale, never the result.
+    host_routing = None
 
     def __post_init__(self):
         for name in ("a_format", "b_format"):
@@ -440,9 +447,11 @@ class DeviceGroupedProblem(ProblemShape):
 
     def validate_routing(self, stream=None) -> None:
         """Copy ``ROUTING_ARRAYS`` to the host on ``stream`` (default: the caller's current stream of
-        this problem's kind), wait for them, and ``check_routing``."""
+        this problem's kind), wait for them, ``check_routing``, and keep them as ``host_routing``."""
         handle = self.stream_for(stream)
-        self.check_routing(**{name: copy_to_host(getattr(self, name), handle) for name in ROUTING_ARRAYS})
+        routing = {name: copy_to_host(getattr(self, name), handle) for name in ROUTING_ARRAYS}
+        self.check_routing(**routing)
+        object.__setattr__(self, "host_routing", routing)
 
     def stream_for(self, stream=None) -> int:
         """The stream handle work on this problem goes to: ``stream`` if given, else ``caller_stream``."""

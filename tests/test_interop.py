@@ -264,6 +264,25 @@ def test_int32_routing_is_read_as_the_kernels_dtypes(routing_copies):
     assert dp.a_offsets.source_dtype == "int32"
 
 
+def test_validated_routing_stays_on_the_host_for_the_plans(routing_copies):
+    """``validate_routing`` keeps the copies it checked (``host_routing``), so the wgmma plan counts each
+    group's own tiles for a device problem as it does for the host one; without validation it has the
+    average only."""
+    from gbs.numba_kernels import h200_wgmma
+
+    p = ragged()
+    dp = interop.device_problem(**fake_arrays(p))
+    assert set(dp.host_routing) == set(interop.ROUTING_ARRAYS)
+    for name in interop.ROUTING_ARRAYS:
+        np.testing.assert_array_equal(dp.host_routing[name], getattr(p, name))
+    assert h200_wgmma.tile_token_rows(dp, 128) == h200_wgmma.tile_token_rows(p, 128)
+    blind = interop.device_problem(**fake_arrays(p), validate=False)
+    assert blind.host_routing is None
+    average = -(-p.total_tokens // p.num_active_experts)
+    assert h200_wgmma.tile_token_rows(blind, 128) == p.num_active_experts * -(-average // 128) * 128
+    assert h200_wgmma.tile_token_rows(blind, 128) != h200_wgmma.tile_token_rows(dp, 128)   # the empty / -1 slots
+
+
 def test_validate_false_reads_nothing(routing_copies):
     p = ragged()
     broken = p.a_offsets.copy()

@@ -969,15 +969,18 @@ TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96, ("nv
 # re-laid weights; notes/h200/2026-11-30-sweep-ragged-run71.*): the bench's large_prefill_ragged, 8192
 # tokens over 32 experts, 0-1694 each, four empty (average 256), 4096 x 7168. Its tiles cover 10240 token
 # rows at 128 tokens and 12800 at 256 (x 0.93 = 11904): 128-token tiles 1260.1 / 1234.3 us (NVFP4 / MXFP4)
-# against 1413.6 / 1378.8 with 256. So the estimate counts each group's own tiles where the problem holds
-# its offsets on the host.
+# against 1413.6 / 1378.8 with 256. So the estimate counts each group's own tiles where the routing is on
+# the host (a GroupedProblem, or the copies a device problem's validation kept).
 
 
 def tile_token_rows(problem, tile_tokens: int) -> int:
     """Token rows the tiles of ``tile_tokens`` cover, padding of each group's last tile included (host
     metadata only): each live group's own size where the problem holds its offsets and expert ids as host
-    arrays, else ``num_active_experts`` experts of the average size (device problems)."""
-    offsets, expert_ids = getattr(problem, "a_offsets", None), getattr(problem, "expert_ids", None)
+    arrays (a ``GroupedProblem``; a device problem whose routing was validated keeps the copies it checked,
+    ``host_routing``), else ``num_active_experts`` experts of the average size."""
+    routing = getattr(problem, "host_routing", None)
+    offsets, expert_ids = ((routing["a_offsets"], routing["expert_ids"]) if routing else
+                           (getattr(problem, "a_offsets", None), getattr(problem, "expert_ids", None)))
     if isinstance(offsets, np.ndarray) and isinstance(expert_ids, np.ndarray):
         sizes = np.diff(offsets.astype(np.int64))[expert_ids >= 0]
         return int((-(-sizes // tile_tokens)).sum()) * tile_tokens
