@@ -478,31 +478,60 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
-def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED):
+def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens: bool = False):
     """``gbs.api.h200_kernel``'s kernel and knobs for ``backend`` without a config: ``"auto"`` is what
     ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
     otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``.
     ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
     order (``with_a_layout``: their quantizer would write it, and the quantization is not timed either),
-    both untimed, before the runs."""
+    both untimed, before the runs. ``relay_tokens``: the FP4 tokens arrive packed instead, and each timed
+    launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
 
     last = [None, None]   # the last problem and its re-laid copy: one re-layout per bench case
 
     def prepare(problem: GroupedProblem, config):
+        packed = problem
         if layout != LAYOUT_PACKED:
             if not problem.b_format.packed:
                 raise NotImplementedError(f"no {layout} re-layout for {problem.b_format.name} weights")
+            if relay_tokens and not problem.a_format.packed:
+                raise NotImplementedError(f"{problem.a_format.name} tokens: no FP4 tokens to re-lay")
             if last[0] is not problem:
                 last[:] = [None, None]   # drop the previous case's copy before making this one
                 relaid = problem.with_b_layout(layout)
                 last[:] = [problem, relaid.with_a_layout(layout) if problem.a_format.packed else relaid]
             problem = last[1]
         kernel, knobs = h200_kernel(problem, None, backend)
-        return kernel.prepare(to_device(problem), knobs)
+        device = to_device(problem)
+        launcher = kernel.prepare(device, knobs)
+        if not relay_tokens:
+            return launcher
+        from numba import cuda
+
+        return TokenRelayLaunch(launcher, cuda.to_device(packed.a), device.a)
 
     return prepare
+
+
+class TokenRelayLaunch:
+    """A prepared launch whose FP4 tokens arrive in ``pack_fp4`` order: each call re-lays ``packed_tokens``
+    into the launch's own token array (``tokens``, read in ``E2M1H200Order``) on the GPU
+    (``gbs.numba_kernels.relayout``), then enqueues the launch, on the same (default) stream, so a timing
+    covers both. Other attributes are the launch's."""
+
+    def __init__(self, launcher, packed_tokens, tokens):
+        self.launcher, self.packed_tokens, self.tokens = launcher, packed_tokens, tokens
+
+    def __call__(self):
+        from .numba_kernels import relayout
+
+        relayout.to_e2m1_h200(self.packed_tokens, self.tokens)
+        return self.launcher()
+
+    def __getattr__(self, name):
+        return getattr(self.launcher, name)
 
 
 def launch_knobs(launcher) -> str:
@@ -524,10 +553,13 @@ def launch_knobs(launcher) -> str:
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what
 # ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200 and FP4 tokens come in that
-# order); a loader raises
+# order; ``gbs_auto_h200_relay``: the same with the tokens arriving packed and re-laid on the GPU in each
+# timed call); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
+                   "gbs_auto_h200_relay": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200,
+                                                            relay_tokens=True),
                    "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
                    "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma")}

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -106,7 +107,8 @@ def test_quick_and_full_selections():
     assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
     assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
-    assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "h200_stream", "h200_stream_sm100_knobs",
+    assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "gbs_auto_h200_relay", "h200_stream",
+                                      "h200_stream_sm100_knobs",
                                       "h200_wgmma",
                                       "torch_bf16",
                                       "torch_fp8_rowwise", "triton_dot_scaled", "copy")
@@ -426,6 +428,39 @@ def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
     assert all(float(r["median_us"]) > 0 and float(r["gbps"]) > 0 for r in simt)
     assert all(r["gpu"] != "none" and float(r["read_ceiling_tbps"]) > 1.0 for r in rows)
     assert out.rstrip().splitlines()[-1].startswith("tiny")   # the table comes last
+
+
+def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
+    """``gbs_auto_h200_relay``: the kernel gets the problem with both operands in the H200 order, and each
+    call first re-lays the packed tokens into the kernel's own token array, then launches; FP8 tokens have
+    nothing to re-lay (skipped). Host-only: kernel, copies and the re-layout are stubbed."""
+    import gbs.api
+    import gbs.numba_kernels.launch as launch
+    import gbs.numba_kernels.relayout as relayout
+    from numba import cuda
+
+    events, seen = [], []
+
+    class Launched:
+        spec, k_splits, num_ctas = "spec", 1, 132
+
+        def __call__(self):
+            events.append("launch")
+
+    kernel = type("Kernel", (), {"prepare": staticmethod(lambda device, knobs: seen.append(device) or Launched())})
+    monkeypatch.setattr(gbs.api, "h200_kernel", lambda problem, config, backend: (kernel, None))
+    monkeypatch.setattr(launch, "to_device", lambda problem: types.SimpleNamespace(a=("device a", problem.a_layout)))
+    monkeypatch.setattr(cuda, "to_device", lambda host: ("packed copy", host))
+    monkeypatch.setattr(relayout, "to_e2m1_h200", lambda packed, out: events.append(("relay", packed[0], out)))
+    prepare = bench.BACKEND_LOADERS["gbs_auto_h200_relay"]()
+    problem = bench.BenchCase("t", 256, 256, 2, 3).problem("nvfp4")
+    launcher = prepare(problem, None)
+    assert seen[0].a == ("device a", "e2m1_h200") and launcher.num_ctas == 132
+    launcher()
+    launcher()
+    assert events == [("relay", "packed copy", ("device a", "e2m1_h200")), "launch"] * 2
+    with pytest.raises(NotImplementedError, match="no FP4 tokens to re-lay"):
+        prepare(bench.BenchCase("t", 256, 256, 2, 3).problem("w4a8"), None)
 
 
 def test_launch_knobs_names_what_ran():
