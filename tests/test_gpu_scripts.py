@@ -164,3 +164,41 @@ def test_compare_variants_summary_is_the_median_over_rounds(variants, tmp_path):
                 f.write(f"point,median_us\np1,{t}\n")
     table = variants.summary([variants.parse_variant("a=."), variants.parse_variant("b=.")], tmp_path, 3)
     assert "11.0 us" in table[1] and "5.0 us (0.455x)" in table[1]
+
+
+@pytest.fixture(scope="module")
+def overlap_probe():
+    return load_script("wgmma_overlap_probe")
+
+
+@pytest.mark.parametrize("case_name", ["base", "ss", "interleaved", "pingpong"])
+def test_overlap_probe_keeps_its_mmas_and_its_work(overlap_probe, case_name):
+    """The probe's kernels assemble for sm_90a with their 8 wgmma per iteration and all of the work (LLVM folds
+    work whose result is unused or affine: the first versions measured nothing), without local memory."""
+    from numba import types
+    from gbs.ptx_inline import offline
+
+    case = next(c for c in overlap_probe.CASES if c.name == case_name)
+    rounds = 8
+    sig = (types.Array(types.float32, 1, "C"), types.Array(types.uint64, 2, "C"), types.int64)
+    for with_mma in (True, False):
+        kernel = overlap_probe.make_kernel(case if with_mma else overlap_probe.Case("alone"), rounds, with_mma)
+        cubin = offline.compile_cubin(kernel.py_func, sig, offline.SM90A, launch_bounds=(256, 1))
+        ins = offline.sass_instructions(offline.disassemble(cubin))
+        assert offline.resource_usage(cubin).local_bytes == 0
+        hgmma = sum(i.startswith("HGMMA.64x128x16.F32.BF16") for i in ins)
+        # the loop body holds two iterations (the A sets alternate); the interleaved case loops over its k16 steps
+        assert (hgmma > 0) == with_mma and (case.interleaved or hgmma % (4 * overlap_probe.K_STEPS) == 0)
+        # 4 chains x 3 XORs per round (each chain's 3 shift-XOR pairs), written out for two iterations per loop
+        # body; the interleaved case keeps its quarter-rounds in a loop of their own
+        xors = sum(i.startswith("LOP3") for i in ins)
+        assert xors >= (4 * 3 if case.interleaved and with_mma else 2 * rounds * 4 * 3)
+
+
+def test_overlap_probe_refuses_bad_cases(overlap_probe):
+    with pytest.raises(ValueError):
+        overlap_probe.make_kernel(overlap_probe.Case("x", sync="sometimes"), 8, True)
+    with pytest.raises(ValueError):
+        overlap_probe.make_kernel(overlap_probe.Case("base"), 6, True)
+    with pytest.raises(ValueError):
+        overlap_probe.make_work("int64")
