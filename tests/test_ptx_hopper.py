@@ -698,6 +698,20 @@ def test_descriptor_rejects_bad_input():
         hp.wgmma_smem_descriptor(0, 16.0, 1024, "none")
 
 
+@pytest.mark.parametrize("swizzle", list(hp.WGMMA_SWIZZLE_MODES))
+def test_descriptor_advance_equals_the_descriptor_of_the_moved_address(swizzle):
+    """Advancing a descriptor by n 16-byte units is the descriptor built at start + 16 n, for every shared
+    address (the kernel's B-buffer and k16-step offsets stay below 228 KiB)."""
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        start = 16 * int(rng.integers(0, 228 * 1024 // 16))
+        units = int(rng.integers(0, (228 * 1024 - start) // 16 + 1))
+        lbo, sbo = 16 * int(rng.integers(0, 1 << 14)), 16 * int(rng.integers(0, 1 << 14))
+        desc = hp.wgmma_smem_descriptor(start, lbo, sbo, swizzle)
+        assert int(hp.wgmma_descriptor_advance(np.uint64(desc), units)) == \
+            hp.wgmma_smem_descriptor(start + 16 * units, lbo, sbo, swizzle)
+
+
 def test_descriptor_in_kernel_equals_host_value():
     """The kernel intrinsic folds to the host function's value for constant inputs."""
     def k(out, addr):

@@ -517,6 +517,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     chunk_offset = _device(b_buffer_offset)
     step_groups = _device(sub_step_groups)
     a_index = _device(a_fragment_index)
+    advance = _device(hp.wgmma_descriptor_advance)
+    buffer_units = buffer_bytes // 16   # descriptor address units
     store_tile = _make_store_tile(num_acc)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
@@ -545,6 +547,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
         w_step = lane // lanes_per_step
         buffers = np.uint32(base + buffers_off)
+        # buffer 0's descriptor; each wgmma's is this one advanced (one 32-bit add, not a rebuild)
+        desc0 = hp.wgmma_smem_descriptor_device(buffers, SW128_LEADING_BYTES, SW128_ATOM_BYTES, "128B")
         m_col0 = cuda.local.array(rotation_run, np.uint32)
         m_sel0 = cuda.local.array(rotation_run, np.uint32)
         for c in range(ROTATION_RUN):
@@ -668,10 +672,9 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         # 4. meet the other warpgroup: the buffer is complete, then issue
                         cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
                         hp.wgmma_fence()
+                        b_desc = advance(desc0, buffer * buffer_units)
                         for kb in range(k_steps):
-                            desc = hp.wgmma_smem_descriptor_device(
-                                b_addr + (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K, SW128_LEADING_BYTES,
-                                SW128_ATOM_BYTES, "128B")
+                            desc = advance(b_desc, ((kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K) // 16)
                             acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
                                             a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
                             if two_m_tiles:   # the same B operand for the warpgroup's second m64 tile

@@ -550,6 +550,20 @@ def wgmma_smem_descriptor_device(typingctx, start_addr, lbo, sbo, swizzle):
     return types.uint64(start_addr, lbo, sbo, swizzle), codegen
 
 
+DESCRIPTOR_LOW_WORD = 0xFFFFFFFF
+
+
+def wgmma_descriptor_advance(desc, units):
+    """``desc`` with its start address moved ``units`` x 16 bytes on (the field's unit: pass a byte offset
+    // 16, a constant where possible): the low 32-bit word plus ``units``, the high word (stride offset,
+    swizzle mode) untouched, so a kernel adds one integer per descriptor instead of rebuilding it (4 uniform
+    instructions). The start-address field (bits 0-13) must not overflow: start address + offset below
+    ``DESCRIPTOR_FIELD_MASK + 1``, which every shared address (at most 228 KiB) is. Host and device."""
+    low = np.uint32(np.uint64(desc) & np.uint64(DESCRIPTOR_LOW_WORD))
+    high = np.uint64(desc) & np.uint64(~DESCRIPTOR_LOW_WORD & 0xFFFFFFFFFFFFFFFF)
+    return high | np.uint64(np.uint32(low + np.uint32(units)))
+
+
 def kmajor_interleave_offset(row, kbyte, row_bytes):
     """Byte offset of K byte ``kbyte`` of ``row`` in a no-swizzle K-major tile whose rows hold
     ``row_bytes`` bytes of K (a multiple of 32): core matrix (row // 8, kbyte // 16) at
