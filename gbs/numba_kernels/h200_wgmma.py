@@ -47,6 +47,16 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   integer instructions per word (NVFP4: 660 -> 596 per 128 kappa). Measured (run 72, two rounds each):
   NVFP4 large prefill 896 -> 860 us, MXFP4 862 -> 836, NVFP4 down-projection 512 -> 496: 3-4 %, not the 10 %
   of the instructions (the loop is latency-bound); 128-token tiles unchanged (ragged case 1272 / 1285).
+* Each wgmma's B descriptor is buffer 0's advanced by a 32-bit add (``hopper.wgmma_descriptor_advance``),
+  not rebuilt (4 uniform instructions): NVFP4 256-token K loop 596 -> 575 instructions per 128 kappa, MXFP4
+  549 -> 530, NVFP4 128-token 931 -> 882, MXFP8 / W4A8 bn256 807 / 813 -> 773 / 781 (offline). Measured (run
+  80, two rounds, both operands re-laid): NVFP4 large prefill 857.4 -> 855.5 us, MXFP4 836.4 -> 828.3, NVFP4
+  down 498.1 -> 495.9, ragged 1234.0 -> 1218.2, MXFP8 1040.0 -> 1026.0, W4A8 1031.2 -> 1003.0.
+
+Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
+runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
+decode's own time plus 55-80 % of the MMA time, whatever the arrangement (A in registers or shared memory,
+warpgroups in lock step or ping-pong, the decode between the k16 steps). Only less decode time helps.
 
 The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
