@@ -125,6 +125,9 @@ WGMMA_K = 16
 SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
 BF16_ROW_BYTES = 2 * SW128_KAPPA
 A_FRAGMENT_SETS = 2           # consecutive sub-steps alternate two register sets of A fragments
+ROTATION_RUN_LOG2 = 2         # log2(h200_stream.ROTATION_RUN)
+if 1 << ROTATION_RUN_LOG2 != hs.ROTATION_RUN:
+    raise AssertionError("ROTATION_RUN_LOG2 must be log2(h200_stream.ROTATION_RUN)")
 WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa buffers of 256 rows do not fit)
 # Tokens per tile (``WgmmaConfig.tile_tokens``): 128 (each consumer warpgroup one m64 tile), or 256 (two m64
 # tiles per warpgroup on the same bf16 B buffer: the weight decode, ~26 % of the NVFP4 large-prefill time by
@@ -419,8 +422,9 @@ def sub_step_groups(groups_per_sub: int, sub_pair: int, parity: int) -> tuple[in
     whose ``groups_per_sub`` (2 or 4) group steps ``gi = groups_per_sub * sub`` .. stay inside one run
     of 4. A pair of sub-steps covers ``2 groups_per_sub`` groups, a whole number of runs, so the first
     step depends on the parity only (a constant once the pair is unrolled)."""
+    # a shift, not a floor division: on a signed loop counter the division costs the kernel a sign fix-up
     return (groups_per_sub * parity % hs.ROTATION_RUN,
-            groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity) // hs.ROTATION_RUN)
+            (groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity)) >> ROTATION_RUN_LOG2)
 
 
 def a_fragment_index(p: int, j: int, i: int) -> int:
@@ -616,7 +620,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                 for sub_pair in range(subs_per_slice // A_FRAGMENT_SETS):
                     for parity in range(A_FRAGMENT_SETS):
                         a_set = 4 * k_steps * m_tiles * parity
-                        first_c, run = step_groups(groups_per_sub, sub_pair, parity)
+                        # 32-bit: the loop's int64 counter made the run's floor division ~14 uniform instructions
+                        first_c, run = step_groups(groups_per_sub, np.uint32(sub_pair), parity)
                         m_run, n_run = np.uint32(run * m_run_bytes), np.uint32(run * n_run_bytes)
                         m_sel_run, n_sel_run = np.uint32(run * m_sel_step), np.uint32(run * n_sel_step)
                         b_addr = np.uint32(buffers + buffer * buffer_bytes)
@@ -692,8 +697,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                                 acc_hi = mma(acc_hi, (a_frag[hi], a_frag[hi + 1], a_frag[hi + 2], a_frag[hi + 3]), desc,
                                              np.uint32(1))
                         hp.wgmma_commit_group()
-                        buffer += np.uint32(1)
-                        if buffer == BF16_BUFFERS:
+                        buffer = np.uint32(buffer + np.uint32(1))   # 32-bit (a plain += widens to 64)
+                        if buffer == np.uint32(BF16_BUFFERS):
                             buffer = np.uint32(0)
                 # every read of the raw stage is done (the MMAs read the bf16 buffers)
                 cuda.syncwarp()
