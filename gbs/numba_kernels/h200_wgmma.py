@@ -55,8 +55,9 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
 
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
-decode's own time plus 55-80 % of the MMA time, whatever the arrangement (A in registers or shared memory,
-warpgroups in lock step or ping-pong, the decode between the k16 steps). Only less decode time helps.
+decode's own time plus 54-82 % of the MMA time, whatever the arrangement (A in registers or shared memory,
+warpgroups in lock step or ping-pong, the decode between the k16 steps), at the kernel's ratio of decode to MMA
+time. Only less decode time helps.
 
 The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
