@@ -7,10 +7,13 @@
 
 One thread per 4-byte word (grid-stride loop): the word's image is the OR of its four bytes' entries in the
 order's byte tables (``E2M1H200Order.byte_tables``, 4 KiB, read through L1), bit-identical to
-``E2M1H200Order.swizzle``. It reads and writes each byte once; for 8192 tokens x K 7168 (29 MB) that is
-~15 us at the H200's ~4 TB/s copy rate (modelled, not measured yet), against the 3-4 % (~30 us) that FP4
-tokens in this order save the 256-token prefill kernel (run 72). A quantizer that writes the order directly
-costs nothing extra: this kernel is for the ones that do not.
+``E2M1H200Order.swizzle``. It reads and writes each byte once; for 8192 tokens x K 7168 (29 MB) it took
+~18-20 us on the H200 (bench run 76, timed with the matmul: ``gbs_auto_h200_relay``; modelled 15 us), against
+the 3-4 % (~30 us) that FP4 tokens in this order save the 256-token prefill kernel (run 72): in large prefill
+it about pays for itself (NVFP4 874.1 us against 905.4 with packed tokens and weights, 856.5 with the tokens
+re-laid by their quantizer), in small prefill it does not. A quantizer that writes the order directly costs
+nothing extra: this kernel is for the ones that do not. Verified on the H200 (run 76): bit-identical to the
+host swizzle.
 
 Constraints (checked before any device work): a C-contiguous device array of 1-byte elements whose last
 axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same. Runs in Numba's CUDA
