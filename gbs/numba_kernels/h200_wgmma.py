@@ -51,7 +51,9 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   not rebuilt (4 uniform instructions): NVFP4 256-token K loop 596 -> 575 instructions per 128 kappa, MXFP4
   549 -> 530, NVFP4 128-token 931 -> 882, MXFP8 / W4A8 bn256 807 / 813 -> 773 / 781 (offline). Measured (run
   80, two rounds, both operands re-laid): NVFP4 large prefill 857.4 -> 855.5 us, MXFP4 836.4 -> 828.3, NVFP4
-  down 498.1 -> 495.9, ragged 1234.0 -> 1218.2, MXFP8 1040.0 -> 1026.0, W4A8 1031.2 -> 1003.0.
+  down 498.1 -> 495.9, ragged 1234.0 -> 1218.2, MXFP8 1040.0 -> 1026.0, W4A8 1031.2 -> 1003.0. The sub-step
+  arithmetic is 32-bit (an int64 loop counter made the rotation run's floor division ~14 uniform instructions):
+  575 -> 539 (MXFP4 530 -> 486); run 81: NVFP4 857.3 -> 847.8 us, MXFP4 826.8 -> 822.7, ragged 1226.3 -> 1215.3.
 
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
