@@ -14,9 +14,12 @@ waits for the previous group (``wait_group 1``), then runs ``rounds`` rounds of 
 Cases (``CASES``): the kernel's pattern (``base``: A in registers, the two tiles' accumulators alternating per
 k16 step, integer work); the work issued between the k16 steps (``interleaved``: a group per step); the
 accumulators one tile after the other (``grouped``); A from shared memory (``ss``); the work as fp32 FMAs or
-packed bf16 FMAs instead of integer shifts and XORs. Printed per iteration: SM clocks (thread 0 of warpgroup
-0), the clocks the wgmma issue took, and the same work alone (no MMA). Overlap means the time stays near
-max(MMA, work); none means their sum.
+packed bf16 FMAs instead of integer shifts and XORs; a named barrier of both warpgroups per iteration as the
+kernel has (``lockstep``, ``ss_lockstep``) or the warpgroups taking turns (``pingpong``, ``ss_pingpong``).
+Printed per iteration: SM clocks (thread 0 of warpgroup 0), the clocks the wgmma issue took, and the same work
+alone (same barriers, no MMA). Overlap means the time stays near max(MMA, work); none means their sum. Run 79
+(2026-11-30, ``notes/h200/2026-11-30-wgmma-overlap-probe-run79.csv``): work + 0.54-0.82 x MMA in 29 of 30
+points, i.e. little overlap in any arrangement.
 
 Constraints: sm_90a, 256 threads per CTA, one CTA per SM; rounds a multiple of 4.
 """
