@@ -535,7 +535,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     step_groups = _device(sub_step_groups)
     a_index = _device(a_fragment_index)
     advance = _device(hp.wgmma_descriptor_advance)
-    buffer_units = buffer_bytes // 16   # descriptor address units
+    buffer_units = buffer_bytes // hp.DESCRIPTOR_UNIT_BYTES
     store_tile = _make_store_tile(num_acc)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
@@ -547,6 +547,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     # module constants as plain names (numba reads globals of other modules at compile time only by name)
     CONSUMER_BARRIER, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD = (
         hs.CONSUMER_BARRIER, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD)
+    DESCRIPTOR_UNIT_BYTES = hp.DESCRIPTOR_UNIT_BYTES
     ROTATION_RUN = hs.ROTATION_RUN
 
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
@@ -692,7 +693,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         hp.wgmma_fence()
                         b_desc = advance(desc0, buffer * buffer_units)
                         for kb in range(k_steps):
-                            desc = advance(b_desc, ((kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K) // 16)
+                            desc = advance(b_desc, ((kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K) // DESCRIPTOR_UNIT_BYTES)
                             acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
                                             a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
                             if two_m_tiles:   # the same B operand for the warpgroup's second m64 tile
