@@ -510,7 +510,8 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
             return launcher
         from numba import cuda
 
-        return TokenRelayLaunch(launcher, cuda.to_device(packed.a), device.a)
+        scales = (cuda.to_device(packed.a_scales), device.a_scales) if packed.a_format.scale_dtype == "ue4m3" else None
+        return TokenRelayLaunch(launcher, cuda.to_device(packed.a), device.a, scales)
 
     return prepare
 
@@ -518,16 +519,19 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
 class TokenRelayLaunch:
     """A prepared launch whose FP4 tokens arrive in ``pack_fp4`` order: each call re-lays ``packed_tokens``
     into the launch's own token array (``tokens``, read in ``E2M1H200Order``) on the GPU
-    (``gbs.numba_kernels.relayout``), then enqueues the launch, on the same (default) stream, so a timing
-    covers both. Other attributes are the launch's."""
+    (``gbs.numba_kernels.relayout``), and ``scales`` = (UE4M3 scale bytes, the launch's scale array) into
+    their H200 codes (NVFP4; None for MX scales, which stay as they are), then enqueues the launch, on the
+    same (default) stream, so a timing covers all. Other attributes are the launch's."""
 
-    def __init__(self, launcher, packed_tokens, tokens):
-        self.launcher, self.packed_tokens, self.tokens = launcher, packed_tokens, tokens
+    def __init__(self, launcher, packed_tokens, tokens, scales=None):
+        self.launcher, self.packed_tokens, self.tokens, self.scales = launcher, packed_tokens, tokens, scales
 
     def __call__(self):
         from .numba_kernels import relayout
 
         relayout.to_e2m1_h200(self.packed_tokens, self.tokens)
+        if self.scales is not None:
+            relayout.ue4m3_scales_to_h200(*self.scales)
         return self.launcher()
 
     def __getattr__(self, name):

@@ -472,9 +472,12 @@ def device_problem(a, b, a_scales, b_scales, a_offsets, a_scale_offsets, expert_
     ``validate``: copy the routing arrays to the host and check them (see the module docstring).
     ``stream``: the stream the routing copy and DLPack exports are ordered on (default: the caller's
     current stream for torch / CuPy, else the legacy default stream). ``b_layout``: the byte layout of
-    ``b`` (``gbs.quant.OPERAND_LAYOUTS``: FP4 weights re-laid once with ``gbs.quant.E2M1H200Order.swizzle``
-    decode faster on the H200 kernels). ``a_layout``: the byte layout of ``a`` (the same layouts: FP4
-    tokens written in ``E2M1H200Order`` by their quantizer decode faster too).
+    ``b`` and ``b_scales`` (``gbs.quant.OPERAND_LAYOUTS``: FP4 weights re-laid once with
+    ``gbs.quant.E2M1H200Order.swizzle``, NVFP4's UE4M3 scales with ``E2M1H200Order.encode_scales``, e.g. by
+    ``GroupedProblem.with_b_layout``, decode faster on the H200 kernels). ``a_layout``: the byte layout of
+    ``a`` and ``a_scales`` (the same layouts: FP4 tokens written in ``E2M1H200Order`` by their quantizer, or
+    re-laid on the GPU by ``gbs.numba_kernels.relayout``, decode faster too). The tag is not checked against
+    the bytes: NVFP4 scales in the wrong encoding give wrong numbers.
     """
     a_format, b_format = resolve_formats(fmt)
     given = None if stream is None else stream_handle(stream)

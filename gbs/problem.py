@@ -119,8 +119,9 @@ class GroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    # the bytes of b and of a: names of gbs.quant.OPERAND_LAYOUTS. Tags, not checked against the bytes: change
-    # them only with ``with_b_layout`` / ``with_a_layout`` (``dataclasses.replace`` of an array alone keeps its tag)
+    # the bytes of b and of a (and of their UE4M3 scales): names of gbs.quant.OPERAND_LAYOUTS. Tags, not checked
+    # against the bytes: change them only with ``with_b_layout`` / ``with_a_layout`` (``dataclasses.replace`` of an
+    # array alone keeps its tag)
     b_layout: str = LAYOUT_PACKED
     a_layout: str = LAYOUT_PACKED
 
@@ -129,8 +130,9 @@ class GroupedProblem(ProblemShape):
 
     def with_b_layout(self, b_layout: str) -> "GroupedProblem":
         """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.OPERAND_LAYOUTS``: ``"packed"``, or
-        ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions). One-time
-        weight preparation: returns a new problem (``b`` copied), the result of the matmul is the same."""
+        ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions; NVFP4's UE4M3
+        ``b_scales`` are re-encoded with them, ``gbs.quant.UE4M3H200Scales``). One-time weight preparation:
+        returns a new problem (``b`` and ``b_scales`` copied), the result of the matmul is the same."""
         return self._with_layout("b", b_layout)
 
     def with_a_layout(self, a_layout: str) -> "GroupedProblem":
@@ -141,10 +143,13 @@ class GroupedProblem(ProblemShape):
         return self._with_layout("a", a_layout)
 
     def _with_layout(self, operand: str, layout: str) -> "GroupedProblem":
-        check_layout(layout, getattr(self, f"{operand}_format"), operand)
-        raw = getattr(self, operand)
-        relaid = _relaid(raw, getattr(self, f"{operand}_layout"), layout)
+        fmt = getattr(self, f"{operand}_format")
+        check_layout(layout, fmt, operand)
+        raw, raw_scales, old = getattr(self, operand), getattr(self, f"{operand}_scales"), getattr(self, f"{operand}_layout")
+        relaid = _relaid(raw, old, layout)
+        scales = _relaid_scales(raw_scales, fmt, old, layout)
         return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
+                                            f"{operand}_scales": scales if scales is not raw_scales else scales.copy(),
                                             f"{operand}_layout": layout})
 
     # -- derived (format_name, num_experts, total_tokens: ProblemShape) ---------------------------
@@ -171,6 +176,7 @@ class GroupedProblem(ProblemShape):
 
         cols = self.a_format.scale_cols(self.k)
         scales = gather_group_scales(self.a_scales, self.a_offsets, self.a_scale_offsets, cols)
+        scales = _relaid_scales(scales, self.a_format, self.a_layout, LAYOUT_PACKED)
         return BlockScaled(_relaid(self.a, self.a_layout, LAYOUT_PACKED), scales, self.a_format)
 
     def b_operand(self, expert: int) -> BlockScaled:
@@ -178,6 +184,7 @@ class GroupedProblem(ProblemShape):
         from .quant import unswizzle_scales
 
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
+        scales = _relaid_scales(scales, self.b_format, self.b_layout, LAYOUT_PACKED)
         return BlockScaled(_relaid(self.b[expert], self.b_layout, LAYOUT_PACKED), scales, self.b_format)
 
     def nbytes(self) -> dict[str, int]:
@@ -276,6 +283,14 @@ def _relaid(raw: np.ndarray, layout: str, new_layout: str) -> np.ndarray:
         return raw
     packed = raw if layout == LAYOUT_PACKED else OPERAND_LAYOUTS[layout].unswizzle(raw)
     return packed if new_layout == LAYOUT_PACKED else OPERAND_LAYOUTS[new_layout].swizzle(packed)
+
+
+def _relaid_scales(scales: np.ndarray, fmt: BlockFormat, layout: str, new_layout: str) -> np.ndarray:
+    """An operand's scale bytes in ``layout`` as ``new_layout`` (``scales`` itself when they are the same)."""
+    if layout == new_layout:
+        return scales
+    plain = scales if layout == LAYOUT_PACKED else OPERAND_LAYOUTS[layout].decode_scales(scales, fmt.scale_dtype)
+    return plain if new_layout == LAYOUT_PACKED else OPERAND_LAYOUTS[new_layout].encode_scales(plain, fmt.scale_dtype)
 
 
 def require_packed(problem, backend: str) -> None:

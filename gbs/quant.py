@@ -273,10 +273,13 @@ class E2M1H200Order:
     word can hold: the slots ``BF16_MASK >> s`` are disjoint only for s in {0, 3, 6}.
 
     A bijection of the bits of each word: ``swizzle`` / ``unswizzle`` (numpy; every 4-byte word of each
-    row, so the row's bytes must be a multiple of 4: K a multiple of 8). Scales are unchanged, so is the
-    K order the kernels see. ``GroupedProblem.with_b_layout`` applies it to the weights (once),
-    ``with_a_layout`` to the tokens (which, in a model, their quantizer writes in this order: placing the
-    bits costs it no more than ``pack_fp4``'s nibbles).
+    row, so the row's bytes must be a multiple of 4: K a multiple of 8). The K order the kernels see is
+    unchanged. UE4M3 block scales (NVFP4) are part of the order too: ``encode_scales`` / ``decode_scales``
+    re-encode each byte (``UE4M3H200Scales``: one ``prmt`` and one multiply-add per two scales instead of
+    the exact float conversion's six instructions); UE8M0 scales (MX formats) stay as they are.
+    ``GroupedProblem.with_b_layout`` applies both to the weights (once), ``with_a_layout`` to the tokens
+    (which, in a model, their quantizer writes in this order: placing the bits and picking the scale code
+    costs it no more than ``pack_fp4``'s nibbles and the UE4M3 byte).
     """
 
     BF16_TARGET_BITS = (6, 7, 8, 15)          # m, e0, e1, sign of the low bf16 half
@@ -324,6 +327,108 @@ class E2M1H200Order:
     def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
         """Inverse of ``swizzle``."""
         return cls._permute(ordered, inverse=True)
+
+    @staticmethod
+    def encode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
+        """An operand's block-scale bytes (any shape, e.g. the 128x4 atoms) in this order: UE4M3 bytes
+        re-encoded (``UE4M3H200Scales.encode``, a new array), UE8M0 bytes unchanged (a copy)."""
+        if scale_dtype == "ue4m3":
+            return UE4M3H200Scales.encode(scale_bytes)
+        return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+    @staticmethod
+    def decode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
+        """Inverse of ``encode_scales``."""
+        if scale_dtype == "ue4m3":
+            return UE4M3H200Scales.decode(scale_bytes)
+        return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+
+def _scale_bytes(scale_bytes, scale_dtype: str) -> np.ndarray:
+    scale_bytes = np.asarray(scale_bytes)
+    if scale_dtype not in ("ue4m3", "ue8m0"):
+        raise ValueError(f"scale_dtype must be 'ue4m3' or 'ue8m0', got {scale_dtype!r}")
+    if scale_bytes.dtype != np.uint8:
+        raise TypeError(f"block-scale bytes must be uint8, got {scale_bytes.dtype}")
+    return scale_bytes
+
+
+class UE4M3H200Scales:
+    """UE4M3 block scales re-encoded for the H200 kernels (the scale part of ``E2M1H200Order``).
+
+    The kernels multiply each decoded E2M1 register (``value * 2**-126``) by the bf16 ``s * 2**118`` of
+    its block scale ``s`` (``LOG2_MULTIPLIER``: 126 minus the UE4M3 pre-bias 8 of
+    ``h200_stream.ELEMENT_LOG2_OFFSET``), so that ``value * s * 2**-8`` is an exact bf16 normal. From a
+    UE4M3 byte that bf16 costs an exact float route (``cvt`` e4m3 -> f16 -> f32, a multiply, a pack:
+    3 instructions per scale). Here each byte ``h`` already holds the bf16's exponent (offset by
+    ``EXPONENT_BASE``) and its 3 mantissa bits, ``h = (exponent - EXPONENT_BASE) << 3 | mantissa``, so
+    the bf16 bits are ``(h << 4) + (EXPONENT_BASE << 7)``: one ``prmt`` puts two bytes in the 16-bit
+    lanes of a register and one multiply-add makes both bf16 (``bf16_bits``), 1 instruction per scale.
+
+    Every UE4M3 value has a code, exactly: ``s`` from 2**-9 (the smallest subnormal) to 448 gives bf16
+    exponents 236..253, codes 0x08..0x96 (subnormal UE4M3 bytes become normal numbers here).
+    ``ZERO_BYTE`` (0xA8) is the code of 0: ``(0xA8 << 4) + 0x7580 = 0x8000``, the bf16 -0, so a zero
+    scale still zeroes its block whatever its element codes; ``NAN_BYTE`` (0xA4) gives the bf16 quiet
+    NaN 0x7FC0 (UE4M3 0x7F). No code carries out of its 16-bit lane. Bytes with the sign bit set are
+    not UE4M3 (``formats.md``: sign 0) and are rejected; ``decode`` rejects bytes that are not codes.
+    """
+
+    EXPONENT_BASE = 235        # bf16 biased exponent of code exponent 0 (codes use 1..18, 20, 21)
+    LOG2_MULTIPLIER = 118      # the kernels' bf16 scale is s * 2**LOG2_MULTIPLIER
+    ZERO_BYTE = 0xA8           # bf16 -0: exponent field 256 carries into the sign bit, mantissa 0
+    NAN_BYTE = 0xA4            # bf16 0x7FC0 (exponent 255, the quiet bit)
+    LANE_ADDEND = (EXPONENT_BASE << 7) * 0x00010001   # the multiply-add's constant, both 16-bit lanes
+    CODE_SHIFT = 4             # code bits 0..7 -> bf16 bits 4..11 (mantissa 4..6, exponent 7..11)
+
+    @classmethod
+    def bf16_bits(cls, codes) -> np.ndarray:
+        """uint16 bf16 bits of each code: what the kernels compute (per 16-bit lane)."""
+        codes = np.asarray(codes).astype(np.uint32)
+        return ((codes << np.uint32(cls.CODE_SHIFT)) + np.uint32(cls.EXPONENT_BASE << 7)).astype(np.uint16)
+
+    @classmethod
+    def encode(cls, ue4m3_bytes: np.ndarray) -> np.ndarray:
+        """UE4M3 bytes (uint8, any shape) -> their codes (a new array); ValueError on a sign bit."""
+        ue4m3_bytes = _scale_bytes(ue4m3_bytes, "ue4m3")
+        signed = ue4m3_bytes >= 0x80
+        if np.any(signed):
+            index = np.unravel_index(int(np.argmax(signed)), ue4m3_bytes.shape)
+            raise ValueError(f"UE4M3 scale byte {int(ue4m3_bytes[index]):#04x} at {tuple(int(i) for i in index)} "
+                             "has the sign bit set: UE4M3 scales are unsigned (an e4m3 byte of a positive value)")
+        return _UE4M3_H200_CODES[ue4m3_bytes]
+
+    @classmethod
+    def decode(cls, codes: np.ndarray) -> np.ndarray:
+        """Codes -> the UE4M3 bytes (a new array); ValueError on a byte that is no code."""
+        codes = _scale_bytes(codes, "ue4m3")
+        ue4m3 = _UE4M3_H200_INVERSE[codes]
+        bad = ue4m3 < 0
+        if np.any(bad):
+            index = np.unravel_index(int(np.argmax(bad)), codes.shape)
+            raise ValueError(f"byte {int(codes[index]):#04x} at {tuple(int(i) for i in index)} is not a "
+                             "UE4M3H200Scales code")
+        return ue4m3.astype(np.uint8)
+
+
+def _ue4m3_h200_codes() -> np.ndarray:
+    """(128,) uint8: the code of each UE4M3 byte 0x00..0x7F (see ``UE4M3H200Scales``)."""
+    u = np.arange(128, dtype=np.uint8)
+    with np.errstate(over="ignore"):
+        multiplier = decode_ue4m3(u).astype(np.float32) * np.float32(2.0 ** UE4M3H200Scales.LOG2_MULTIPLIER)
+    bits = multiplier.view(np.uint32)
+    if np.any(bits[1:0x7F] & np.uint32(0x000FFFFF)):
+        raise AssertionError("a UE4M3 scale times 2**118 is not exact in bf16 with 3 mantissa bits")
+    exponent = (bits >> np.uint32(23)).astype(np.int64) - UE4M3H200Scales.EXPONENT_BASE
+    codes = (exponent << 3) | ((bits >> np.uint32(20)) & np.uint32(7)).astype(np.int64)
+    codes[0], codes[0x7F] = UE4M3H200Scales.ZERO_BYTE, UE4M3H200Scales.NAN_BYTE
+    if codes[1:0x7F].min() < 1 << 3 or codes[1:0x7F].max() >= 19 << 3:
+        raise AssertionError("UE4M3 codes outside the exponent window")
+    return codes.astype(np.uint8)
+
+
+_UE4M3_H200_CODES = _ue4m3_h200_codes()
+_UE4M3_H200_INVERSE = np.full(256, -1, np.int16)
+_UE4M3_H200_INVERSE[_UE4M3_H200_CODES] = np.arange(128, dtype=np.int16)
 
 
 def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:

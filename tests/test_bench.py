@@ -432,8 +432,9 @@ def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
 
 def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
     """``gbs_auto_h200_relay``: the kernel gets the problem with both operands in the H200 order, and each
-    call first re-lays the packed tokens into the kernel's own token array, then launches; FP8 tokens have
-    nothing to re-lay (skipped). Host-only: kernel, copies and the re-layout are stubbed."""
+    call first re-lays the packed tokens (and, NVFP4, codes their UE4M3 scales) into the kernel's own
+    arrays, then launches; MXFP4's UE8M0 scales stay; FP8 tokens have nothing to re-lay (refused).
+    Host-only: kernel, copies and the re-layout are stubbed."""
     import gbs.api
     import gbs.numba_kernels.launch as launch
     import gbs.numba_kernels.relayout as relayout
@@ -449,16 +450,23 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
 
     kernel = type("Kernel", (), {"prepare": staticmethod(lambda device, knobs: seen.append(device) or Launched())})
     monkeypatch.setattr(gbs.api, "h200_kernel", lambda problem, config, backend: (kernel, None))
-    monkeypatch.setattr(launch, "to_device", lambda problem: types.SimpleNamespace(a=("device a", problem.a_layout)))
-    monkeypatch.setattr(cuda, "to_device", lambda host: ("packed copy", host))
-    monkeypatch.setattr(relayout, "to_e2m1_h200", lambda packed, out: events.append(("relay", packed[0], out)))
+    monkeypatch.setattr(launch, "to_device", lambda problem: types.SimpleNamespace(
+        a=("device a", problem.a_layout), a_scales=("device a_scales", problem.a_layout)))
+    monkeypatch.setattr(cuda, "to_device", lambda host: ("packed copy", host.shape))
+    monkeypatch.setattr(relayout, "to_e2m1_h200", lambda packed, out: events.append(("relay", packed, out)))
+    monkeypatch.setattr(relayout, "ue4m3_scales_to_h200", lambda packed, out: events.append(("codes", packed, out)))
     prepare = bench.BACKEND_LOADERS["gbs_auto_h200_relay"]()
-    problem = bench.BenchCase("t", 256, 256, 2, 3).problem("nvfp4")
-    launcher = prepare(problem, None)
-    assert seen[0].a == ("device a", "e2m1_h200") and launcher.num_ctas == 132
-    launcher()
-    launcher()
-    assert events == [("relay", "packed copy", ("device a", "e2m1_h200")), "launch"] * 2
+    for fmt, codes in (("nvfp4", True), ("mxfp4", False)):
+        events.clear()
+        problem = bench.BenchCase("t", 256, 256, 2, 3).problem(fmt)
+        launcher = prepare(problem, None)
+        assert seen[-1].a == ("device a", "e2m1_h200") and launcher.num_ctas == 132
+        launcher()
+        launcher()
+        relay = [("relay", ("packed copy", problem.a.shape), ("device a", "e2m1_h200"))]
+        if codes:
+            relay.append(("codes", ("packed copy", problem.a_scales.shape), ("device a_scales", "e2m1_h200")))
+        assert events == (relay + ["launch"]) * 2
     with pytest.raises(NotImplementedError, match="no FP4 tokens to re-lay"):
         prepare(bench.BenchCase("t", 256, 256, 2, 3).problem("w4a8"), None)
 

@@ -47,6 +47,7 @@ from gbs.quant import (
     BF16,
     E2M1H200Order,
     BlockScaled,
+    UE4M3H200Scales,
     decode_elements,
     decode_scales,
     decode_ue4m3,
@@ -57,7 +58,8 @@ from gbs.quant import (
     unpack_fp4,
     unswizzle_scales,
 )
-from gbs.reference import check_acceptance, is_poison, reference_grouped_matmul, relative_errors
+from gbs.reference import (MAX_REL_TOL, RMS_REL_TOL, check_acceptance, is_poison, reference_grouped_matmul,
+                           relative_errors)
 
 FORMATS = tuple(PROBLEM_FORMATS)
 CONFIGS = {
@@ -191,7 +193,7 @@ def test_ue8m0_pair_scale_bits_match_the_single_image(element):
     assert np.array_equal(pair, single[b0] | (single[b1] << 16))
     word = 0x44332211
     for first in (0, 2):
-        selector = int(hs.ue8m0_pair_selector(first))
+        selector = int(hs.byte_pair_selector(first))
         picked = [(word >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF if (selector >> (4 * i)) & 7 < 4 else 0
                   for i in range(4)]
         assert picked == [(word >> (8 * first)) & 0xFF, 0, (word >> (8 * first + 8)) & 0xFF, 0]
@@ -1389,6 +1391,22 @@ def test_h200_weight_order_decodes_to_the_packed_registers():
                 assert hs.e2m1_h200_pair_bits(ordered, j) == hs.e2m1_pair_bits(word, j), (hex(word), j)
 
 
+def test_h200_scale_codes_convert_to_the_packed_scale_registers():
+    """The coded UE4M3 conversion the kernels run on re-laid operands (``ue4m3_code_pair_bits`` of the two
+    codes ``byte_pair_selector`` puts in a register's 16-bit lanes), for every pair of UE4M3 bytes: the bf16
+    bits the exact float route gives for packed operands (``s * 2**(c - d)``), except zero as -0 (a zero
+    product either way) and NaN as the quiet NaN."""
+    u = np.arange(128, dtype=np.uint8)
+    codes = UE4M3H200Scales.encode(u).astype(np.uint32)
+    u0, u1 = (a.ravel() for a in np.meshgrid(u, u))
+    bits = hs.ue4m3_code_pair_bits(codes[u0] | (codes[u1] << np.uint32(16)))
+    offset = hs.ELEMENT_LOG2_OFFSET["e2m1"] - hs.SCALE_LOG2_PREBIAS["ue4m3"]
+    want = (decode_ue4m3(u).astype(np.float64) * 2.0 ** offset).astype(ml_dtypes.bfloat16).view(np.uint16)
+    want[0], want[0x7F] = 0x8000, 0x7FC0
+    np.testing.assert_array_equal(bits & np.uint32(0xFFFF), want[u0])
+    np.testing.assert_array_equal(bits >> np.uint32(16), want[u1])
+
+
 def test_h200_weight_order_is_a_bit_permutation_of_each_word():
     rng = np.random.default_rng(12)
     packed = rng.integers(0, 256, (2, 3, 64), dtype=np.uint8)
@@ -1407,6 +1425,14 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
     np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
                                   reference_grouped_matmul(problem).view(np.uint16))
     np.testing.assert_array_equal(relaid.with_b_layout("packed").b, problem.b)
+    np.testing.assert_array_equal(relaid.b_scales, UE4M3H200Scales.encode(problem.b_scales))   # coded with them
+    np.testing.assert_array_equal(relaid.with_b_layout("packed").b_scales, problem.b_scales)
+    np.testing.assert_array_equal(relaid.b_operand(1).scales, problem.b_operand(1).scales)
+    mx = _problem("mxfp4", n=128, k=512, group_sizes=[5, 3], expert_ids=[1, 0])
+    np.testing.assert_array_equal(mx.with_b_layout(LAYOUT_E2M1_H200).b_scales, mx.b_scales)   # UE8M0 as is
+    signed = dataclasses.replace(problem, b_scales=problem.b_scales | np.uint8(0x80))
+    with pytest.raises(ValueError, match="has the sign bit set"):
+        signed.with_b_layout(LAYOUT_E2M1_H200)
     config = hs.StreamConfig(True, 8, 1)
     assert hs.check_can_implement(relaid, config).b_layout == LAYOUT_E2M1_H200
     assert hs.check_can_implement(problem, config).b_layout == "packed"
@@ -1439,6 +1465,8 @@ def test_h200_token_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply
     assert relaid.a_layout == LAYOUT_E2M1_H200 and relaid.b_layout == "packed"
     assert not np.array_equal(relaid.a, problem.a)
     np.testing.assert_array_equal(relaid.a_operand().data, problem.a)
+    np.testing.assert_array_equal(relaid.a_scales, UE4M3H200Scales.encode(problem.a_scales))
+    np.testing.assert_array_equal(relaid.a_operand().scales, problem.a_operand().scales)
     np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
                                   reference_grouped_matmul(problem).view(np.uint16))
     np.testing.assert_array_equal(relaid.with_a_layout("packed").a, problem.a)
@@ -1516,6 +1544,46 @@ def test_gpu_h200_token_layout_gives_the_same_bits(case):
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"
     np.testing.assert_array_equal(out.view(np.uint16), hs.grouped_matmul_h200(problem, config, k_splits=1).view(np.uint16))
+
+
+def _with_zero_and_nan_scales(problem, rng):
+    """``problem`` with ~3 % of the weight and token scale bytes 0 (their element codes left nonzero: the
+    blocks are zero by the scale alone) and one weight block NaN."""
+    b_scales, a_scales = problem.b_scales.copy(), problem.a_scales.copy()
+    for scales in (b_scales, a_scales):
+        scales.reshape(-1)[rng.random(scales.size) < 0.03] = 0
+    b_scales[1, 0, 0, 5, 0, 1] = 0x7F   # expert 1, row 5, block 1
+    return dataclasses.replace(problem, b_scales=b_scales, a_scales=a_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["h200_stream", "h200_wgmma"])
+def test_gpu_h200_scale_codes_keep_zero_and_nan_blocks(kernel):
+    """Both operands in the H200 order, UE4M3 scales as codes, with zero-scale blocks whose element codes
+    are not zero and one NaN weight block: the same output bits as the packed operands (NaN where they are
+    NaN), and the reference's values wherever the NaN block does not reach."""
+    from gbs.numba_kernels import h200_wgmma as hw
+
+    base, _ = gpu_problem("nvfp4", "n512_k7168")
+    problem = _with_zero_and_nan_scales(base, np.random.default_rng(23))
+    relaid = problem.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
+    assert np.any(relaid.b_scales == UE4M3H200Scales.ZERO_BYTE) and np.any(relaid.b_scales == UE4M3H200Scales.NAN_BYTE)
+    if kernel == "h200_stream":
+        run = lambda p: hs.grouped_matmul_h200(p, hs.StreamConfig(True, 8, 1), k_splits=1)   # noqa: E731
+    else:
+        run = lambda p: hw.grouped_matmul_h200(p, hw.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256))   # noqa: E731
+    packed, coded = run(problem).view(np.uint16), run(relaid).view(np.uint16)
+    np.testing.assert_array_equal(coded, packed)
+    ref = reference_grouped_matmul(problem)
+    with np.errstate(invalid="ignore"):
+        nan = np.isnan(ref.astype(np.float32)) & problem.written_rows()[:, None]
+    assert nan.any() and not nan.all()
+    assert np.all(np.isnan(coded.view(BF16).astype(np.float32)[nan]))
+    clean = ~nan.any(axis=0)   # output columns (weight rows) the NaN block does not feed
+    rows = problem.written_rows()
+    max_rel, rms_rel = relative_errors(coded.view(BF16)[rows][:, clean], ref[rows][:, clean])
+    assert max_rel <= MAX_REL_TOL and rms_rel <= RMS_REL_TOL, (max_rel, rms_rel)
+    assert np.all(is_poison(coded.view(BF16))[~rows]), "skipped rows keep the poison"
 
 
 SPLIT_CASES = [   # (format, ab_swapped, mma_bn, cta_group, k_splits)

@@ -8,7 +8,9 @@ from hypothesis.extra import numpy as hnp
 
 from gbs.quant import (
     FORMATS,
+    E2M1H200Order,
     ScaleLayout128x4,
+    UE4M3H200Scales,
     decode_elements,
     decode_ue4m3,
     decode_ue8m0,
@@ -93,6 +95,49 @@ def test_ue8m0_edge_bytes():
 def test_ue4m3_nan_byte():
     assert np.isnan(decode_ue4m3(np.uint8(0x7F)))
     assert decode_ue4m3(np.uint8(0x7E)) == 448.0
+
+
+def test_ue4m3_h200_codes_give_the_kernels_bf16_scale_exactly():
+    """Every UE4M3 byte: the code's bf16 (``(code << 4) + (235 << 7)``, what the H200 kernels compute) is
+    ``s * 2**118`` exactly, zero is -0 (it still zeroes its block), NaN stays NaN; no code reaches the sign
+    bit or the next 16-bit lane; ``decode`` undoes ``encode``; the codes are distinct."""
+    u = np.arange(128, dtype=np.uint8)
+    codes = UE4M3H200Scales.encode(u)
+    assert codes.dtype == np.uint8 and len(set(codes.tolist())) == 128
+    wide = (codes.astype(np.uint32) << np.uint32(UE4M3H200Scales.CODE_SHIFT)) + np.uint32(UE4M3H200Scales.EXPONENT_BASE << 7)
+    assert wide.max() <= 0x8000 and (wide >= 0x8000).sum() == 1   # only zero's code reaches bit 15: -0
+    bits = UE4M3H200Scales.bf16_bits(codes)
+    got = bits.view(ml_dtypes.bfloat16).astype(np.float64)
+    want = decode_ue4m3(u).astype(np.float64) * 2.0 ** UE4M3H200Scales.LOG2_MULTIPLIER
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert np.isnan(got[0x7F]) and bits[0x7F] == 0x7FC0 and bits[0] == 0x8000
+    assert codes[0] == UE4M3H200Scales.ZERO_BYTE and codes[0x7F] == UE4M3H200Scales.NAN_BYTE
+    np.testing.assert_array_equal(UE4M3H200Scales.decode(codes), u)
+    shaped = np.random.default_rng(3).integers(0, 128, (2, 3, 32, 4, 4), dtype=np.uint8)
+    np.testing.assert_array_equal(UE4M3H200Scales.decode(UE4M3H200Scales.encode(shaped)), shaped)
+
+
+def test_ue4m3_h200_codes_refuse_what_is_not_a_scale():
+    with pytest.raises(ValueError, match=r"UE4M3 scale byte 0x80 at \(1, 2\) has the sign bit set"):
+        UE4M3H200Scales.encode(np.array([[1, 2, 3], [4, 5, 0x80]], np.uint8))
+    with pytest.raises(ValueError, match=r"byte 0x01 at \(0,\) is not a UE4M3H200Scales code"):
+        UE4M3H200Scales.decode(np.array([1, 8], np.uint8))
+    with pytest.raises(TypeError, match="block-scale bytes must be uint8"):
+        UE4M3H200Scales.encode(np.zeros(4, np.int16))
+    with pytest.raises(ValueError, match="scale_dtype must be"):
+        E2M1H200Order.encode_scales(np.zeros(4, np.uint8), "e8m0")
+
+
+def test_h200_order_keeps_ue8m0_scales_and_codes_ue4m3_ones():
+    scales = np.random.default_rng(4).integers(0, 128, (3, 1, 32, 4, 4), dtype=np.uint8)
+    for encode in (E2M1H200Order.encode_scales, E2M1H200Order.decode_scales):
+        same = encode(scales, "ue8m0")
+        np.testing.assert_array_equal(same, scales)
+        assert same is not scales   # a copy, as the UE4M3 path returns a new array
+    coded = E2M1H200Order.encode_scales(scales, "ue4m3")
+    np.testing.assert_array_equal(coded, UE4M3H200Scales.encode(scales))
+    np.testing.assert_array_equal(E2M1H200Order.decode_scales(coded, "ue4m3"), scales)
 
 
 @pytest.mark.parametrize("element, max_value", [("e2m1", 6.0), ("e4m3", 448.0), ("e5m2", 57344.0)])

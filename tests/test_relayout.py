@@ -1,10 +1,11 @@
-"""The device re-layout of FP4 bytes into ``E2M1H200Order`` (``gbs.numba_kernels.relayout``).
+"""The device re-layout of FP4 operands into ``E2M1H200Order`` (``gbs.numba_kernels.relayout``).
 
 Simulator runs (a worker subprocess with ``NUMBA_ENABLE_CUDASIM=1``, which numba reads when first imported):
 bit-identical to the host ``E2M1H200Order.swizzle`` on random bytes of several shapes (an empty one
-included), into a new array and into a given ``out``, the input untouched; bad input refused before any
-launch. Offline: the kernel assembles for sm_90a without local memory. GPU: torch tokens re-laid on the
-device run the H200 kernels with ``a_layout`` and give the packed tokens' bits.
+included), into a new array and into a given ``out``, the input untouched; UE4M3 scale bytes (all 256 values)
+to the host ``UE4M3H200Scales.encode`` codes, sign-bit bytes to the NaN code; bad input refused before any
+launch. Offline: both kernels assemble for sm_90a without local memory. GPU: torch tokens and their scales
+re-laid on the device run the H200 kernels with ``a_layout`` and give the packed tokens' bits.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gbs.quant import E2M1H200Order
+from gbs.quant import E2M1H200Order, UE4M3H200Scales
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 24), (5, 4), (0, 8), (3, 2, 16)]   # odd rows, one word per row, empty, 3-D
@@ -39,7 +40,11 @@ for shape in shapes:
     returned = relayout.to_e2m1_h200(device, out).copy_to_host()
     results["outputs"].append([host.tolist(), fresh.tolist(), out.copy_to_host().tolist(), returned.tolist(),
                                bool(np.array_equal(device.copy_to_host(), host))])
+all_bytes = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)
+results["codes"] = [relayout.ue4m3_scales_to_h200(cuda.to_device(all_bytes)).copy_to_host().tolist(),
+                    relayout.ue4m3_scales_to_h200(cuda.to_device(all_bytes[:, :0])).copy_to_host().shape]
 bad = {"host": lambda: relayout.to_e2m1_h200(np.zeros((2, 8), np.uint8)),
+       "scales_odd": lambda: relayout.ue4m3_scales_to_h200(cuda.to_device(np.zeros((2, 3), np.uint8))),
        "two_bytes": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 8), np.uint16))),
        "odd_row": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 6), np.uint8))),
        "strided": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((4, 16), np.uint8))[:, :8]),
@@ -76,9 +81,20 @@ def test_device_relayout_is_the_host_swizzle_in_the_simulator(simulated):
         "random bytes change under the permutation"
 
 
+def test_device_scale_codes_are_the_host_encoding_in_the_simulator(simulated):
+    """Every byte value: UE4M3 bytes get ``UE4M3H200Scales.encode``'s code, sign-bit bytes (no UE4M3 value,
+    which the host encoder refuses) the NaN code; an empty array stays empty."""
+    codes, empty_shape = simulated["codes"]
+    codes = np.array(codes, np.uint8).reshape(256)
+    np.testing.assert_array_equal(codes[:128], UE4M3H200Scales.encode(np.arange(128, dtype=np.uint8)))
+    assert set(codes[128:].tolist()) == {UE4M3H200Scales.NAN_BYTE}
+    assert tuple(empty_shape) == (2, 0, 32)
+
+
 @pytest.mark.parametrize("case, message", [
     ("host", "TypeError: a is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle"),
-    ("two_bytes", "TypeError: a must hold 1-byte FP4 pairs"),
+    ("scales_odd", "ValueError: scales: the last axis ((3,)) must be a multiple of 4 bytes"),
+    ("two_bytes", "TypeError: a must hold bytes"),
     ("odd_row", "ValueError: a: the last axis ((6,)) must be a multiple of 4 bytes"),
     ("strided", "ValueError: a must be C-contiguous"),
     ("out_shape", "ValueError: out has shape (2, 4), a has (2, 8)"),
@@ -107,16 +123,18 @@ def test_relayout_kernel_assembles_for_sm90a_without_local_memory():
     from gbs.ptx_inline import offline
 
     words = types.Array(types.uint32, 1, "C")
-    cubin = offline.compile_cubin(relayout.relay_words, (words, types.Array(types.uint32, 2, "C"), words),
-                                  offline.SM90A)
-    assert offline.resource_usage(cubin).local_bytes == 0
+    for kernel, table in ((relayout.relay_words, types.Array(types.uint32, 2, "C")),
+                          (relayout.map_bytes, types.Array(types.uint32, 1, "C"))):
+        cubin = offline.compile_cubin(kernel, (words, table, words), offline.SM90A)
+        assert offline.resource_usage(cubin).local_bytes == 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["h200_stream", "h200_wgmma"])
 def test_gpu_tokens_relaid_on_the_device_give_the_packed_bits(backend):
-    """Torch tokens re-laid on the GPU (read back: the host swizzle's bytes) run both H200 kernels with
-    ``a_layout="e2m1_h200"`` and give the packed tokens' bits, skipped rows keeping the poison."""
+    """Torch tokens and their UE4M3 scales re-laid on the GPU (read back: the host swizzle's and encoder's
+    bytes) run both H200 kernels with ``a_layout="e2m1_h200"`` and give the packed tokens' bits, skipped
+    rows keeping the poison."""
     torch = pytest.importorskip("torch")
     import gbs
     from gbs.bench import synthetic_problem
@@ -129,10 +147,12 @@ def test_gpu_tokens_relaid_on_the_device_give_the_packed_bits(backend):
               for name in launch.PROBLEM_ARRAY_DTYPES}
     relaid = torch.as_tensor(relayout.to_e2m1_h200(device["a"]), device="cuda")
     np.testing.assert_array_equal(relaid.cpu().numpy(), E2M1H200Order.swizzle(problem.a))
+    coded = torch.as_tensor(relayout.ue4m3_scales_to_h200(device["a_scales"]), device="cuda")
+    np.testing.assert_array_equal(coded.cpu().numpy(), UE4M3H200Scales.encode(problem.a_scales))
     outs = []
-    for a, layout in ((device["a"], "packed"), (relaid, "e2m1_h200")):
+    for a, a_scales, layout in ((device["a"], device["a_scales"], "packed"), (relaid, coded, "e2m1_h200")):
         out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
-        dp = gbs.device_problem(**dict(device, a=a), fmt="nvfp4", a_layout=layout)
+        dp = gbs.device_problem(**dict(device, a=a, a_scales=a_scales), fmt="nvfp4", a_layout=layout)
         gbs.grouped_matmul(dp, backend=backend, out=out.view(torch.bfloat16))
         outs.append(out.cpu().numpy().view(np.uint16))
     assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed

@@ -1,9 +1,16 @@
-"""FP4 bytes into ``gbs.quant.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
-(from a quantizer that cannot write the H200 order itself) before a launch with ``a_layout="e2m1_h200"``.
+"""FP4 operands into ``gbs.quant.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
+with UE4M3 / UE8M0 scale bytes (from a quantizer that cannot write the H200 order itself) before a launch
+with ``a_layout="e2m1_h200"``.
 
     from gbs.numba_kernels import relayout
     a_h200 = relayout.to_e2m1_h200(a)      # a: (tokens, K/2) FP4 bytes on the GPU, any __cuda_array_interface__
-    problem = gbs.device_problem(a_h200, b, ..., fmt="nvfp4", a_layout="e2m1_h200")
+    a_scales_h200 = relayout.ue4m3_scales_to_h200(a_scales)   # NVFP4 only: MX scales need nothing
+    problem = gbs.device_problem(a_h200, b, a_scales_h200, ..., fmt="nvfp4", a_layout="e2m1_h200")
+
+``ue4m3_scales_to_h200`` maps each UE4M3 scale byte to its ``gbs.quant.UE4M3H200Scales`` code (one thread per
+4-byte word, a 256-byte table), bit-identical to ``UE4M3H200Scales.encode`` on every UE4M3 byte; a byte with
+the sign bit set (not a UE4M3 value: the host encoder rejects it) becomes the NaN code, so its block's
+outputs are NaN rather than wrong numbers.
 
 One thread per 4-byte word (grid-stride loop): the word's image is the OR of its four bytes' entries in the
 order's byte tables (``E2M1H200Order.byte_tables``, 4 KiB, read through L1), bit-identical to
@@ -26,7 +33,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from gbs.quant import E2M1H200Order
+from gbs.quant import E2M1H200Order, UE4M3H200Scales
 
 THREADS = 256
 MAX_BLOCKS = 132 * 8   # a few waves of the H200's SMs; the grid-stride loop takes the rest
@@ -41,9 +48,35 @@ def relay_words(words, tables, out_words):
                         | tables[3, w >> 24])
 
 
+def map_bytes(words, table, out_words):
+    """Kernel: each byte of ``words[i]`` replaced by its ``table`` entry, into ``out_words[i]``."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, words.size, stride):
+        w = words[i]
+        out_words[i] = (table[w & 0xFF] | (table[(w >> 8) & 0xFF] << 8) | (table[(w >> 16) & 0xFF] << 16)
+                        | (table[w >> 24] << 24))
+
+
+def ue4m3_code_table() -> np.ndarray:
+    """(256,) uint32: the ``UE4M3H200Scales`` code of each byte; sign-bit bytes -> the NaN code."""
+    table = np.full(256, UE4M3H200Scales.NAN_BYTE, np.uint32)
+    table[:128] = UE4M3H200Scales.encode(np.arange(128, dtype=np.uint8))
+    return table
+
+
 @functools.cache
 def _kernel():
     return cuda.jit(relay_words)
+
+
+@functools.cache
+def _map_kernel():
+    return cuda.jit(map_bytes)
+
+
+@functools.cache
+def _device_code_table():
+    return cuda.to_device(ue4m3_code_table())
 
 
 @functools.cache
@@ -54,7 +87,8 @@ def _device_tables():
 def _byte_array(name: str, value):
     """A numba device array of uint8 over ``value`` (no copy), or TypeError / ValueError saying why not."""
     if isinstance(value, np.ndarray):
-        raise TypeError(f"{name} is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle")
+        raise TypeError(f"{name} is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle / "
+                        "encode_scales")
     if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
         arr = value
     elif hasattr(value, "__cuda_array_interface__"):
@@ -62,26 +96,42 @@ def _byte_array(name: str, value):
     else:
         raise TypeError(f"{name} must be a GPU array (__cuda_array_interface__), got {type(value).__name__}")
     if arr.dtype.itemsize != 1:
-        raise TypeError(f"{name} must hold 1-byte FP4 pairs (uint8), got {arr.dtype}")
+        raise TypeError(f"{name} must hold bytes (uint8: FP4 pairs or scale bytes), got {arr.dtype}")
     shape = tuple(arr.shape)   # the simulator's shape takes no negative indices
     if not shape or shape[-1] % 4:
-        raise ValueError(f"{name}: the last axis ({shape[-1:]}) must be a multiple of 4 bytes (K a multiple of 8)")
+        raise ValueError(f"{name}: the last axis ({shape[-1:]}) must be a multiple of 4 bytes (FP4: K a multiple "
+                         "of 8)")
     if not arr.is_c_contiguous():
         raise ValueError(f"{name} must be C-contiguous")
     return arr.view(np.uint8)
+
+
+def _word_launch(name: str, value, out, stream):
+    """(source, destination) byte device arrays of one shape and the grid for their words."""
+    src = _byte_array(name, value)
+    dst = cuda.device_array(src.shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"out has shape {tuple(dst.shape)}, {name} has {tuple(src.shape)}")
+    return src, dst, min(-(-(src.size // 4) // THREADS), MAX_BLOCKS)
 
 
 def to_e2m1_h200(a, out=None, *, stream=0):
     """``a``'s FP4 bytes (``pack_fp4`` order) re-laid in ``E2M1H200Order`` on the GPU, enqueued on
     ``stream``: a new numba device array, or ``out`` (a device array of the same shape) filled and
     returned as a numba view of it. ``a`` is not modified."""
-    src = _byte_array("a", a)
-    dst = cuda.device_array(src.shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"out has shape {tuple(dst.shape)}, a has {tuple(src.shape)}")
-    words = src.size // 4
-    if words:
-        blocks = min(-(-words // THREADS), MAX_BLOCKS)
+    src, dst, blocks = _word_launch("a", a, out, stream)
+    if blocks:
         _kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
                                            dst.reshape(dst.size).view(np.uint32))
+    return dst
+
+
+def ue4m3_scales_to_h200(scales, out=None, *, stream=0):
+    """UE4M3 scale bytes (any C-contiguous shape whose last axis is a multiple of 4, e.g. the 128x4 atoms of
+    ``a_scales``) as ``UE4M3H200Scales`` codes on the GPU, enqueued on ``stream``: a new numba device array
+    or ``out`` (as ``to_e2m1_h200``). ``scales`` is not modified."""
+    src, dst, blocks = _word_launch("scales", scales, out, stream)
+    if blocks:
+        _map_kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_code_table(),
+                                               dst.reshape(dst.size).view(np.uint32))
     return dst
