@@ -145,9 +145,9 @@ class GroupedProblem(ProblemShape):
     def _with_layout(self, operand: str, layout: str) -> "GroupedProblem":
         fmt = getattr(self, f"{operand}_format")
         check_layout(layout, fmt, operand)
-        raw, raw_scales, old = getattr(self, operand), getattr(self, f"{operand}_scales"), getattr(self, f"{operand}_layout")
-        relaid = _relaid(raw, old, layout)
-        scales = _relaid_scales(raw_scales, fmt, old, layout)
+        raw, raw_scales = getattr(self, operand), getattr(self, f"{operand}_scales")
+        old = getattr(self, f"{operand}_layout")
+        relaid, scales = _relaid(raw, old, layout), _relaid_scales(raw_scales, fmt, old, layout)
         return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
                                             f"{operand}_scales": scales if scales is not raw_scales else scales.copy(),
                                             f"{operand}_layout": layout})

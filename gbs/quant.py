@@ -275,7 +275,7 @@ class E2M1H200Order:
     A bijection of the bits of each word: ``swizzle`` / ``unswizzle`` (numpy; every 4-byte word of each
     row, so the row's bytes must be a multiple of 4: K a multiple of 8). The K order the kernels see is
     unchanged. UE4M3 block scales (NVFP4) are part of the order too: ``encode_scales`` / ``decode_scales``
-    re-encode each byte (``UE4M3H200Scales``: one ``prmt`` and one multiply-add per two scales instead of
+    re-encode each byte (``UE4M3H200Scales``: one ``prmt`` and one shift-add per two scales instead of
     the exact float conversion's six instructions); UE8M0 scales (MX formats) stay as they are.
     ``GroupedProblem.with_b_layout`` applies both to the weights (once), ``with_a_layout`` to the tokens
     (which, in a model, their quantizer writes in this order: placing the bits and picking the scale code
@@ -363,7 +363,7 @@ class UE4M3H200Scales:
     3 instructions per scale). Here each byte ``h`` already holds the bf16's exponent (offset by
     ``EXPONENT_BASE``) and its 3 mantissa bits, ``h = (exponent - EXPONENT_BASE) << 3 | mantissa``, so
     the bf16 bits are ``(h << 4) + (EXPONENT_BASE << 7)``: one ``prmt`` puts two bytes in the 16-bit
-    lanes of a register and one multiply-add makes both bf16 (``bf16_bits``), 1 instruction per scale.
+    lanes of a register and one shift-add makes both bf16 (``bf16_bits``), 1 instruction per scale.
 
     Every UE4M3 value has a code, exactly: ``s`` from 2**-9 (the smallest subnormal) to 448 gives bf16
     exponents 236..253, codes 0x08..0x96 (subnormal UE4M3 bytes become normal numbers here).
@@ -377,7 +377,7 @@ class UE4M3H200Scales:
     LOG2_MULTIPLIER = 118      # the kernels' bf16 scale is s * 2**LOG2_MULTIPLIER
     ZERO_BYTE = 0xA8           # bf16 -0: exponent field 256 carries into the sign bit, mantissa 0
     NAN_BYTE = 0xA4            # bf16 0x7FC0 (exponent 255, the quiet bit)
-    LANE_ADDEND = (EXPONENT_BASE << 7) * 0x00010001   # the multiply-add's constant, both 16-bit lanes
+    LANE_ADDEND = (EXPONENT_BASE << 7) * 0x00010001   # the shift-add's constant, both 16-bit lanes
     CODE_SHIFT = 4             # code bits 0..7 -> bf16 bits 4..11 (mantissa 4..6, exponent 7..11)
 
     @classmethod

@@ -948,7 +948,7 @@ def _make_side_reader(side: OperandSide, pairing: str):
     if ue4m3_coded:
         @_device
         def load_scales(address, q):
-            # codes 0, 1 and 2, 3 into the 16-bit lanes, then one multiply-add makes both bf16
+            # codes 0, 1 and 2, 3 into the 16-bit lanes, then one shift-add makes both bf16
             word = ld_shared_u32(address)
             return (code_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(0))),
                     code_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(2))))
@@ -958,7 +958,6 @@ def _make_side_reader(side: OperandSide, pairing: str):
             return ue4m3_convert(ld_shared_u32(address))
 
     if ue4m3:
-
         @_device
         def scale_selector(gl):
             # the lane's 4 blocks are bf16 0..3 of s1:s0; group gl lies in block gl // groups_per_block
