@@ -309,18 +309,21 @@ def _git_commit() -> str:
 def environment_fields() -> dict:
     """GPU, date, commit and versions for every CSV row (a commit with "+dirty" had local changes).
 
-    ``GBS_COMMIT`` in the environment overrides git (the device tool copies the working tree without
-    ``.git``: start `scripts/gpu_run.sh` there with ``GBS_COMMIT=<sha>``)."""
+    ``gpu_uuid`` names the physical GPU: lent H200s differ (read ceilings of ~4.52 or ~4.63 TB/s, and one
+    build ran 3 % apart on two of them: H200 runs 83 and 86), so before / after figures are only compared
+    on one ``gpu_uuid``. ``GBS_COMMIT`` in the environment overrides git (the device tool copies the working
+    tree without ``.git``: start `scripts/gpu_run.sh` there with ``GBS_COMMIT=<sha>``)."""
     import ml_dtypes
     import numba
 
     try:
         from numba import cuda
 
-        gpu = cuda.get_current_device().name
-        gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
+        device = cuda.get_current_device()
+        gpu = device.name.decode() if isinstance(device.name, bytes) else device.name
+        gpu_uuid = str(getattr(device, "uuid", "unknown"))
     except Exception:
-        gpu = "none"
+        gpu, gpu_uuid = "none", "none"
     commit = os.environ.get("GBS_COMMIT") or _git_commit()
     try:
         import numba_cuda
@@ -328,7 +331,7 @@ def environment_fields() -> dict:
         numba_cuda_version = numba_cuda.__version__
     except Exception:
         numba_cuda_version = "unknown"
-    return {"gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit,
+    return {"gpu": gpu, "gpu_uuid": gpu_uuid, "date": datetime.date.today().isoformat(), "commit": commit,
             "numpy": np.__version__, "numba": numba.__version__, "numba_cuda": numba_cuda_version,
             "ml_dtypes": ml_dtypes.__version__, "torch": _installed_version("torch"),
             "triton": _installed_version("triton")}
@@ -800,7 +803,7 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
 
     env = environment_fields()
     csv_path = csv_path or default_csv_path(env)
-    print(f"gbs bench on {env['gpu']} ({env['date']}, commit {env['commit']}; torch {env['torch']}, "
+    print(f"gbs bench on {env['gpu']} {env['gpu_uuid']} ({env['date']}, commit {env['commit']}; torch {env['torch']}, "
           f"triton {env['triton']}, numba-cuda {env['numba_cuda']})")
     ceilings = measure_ceilings(read_bytes, measure_peaks, budget_s)
     print(f"ceilings: streaming read {ceilings.read_tbps:.2f} TB/s (measured); dense bf16 "

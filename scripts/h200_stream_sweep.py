@@ -153,8 +153,8 @@ def main(argv=None) -> int:
     points = [parse_point(p) for p in args.points]
     read_tbps, _ = bench.measure_read_bandwidth()
     l2 = bench.device_l2_bytes()
-    print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now)")
     env = bench.environment_fields()
+    print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now on {env['gpu']} {env['gpu_uuid']})")
     rows, problems = [], {}
     for text, (fmt, case, config, k_splits, num_ctas) in zip(args.points, points):
         key = (fmt, case.name)

@@ -283,7 +283,7 @@ def test_spacer_kernel_compiles_for_sm90():
 
 def test_environment_fields_and_csv_path():
     env = bench.environment_fields()
-    for key in ("gpu", "date", "commit", "numpy", "numba", "numba_cuda", "ml_dtypes", "torch", "triton"):
+    for key in ("gpu", "gpu_uuid", "date", "commit", "numpy", "numba", "numba_cuda", "ml_dtypes", "torch", "triton"):
         assert env[key]
     assert bench.gpu_slug("NVIDIA H200") == "h200"
     assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
