@@ -693,7 +693,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         hp.wgmma_fence()
                         b_desc = advance(desc0, buffer * buffer_units)
                         for kb in range(k_steps):
-                            desc = advance(b_desc, ((kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K) // DESCRIPTOR_UNIT_BYTES)
+                            offset = (kb // 4) * block_bytes + (kb % 4) * 2 * WGMMA_K   # bytes, a constant
+                            desc = advance(b_desc, offset // DESCRIPTOR_UNIT_BYTES)
                             acc = mma(acc, (a_frag[a_set + 4 * kb], a_frag[a_set + 4 * kb + 1],
                                             a_frag[a_set + 4 * kb + 2], a_frag[a_set + 4 * kb + 3]), desc, np.uint32(1))
                             if two_m_tiles:   # the same B operand for the warpgroup's second m64 tile

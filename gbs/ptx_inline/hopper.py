@@ -556,10 +556,11 @@ DESCRIPTOR_UNIT_BYTES = 16      # an address field counts 16-byte units (bits 4.
 
 def wgmma_descriptor_advance(desc, units):
     """``desc`` with its start address moved ``units`` x ``DESCRIPTOR_UNIT_BYTES`` on (the field's unit: pass a
-    byte offset // ``DESCRIPTOR_UNIT_BYTES``, a constant where possible): the low 32-bit word plus ``units``, the high word (stride offset,
-    swizzle mode) untouched, so a kernel adds one integer per descriptor instead of rebuilding it (4 uniform
-    instructions). The start-address field (bits 0-13) must not overflow: start address + offset below
-    ``DESCRIPTOR_FIELD_MASK + 1``, which every shared address (at most 228 KiB) is. Host and device."""
+    byte offset // ``DESCRIPTOR_UNIT_BYTES``, a constant where possible): the low 32-bit word plus ``units``,
+    the high word (stride offset, swizzle mode) untouched, so a kernel adds one integer per descriptor
+    instead of rebuilding it (4 uniform instructions). The start-address field (bits 0-13) must not
+    overflow: start address + offset below ``DESCRIPTOR_FIELD_MASK + 1``, which every shared address (at most
+    228 KiB) is. Host and device."""
     low = np.uint32(np.uint64(desc) & np.uint64(DESCRIPTOR_LOW_WORD))
     high = np.uint64(desc) & np.uint64(~DESCRIPTOR_LOW_WORD & 0xFFFFFFFFFFFFFFFF)
     return high | np.uint64(np.uint32(low + np.uint32(units)))
