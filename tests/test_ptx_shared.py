@@ -102,8 +102,8 @@ def k_arith(a, b, c, floats, out, bf16_bits):
 
 
 def k_waits(flags, parity):
-    """Both bounded waits on phases that complete (every thread arrives once first), then
-    trap_if_nonzero(flags[0]); flags[1 + t] = 1 when thread t got past all three."""
+    """The bounded waits, with and without the suspend hint, on phases that complete (every thread arrives once
+    first), then trap_if_nonzero(flags[0]); flags[1 + t] = 1 when thread t got past all five."""
     bars = cuda.shared.array(2, dtype=np.uint64)
     local = cm.shared_address(bars)
     cluster_bar = cm.shared_element_address(bars, 1)
@@ -116,6 +116,8 @@ def k_waits(flags, parity):
     mb.mbarrier_arrive(cluster_bar)
     mb.wait_parity_or_trap(local, parity)
     mb.wait_parity_cluster_or_trap(cluster_bar, parity)
+    mb.spin_wait_parity_or_trap(local, parity)
+    mb.spin_wait_parity_cluster_or_trap(cluster_bar, parity)
     cm.trap_if_nonzero(flags[0])
     flags[1 + cuda.threadIdx.x] = 1
 
@@ -206,21 +208,27 @@ def test_fma_with_negative_zero_addend_may_become_a_multiply():
 def test_bounded_waits_and_trap_sass():
     text = sass("waits")
     # each wait: a first try, then the timed retry loop's try
-    assert len(instructions_starting(text, "SYNCS.PHASECHK.TRANS64.TRYWAIT")) == 4
+    assert len(instructions_starting(text, "SYNCS.PHASECHK.TRANS64.TRYWAIT")) == 8
     timers = instructions_starting(text, "CS2R")
-    assert len(timers) == 4 and all("SR_GLOBALTIMER" in ins for ins in timers)
-    # two timeout traps and trap_if_nonzero's
-    assert len(instructions_starting(text, "BPT.TRAP")) == 3
-    assert len(instructions_starting(text, "CCTL.IVALL")) == 2   # only the cluster-acquire wait's tries
+    assert len(timers) == 8 and all("SR_GLOBALTIMER" in ins for ins in timers)
+    # four timeout traps and trap_if_nonzero's
+    assert len(instructions_starting(text, "BPT.TRAP")) == 5
+    assert len(instructions_starting(text, "CCTL.IVALL")) == 4   # only the cluster-acquire waits' tries
+    # the suspend hint: one sleep per hinted try, none in the spin waits
+    sleeps = [ins for ins in offline.sass_instructions(text) if "NANOSLEEP" in ins]
+    assert len(sleeps) == 4 and all(f"{mb.SUSPEND_TIME_HINT_NS:#x}" in ins for ins in sleeps)
 
 
 def test_bounded_wait_ptx():
     ptx = offline.compile_ptx(*KERNELS["waits"], SM90A)
-    assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == 2
-    assert ptx.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 2
-    assert ptx.count(f"setp.lt.u64 again, now, {mb.WAIT_TIMEOUT_NS};") == 2
-    assert ptx.count("%globaltimer") == 4
-    assert len(re.findall(r"^\s*trap;", ptx, re.M)) == 2
+    assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == 4
+    assert ptx.count("mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64") == 4
+    tries = re.findall(r"mbarrier\.try_wait\.parity\S* done, \[[^]]+\], [^;]+;", ptx)
+    hinted = [t for t in tries if t.endswith(f", {mb.SUSPEND_TIME_HINT_NS};")]
+    assert len(tries) == 8 and len(hinted) == 4   # the spin waits' tries end at the parity
+    assert ptx.count(f"setp.lt.u64 again, now, {mb.WAIT_TIMEOUT_NS};") == 4
+    assert ptx.count("%globaltimer") == 8
+    assert len(re.findall(r"^\s*trap;", ptx, re.M)) == 4
     assert "@p trap;" in ptx
 
 

@@ -123,7 +123,7 @@ from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2, prmt_b32
 from gbs.ptx_inline.common import trap_if_nonzero
-from gbs.ptx_inline.mbarrier import wait_parity_cluster_or_trap, wait_parity_or_trap
+from gbs.ptx_inline.mbarrier import spin_wait_parity_or_trap, wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
 from gbs.quant import (LAYOUT_E2M1_H200, LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
                        SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, UE4M3H200Scales, get_format)
@@ -133,6 +133,13 @@ from gbs.reference import poison_output
 # Constants
 # ----------------------------------------------------------------------------------------------
 SM90 = (9, 0)
+# The consumers wait for their stage's bytes without try_wait's suspend hint (``spin_wait_parity_or_trap``: a
+# sleeping consumer can wake late); the producer keeps the hint (without it, its retry loop took 17-19 % of the
+# issued instructions, ncu run 32). Alternating rounds on the H200 (notes/h200, runs 89-90): on a 4.52 TB/s GPU
+# the hinted waits made NVFP4 decode_up bimodal (p10 277, p90 289 us) and all waits unhinted ran 277.1 us
+# unimodal; on a 4.63 TB/s GPU unhinted consumer waits: decode_up 267.7 -> 267.6, MXFP4 -0.5 %, small prefill
+# -0.8 %, large prefill (``h200_wgmma``, which uses this too) -1.5 %; an unhinted producer +0.6..+0.9 %.
+CONSUMER_WAIT = spin_wait_parity_or_trap
 K_SLICE_BYTES = 128            # bytes of K per stage of a 1-byte (FP8) operand row (the SM100 K tile)
 TILE_M_ROWS = schedule.MMA_M_ROWS   # rows of the CTA's MMA M side (weight rows when swapped)
 # ``StreamSpec.m_rows``: the ring's M side may hold 256 token rows (not swapped, one CTA) for the wgmma
@@ -1455,7 +1462,7 @@ def make_kernel_function(spec: StreamSpec):
             # slot's base out of a uniform register and the K-slice loop grew by 7 instructions (NVFP4 bn8)
             item = np.int64(0)
             while item < max_tiles * k_splits:
-                wait_parity_or_trap(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
+                CONSUMER_WAIT(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
                 expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
                 if expert < 0:
                     break
@@ -1477,7 +1484,7 @@ def make_kernel_function(spec: StreamSpec):
                 m_sf_first = np.uint32(m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row_base), m_col, atoms))
                 for _ in range(np.int32(min(slices_per_split, k_slices - s_begin))):   # this run's K slices
                     # (the first slice's phase completed before the record was read: this wait returns at once)
-                    wait_parity_or_trap(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
+                    CONSUMER_WAIT(np.uint32(np.uint32(bar0) + np.uint32(MBARRIER_BYTES * stage)), phase)
                     st = np.uint32(np.uint32(base) + np.uint32(stage * np.uint32(stage_bytes)))
                     for i in range(m_rows):
                         if swapped:

@@ -104,13 +104,13 @@ from numba import cuda, float32
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import launch
+from gbs.numba_kernels.h200_stream import CONSUMER_WAIT
 from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import GroupedProblem, layout_of
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
-from gbs.ptx_inline.mbarrier import wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v4_u32
 from gbs.quant import LAYOUT_PACKED, BF16, SF_ATOM_ROWS, get_format
 from gbs.reference import poison_output
@@ -589,7 +589,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         phase = np.int64(0)
         item = np.int64(0)
         while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
-            wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
             expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
             if expert < 0:
                 break
@@ -600,7 +600,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                 acc_hi = zero_acc()
             for _ in range(k_slices):
                 full = bar0 + MBARRIER_BYTES * stage
-                wait_parity_or_trap(full, phase)
+                CONSUMER_WAIT(full, phase)
                 st = np.uint32(base + stage * stage_bytes)
                 for i in range(2):
                     address = np.uint32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8 * i), m_col,
@@ -810,7 +810,7 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
         phase = np.uint32(0)
         item = np.int64(0)
         while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
-            wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
             expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
             if expert < 0:
                 break
@@ -818,7 +818,7 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
             n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
             acc = zero_acc()
             for _ in range(k_slices):
-                wait_parity_or_trap(bar0 + MBARRIER_BYTES * stage, phase)
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
                 st = np.uint32(base + stage * stage_bytes)
                 tables = np.uint32(table_base + stage * table_bytes)
                 # 1. this warpgroup's scales of the stage as fp32

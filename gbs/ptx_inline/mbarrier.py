@@ -17,7 +17,10 @@ Waits come in three kinds: ``mbarrier_try_wait_parity`` answers once (for a call
 ``%globaltimer``, turning a deadlock (a missing arrival, a wrong ``expect_tx`` count or parity)
 into a launch error instead of a hung GPU. The loops pass ``SUSPEND_TIME_HINT_NS`` to ``try_wait``
 (SASS ``NANOSLEEP.SYNCS``): the waiting warp sleeps until the phase completes instead of spinning
-through issue slots other warps need.
+through issue slots other warps need. ``spin_wait_parity*_or_trap`` are the same bounded loops without
+the hint (no ``NANOSLEEP``): a warp that has nothing else to do and must start the moment the phase
+completes (a consumer waiting for its stage's bytes) retries after the hardware's short default
+instead of sleeping, which on the H200 can wake it late (``h200_stream.CONSUMER_WAIT``).
 """
 from __future__ import annotations
 
@@ -105,18 +108,21 @@ cluster scope: writes that other CTAs released with their arrivals
 ``mbarrier_wait_parity``.""")
 
 
-def _wait_parity_or_trap(name: str, scope_suffix: str):
-    """Bounded ``try_wait.parity`` loop: ``scope_suffix`` "" (acquire, CTA scope) or ".acquire.cluster".
+def _wait_parity_or_trap(name: str, scope_suffix: str, suspend_hint_ns: int | None):
+    """Bounded ``try_wait.parity`` loop: ``scope_suffix`` "" (acquire, CTA scope) or ".acquire.cluster";
+    ``suspend_hint_ns`` the ``try_wait`` suspend hint, or None for none (the hardware's short default).
 
     The first try needs no timer; only a wait that goes on reads ``%globaltimer`` (ns) and
     compares the elapsed time with ``WAIT_TIMEOUT_NS`` after every further try. The labels are
     local to the ``{ }`` block, so the intrinsic can appear many times in one kernel."""
+    hint = "" if suspend_hint_ns is None else f", {suspend_hint_ns}"
+    try_wait = f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1{hint};\n"
     text = ("{\n .reg .pred done, again;\n .reg .u64 start, now;\n"
-            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1, {SUSPEND_TIME_HINT_NS};\n"
+            + try_wait +
             " @done bra wait_done;\n"
             " mov.u64 start, %globaltimer;\n"
             " wait_retry:\n"
-            f" mbarrier.try_wait.parity{scope_suffix}.shared::cta.b64 done, [$0], $1, {SUSPEND_TIME_HINT_NS};\n"
+            + try_wait +
             " @done bra wait_done;\n"
             " mov.u64 now, %globaltimer;\n"
             " sub.u64 now, now, start;\n"
@@ -125,10 +131,16 @@ def _wait_parity_or_trap(name: str, scope_suffix: str):
             " trap;\n"
             " wait_done:\n}")
     scope = scope_suffix.lstrip(".") or "acquire.cta"
+    sleep = ("without a suspend hint (retries after the hardware's short default)" if suspend_hint_ns is None
+             else f"with a {suspend_hint_ns} ns suspend hint")
     return ptx_intrinsic(name, text, [_MBAR, ("parity", "u32")], doc=(
-        f"Block until phase ``parity`` of the mbarrier at ``mbar`` completes ({scope}); ``trap`` after "
+        f"Block until phase ``parity`` of the mbarrier at ``mbar`` completes ({scope}), {sleep}; ``trap`` after "
         f"{WAIT_TIMEOUT_NS // 10 ** 9} s of %globaltimer, so a deadlock becomes a launch error."))
 
 
-wait_parity_or_trap = _wait_parity_or_trap("wait_parity_or_trap", "")
-wait_parity_cluster_or_trap = _wait_parity_or_trap("wait_parity_cluster_or_trap", ".acquire.cluster")
+wait_parity_or_trap = _wait_parity_or_trap("wait_parity_or_trap", "", SUSPEND_TIME_HINT_NS)
+wait_parity_cluster_or_trap = _wait_parity_or_trap("wait_parity_cluster_or_trap", ".acquire.cluster",
+                                                   SUSPEND_TIME_HINT_NS)
+spin_wait_parity_or_trap = _wait_parity_or_trap("spin_wait_parity_or_trap", "", None)
+spin_wait_parity_cluster_or_trap = _wait_parity_or_trap("spin_wait_parity_cluster_or_trap", ".acquire.cluster",
+                                                        None)
