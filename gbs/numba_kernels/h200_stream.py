@@ -135,10 +135,10 @@ from gbs.reference import poison_output
 SM90 = (9, 0)
 # The consumers wait for their stage's bytes without try_wait's suspend hint (``spin_wait_parity_or_trap``: a
 # sleeping consumer can wake late); the producer keeps the hint (without it, its retry loop took 17-19 % of the
-# issued instructions, ncu run 32). Alternating rounds on the H200 (notes/h200, runs 89-90): on a 4.52 TB/s GPU
-# the hinted waits made NVFP4 decode_up bimodal (p10 277, p90 289 us) and all waits unhinted ran 277.1 us
-# unimodal; on a 4.63 TB/s GPU unhinted consumer waits: decode_up 267.7 -> 267.6, MXFP4 -0.5 %, small prefill
-# -0.8 %, large prefill (``h200_wgmma``, which uses this too) -1.5 %; an unhinted producer +0.6..+0.9 %.
+# issued instructions, ncu run 32). Alternating rounds on the H200 (notes/h200, runs 89-91): on a 4.63 TB/s GPU
+# unhinted consumer waits took NVFP4 decode_up 267.7 -> 267.6 us, MXFP4 -0.5 %, small prefill -0.8 %, large
+# prefill (``h200_wgmma`` waits the same way) 838.5 / 861.2 -> 825.8 / 832.8; an unhinted producer cost
+# +0.6..+0.9 %. On a 4.52 TB/s GPU -0.2..-0.3 % (NVFP4 and MXFP4 decode_up), decode_down unchanged.
 CONSUMER_WAIT = spin_wait_parity_or_trap
 K_SLICE_BYTES = 128            # bytes of K per stage of a 1-byte (FP8) operand row (the SM100 K tile)
 TILE_M_ROWS = schedule.MMA_M_ROWS   # rows of the CTA's MMA M side (weight rows when swapped)
