@@ -21,7 +21,6 @@ prints the table last and writes the rows as CSV (default ``bench/results/<date>
 from __future__ import annotations
 
 import csv
-import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -79,6 +78,8 @@ class Timing:
     p90_us: float
     launches: int
     host_bound: bool = False   # the GPU ran out of queued launches: the times include host gaps
+    # every timed launch in issue order, (input set, us): for streaks or modes a median hides
+    series: tuple[tuple[int, float], ...] = field(default=(), repr=False, compare=False)
 
 
 def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
@@ -112,16 +113,18 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
         host_s = (time.perf_counter() - t0) / warmup
     cuda.synchronize()
     spacer_s = min(SPACER_MAX_S, SPACER_MARGIN * reps * host_s)
-    times_us, host_bound = _timed_launches(launch, reps, 2 + warmup, num_inputs, spacer_s)
+    first_input = 2 + warmup
+    times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
     if host_bound:   # once more behind a longer spacer
         spacer_s = min(SPACER_MAX_S, SPACER_RETRY_FACTOR * spacer_s)
-        times_us, host_bound = _timed_launches(launch, reps, 2 + warmup, num_inputs, spacer_s)
+        times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
     if host_bound:
         warnings.warn(f"time_launches: the GPU drained the queue before the host issued the last of {reps} "
                       f"launches even after a {spacer_s * 1e3:.1f} ms spacer: the times include host gaps",
                       RuntimeWarning, stacklevel=2)
+    series = tuple(((first_input + i) % num_inputs, float(t)) for i, t in enumerate(times_us))
     return Timing(float(np.median(times_us)), float(np.percentile(times_us, 10)),
-                  float(np.percentile(times_us, 90)), reps, host_bound)
+                  float(np.percentile(times_us, 90)), reps, host_bound, series)
 
 
 def _timed_launches(launch, reps: int, first_input: int, num_inputs: int, spacer_s: float):
@@ -355,10 +358,6 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
-
-
-def dataclass_row(obj) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 # ----------------------------------------------------------------------------------------------

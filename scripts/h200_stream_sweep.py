@@ -14,7 +14,8 @@ what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
-start-up trace build (``h200_stream.TRACE_EVENTS``: where a launch's fixed time goes). Needs an sm_90 GPU.
+start-up trace build (``h200_stream.TRACE_EVENTS``: where a launch's fixed time goes); ``--series CSV`` writes
+every timed launch (input set, us) in issue order. Needs an sm_90 GPU.
 """
 from __future__ import annotations
 
@@ -136,6 +137,12 @@ def trace_summary(records) -> list[str]:
     return lines
 
 
+def series_rows(point: str, timing, env: dict) -> list[dict]:
+    """One row per timed launch of ``point`` in issue order (``bench.Timing.series``), naming the GPU and build."""
+    return [dict(point=point, launch=i, input_set=input_set, us=us, gpu_uuid=env["gpu_uuid"], commit=env["commit"])
+            for i, (input_set, us) in enumerate(timing.series)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("points", nargs="+")
@@ -149,13 +156,16 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="streaming-kernel points: also run the start-up trace build (h200_stream.TRACE_EVENTS) "
                              "with the same grid, print its phases and save the stamps as DIR/<point>.npy")
+    parser.add_argument("--series", default=None, metavar="CSV",
+                        help="also write every timed launch's time, in issue order (does one point run in modes "
+                             "or streaks?)")
     args = parser.parse_args(argv)
     points = [parse_point(p) for p in args.points]
     read_tbps, _ = bench.measure_read_bandwidth()
     l2 = bench.device_l2_bytes()
     env = bench.environment_fields()
     print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now on {env['gpu']} {env['gpu_uuid']})")
-    rows, problems = [], {}
+    rows, problems, series = [], {}, []
     for text, (fmt, case, config, k_splits, num_ctas) in zip(args.points, points):
         key = (fmt, case.name)
         if key not in problems:
@@ -192,12 +202,15 @@ def main(argv=None) -> int:
                    p10_us=timing.p10_us, p90_us=timing.p90_us, gbps=gbps, tflops=tflops,
                    read_ceiling_fraction=gbps / (read_tbps * 1e3), read_ceiling_tbps=read_tbps, **env)
         rows.append(row)
+        series += series_rows(text, timing, env)
         print(f"{text:44} {timing.median_us:9.1f} us  {gbps:7.0f} GB/s  {100 * row['read_ceiling_fraction']:5.1f} %"
               f"  {tflops:6.1f} TFLOP/s  ctas {first.num_ctas} splits {first.k_splits}", flush=True)
         if args.trace and first.kernel == "h200_stream" and first.max_tiles:
             trace_point(args.trace, text, problem, first, copies, args.budget_s)
     if args.csv:
         bench.write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
+    if args.series:
+        bench.write_csv(args.series, series)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

@@ -430,6 +430,16 @@ def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
     assert out.rstrip().splitlines()[-1].startswith("tiny")   # the table comes last
 
 
+@pytest.mark.gpu
+def test_time_launches_series_is_every_timed_launch_in_issue_order():
+    issued = []
+    timing = bench.time_launches(issued.append, num_inputs=3, warmup=2, reps=7)
+    assert [s for s, _ in timing.series] == issued[-7:] == [(4 + i) % 3 for i in range(7)]
+    times = [us for _, us in timing.series]
+    assert timing.launches == 7 and all(us > 0 for us in times)
+    assert timing.median_us == pytest.approx(float(np.median(times)))
+
+
 def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
     """``gbs_auto_h200_relay``: the kernel gets the problem with both operands in the H200 order, and each
     call first re-lays the packed tokens (and, NVFP4, codes their UE4M3 scales) into the kernel's own

@@ -59,6 +59,17 @@ def test_sweep_refuses_bad_points(sweep, point):
         sweep.parse_point(point)
 
 
+def test_sweep_series_rows_keep_issue_order_input_sets_and_the_gpu(sweep):
+    from gbs.bench import Timing
+
+    timing = Timing(10.5, 10.0, 12.0, 3, series=((2, 10.0), (0, 12.0), (1, 10.5)))
+    rows = sweep.series_rows("plan:auto:nvfp4:decode_up", timing, {"gpu_uuid": "GPU-1234", "commit": "abc1234"})
+    assert [(r["launch"], r["input_set"], r["us"]) for r in rows] == [(0, 2, 10.0), (1, 0, 12.0), (2, 1, 10.5)]
+    assert {r["point"] for r in rows} == {"plan:auto:nvfp4:decode_up"}
+    assert {(r["gpu_uuid"], r["commit"]) for r in rows} == {("GPU-1234", "abc1234")}
+    assert sweep.series_rows("p", Timing(1.0, 1.0, 1.0, 1), {"gpu_uuid": "x", "commit": "y"}) == []
+
+
 def test_sanitize_small_refuses_unknown_arguments():
     sanitize = load_script("sanitize_small")
     with pytest.raises(SystemExit, match="unknown arguments.*'mxfp9'"):
