@@ -839,7 +839,12 @@ def test_tensor_map_arguments_are_checked():
         ({"box": (8, 64)}, "multiple of 16 B"),
         ({"box": (256, 64)}, "inner box extent <= 128 B"),
         ({"box": (128,)}, "need 2 box sizes"),
+        ({"l2_promotion": "512B"}, "l2_promotion '512B' not supported"),
     ]
+    from cuda.bindings import driver   # importable without a GPU: every name must be a driver enum member
+    for promotion, suffix in cp.TENSOR_MAP_L2_PROMOTIONS.items():
+        assert cp.check_tensor_map_args(**good, l2_promotion=promotion) == ("UINT8", 1)
+        assert hasattr(driver.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{suffix}")
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             cp.check_tensor_map_args(**{**good, **change})
@@ -850,4 +855,6 @@ def test_tensor_map_arguments_are_checked():
         cp.encode_tensor_map_2d(1 << 20, "uint8", (512, 256), 512, (128, 64), swizzle="128")
     with pytest.raises(ValueError, match="need 3 box sizes"):
         cp.encode_tensor_map_3d(1 << 20, "bfloat16", (64, 32, 4), (128, 4096), (64, 32))
+    with pytest.raises(ValueError, match="l2_promotion"):
+        cp.encode_tensor_map_2d(1 << 20, "uint8", (512, 256), 512, (128, 64), l2_promotion="128")
     assert cp.tensor_map_box_bytes("bfloat16", (64, 32)) == 4096

@@ -1894,15 +1894,18 @@ class TensorMapArgs:
     strides: tuple[int, ...]     # bytes, one fewer than dims
     box: tuple[int, ...]
     swizzle: str
+    l2_promotion: str = cp.DEFAULT_L2_PROMOTION
 
     def check(self) -> None:
-        cp.check_tensor_map_args(self.global_address, "uint8", self.dims, self.strides, self.box, self.swizzle)
+        cp.check_tensor_map_args(self.global_address, "uint8", self.dims, self.strides, self.box, self.swizzle,
+                                 self.l2_promotion)
 
     def encode(self) -> np.ndarray:
         if len(self.dims) == 2:
             return cp.encode_tensor_map_2d(self.global_address, "uint8", self.dims, self.strides[0], self.box,
-                                           self.swizzle)
-        return cp.encode_tensor_map_3d(self.global_address, "uint8", self.dims, self.strides, self.box, self.swizzle)
+                                           self.swizzle, self.l2_promotion)
+        return cp.encode_tensor_map_3d(self.global_address, "uint8", self.dims, self.strides, self.box, self.swizzle,
+                                       self.l2_promotion)
 
 
 def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[TensorMapArgs]:

@@ -206,6 +206,10 @@ TENSOR_MAP_DTYPES = {
 # swizzle name -> (CUtensorMapSwizzle member suffix, max inner box bytes)
 TENSOR_MAP_SWIZZLES = {"none": ("NONE", None), "32B": ("32B", 32), "64B": ("64B", 64),
                        "128B": ("128B", 128)}
+# L2 promotion name -> CUtensorMapL2promotion member suffix: the L2 line fill a box's global reads ask for
+# (a 128-byte row piece with "256B" also brings its neighbour into L2, for a later box to hit)
+TENSOR_MAP_L2_PROMOTIONS = {"none": "NONE", "64B": "L2_64B", "128B": "L2_128B", "256B": "L2_256B"}
+DEFAULT_L2_PROMOTION = "128B"
 _TMA_ADDRESS_ALIGN = 16
 _TMA_STRIDE_ALIGN = 16
 _TMA_MAX_STRIDE = 1 << 40
@@ -219,7 +223,7 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def check_tensor_map_args(global_address, dtype, dims, strides, box, swizzle):
+def check_tensor_map_args(global_address, dtype, dims, strides, box, swizzle, l2_promotion=DEFAULT_L2_PROMOTION):
     """Validate ``encode_tensor_map_*`` arguments against the cuTensorMapEncodeTiled rules; returns
     (driver dtype suffix, element bytes). Raises ValueError / TypeError naming the bad argument."""
     name = _dtype_name(dtype)
@@ -227,6 +231,8 @@ def check_tensor_map_args(global_address, dtype, dims, strides, box, swizzle):
         raise ValueError(f"dtype {name!r} not supported; use one of {sorted(TENSOR_MAP_DTYPES)}")
     if swizzle not in TENSOR_MAP_SWIZZLES:
         raise ValueError(f"swizzle {swizzle!r} not supported; use one of {list(TENSOR_MAP_SWIZZLES)}")
+    if l2_promotion not in TENSOR_MAP_L2_PROMOTIONS:
+        raise ValueError(f"l2_promotion {l2_promotion!r} not supported; use one of {list(TENSOR_MAP_L2_PROMOTIONS)}")
     dt_suffix, esize = TENSOR_MAP_DTYPES[name]
     rank = len(dims)
     if len(box) != rank or len(strides) != rank - 1:
@@ -261,8 +267,8 @@ def check_tensor_map_args(global_address, dtype, dims, strides, box, swizzle):
     return dt_suffix, esize
 
 
-def _encode_tiled(global_address, dtype, dims, strides, box, swizzle):
-    dt_suffix, _ = check_tensor_map_args(global_address, dtype, dims, strides, box, swizzle)
+def _encode_tiled(global_address, dtype, dims, strides, box, swizzle, l2_promotion):
+    dt_suffix, _ = check_tensor_map_args(global_address, dtype, dims, strides, box, swizzle, l2_promotion)
     from cuda.bindings import driver
 
     (err,) = driver.cuInit(0)
@@ -276,7 +282,7 @@ def _encode_tiled(global_address, dtype, dims, strides, box, swizzle):
         [u32(int(b)) for b in box], [u32(1)] * len(dims),  # element strides: every element
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{TENSOR_MAP_SWIZZLES[swizzle][0]}"),
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        getattr(driver.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{TENSOR_MAP_L2_PROMOTIONS[l2_promotion]}"),
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled(dims={tuple(dims)}, strides={tuple(strides)}, "
@@ -287,7 +293,8 @@ def _encode_tiled(global_address, dtype, dims, strides, box, swizzle):
     return words.view(np.uint8).copy()
 
 
-def encode_tensor_map_2d(global_address, dtype, dims, row_stride, box, swizzle="none"):
+def encode_tensor_map_2d(global_address, dtype, dims, row_stride, box, swizzle="none",
+                         l2_promotion=DEFAULT_L2_PROMOTION):
     """128-byte CUtensorMap (numpy uint8 array) for a 2-D tile-mode TMA over global memory.
 
     global_address: device address of element (0, 0), 16-byte aligned.
@@ -298,17 +305,19 @@ def encode_tensor_map_2d(global_address, dtype, dims, row_stride, box, swizzle="
     box: (inner, outer) box extents in elements, each 1..256; inner box bytes a multiple of 16
         and at most the swizzle span (32/64/128 B) when swizzled.
     swizzle: "none", "32B", "64B" or "128B".
-    L2 promotion is 128 B, out-of-bounds elements read as zero, no interleave.
+    l2_promotion: "none", "64B", "128B" (default) or "256B" (``TENSOR_MAP_L2_PROMOTIONS``).
+    Out-of-bounds elements read as zero, no interleave.
     Copy the result to the device (``cuda.to_device``) and pass its address to the kernel.
     """
-    return _encode_tiled(global_address, dtype, tuple(dims), (row_stride,), tuple(box), swizzle)
+    return _encode_tiled(global_address, dtype, tuple(dims), (row_stride,), tuple(box), swizzle, l2_promotion)
 
 
-def encode_tensor_map_3d(global_address, dtype, dims, strides, box, swizzle="none"):
+def encode_tensor_map_3d(global_address, dtype, dims, strides, box, swizzle="none",
+                         l2_promotion=DEFAULT_L2_PROMOTION):
     """128-byte CUtensorMap for a 3-D tile-mode TMA: as ``encode_tensor_map_2d`` with
     ``dims``/``box`` = (inner, middle, outer) and ``strides`` = (middle stride, outer stride) in
     bytes, each a multiple of 16."""
-    return _encode_tiled(global_address, dtype, tuple(dims), tuple(strides), tuple(box), swizzle)
+    return _encode_tiled(global_address, dtype, tuple(dims), tuple(strides), tuple(box), swizzle, l2_promotion)
 
 
 def tensor_map_box_bytes(dtype, box) -> int:
