@@ -814,6 +814,11 @@ def byte_pair_selector(first_byte):
     return np.uint32(0x4040 | first_byte | ((first_byte + 1) << 8))
 
 
+def byte_broadcast_selector(byte):
+    """``prmt`` selector that puts byte ``byte`` of a word, zero-extended, into both 16-bit lanes."""
+    return np.uint32(0x4040 | byte | (byte << 8))
+
+
 ROTATION_RUN = 4   # groups are rotated inside aligned runs of 4 (every thread range has 4 or 8 groups)
 
 
@@ -938,9 +943,9 @@ def _make_side_reader(side: OperandSide, pairing: str):
     ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 and not ue4m3_coded else None
     e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == LAYOUT_E2M1_H200 else e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
-    ue8m0_bits = _device(ue8m0_scale_bits)
     ue8m0_pair_bits = _device(_ue8m0_pair_scale_bits(min_u16x2))
     pair_selector = _device(byte_pair_selector)
+    broadcast_byte = _device(byte_broadcast_selector)
     code_pair_bits = _device(ue4m3_code_pair_bits)
     byte_index = _device(scale_byte_index)
     broadcast_selector = _device(bf16_broadcast_selector)
@@ -985,13 +990,14 @@ def _make_side_reader(side: OperandSide, pairing: str):
             return prmt_b32(s0, s1, selector)
     else:
         if not 0 <= exponent_offset < 2 ** 8:
-            raise AssertionError("ue8m0_pair_scale_bits needs lane sums below 512")
+            raise AssertionError("ue8m0_pair_scale_bits: each lane (byte + offset) << 7 must stay below 0x10000")
 
         @_device
         def load_scales(address, q):
             word = ld_shared_u32(address)
-            if blocks == 1:
-                s0 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 0))) & 0xFF, exponent_offset)
+            if blocks == 1:   # the one scale into both lanes: its bf16 twice
+                s0 = ue8m0_pair_bits(prmt_b32(word, np.uint32(0), broadcast_byte(byte_index(q, blocks, 0))),
+                                     exponent_offset)
                 return s0, s0
             pair = ue8m0_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(byte_index(q, blocks, 0))),
                                    exponent_offset)
