@@ -33,6 +33,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from numba import cuda
 
 from gbs import schedule
 from gbs.bench import synthetic_problem
@@ -42,6 +43,7 @@ from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_activations, random_weights
 from gbs.ptx_inline import offline
+from gbs.ptx_inline.arith import min_u16x2, min_u16x2_host
 from gbs.quant import (
     LAYOUT_E2M1_H200,
     BF16,
@@ -197,6 +199,61 @@ def test_ue8m0_pair_scale_bits_match_the_single_image(element):
         picked = [(word >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF if (selector >> (4 * i)) & 7 < 4 else 0
                   for i in range(4)]
         assert picked == [(word >> (8 * first)) & 0xFF, 0, (word >> (8 * first + 8)) & 0xFF, 0]
+    for byte in range(4):   # one scale (MXFP8 / W4A8's one block per quad lane): the same byte in both lanes
+        selector = int(hs.byte_broadcast_selector(byte))
+        picked = [(word >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF if (selector >> (4 * i)) & 7 < 4 else 0
+                  for i in range(4)]
+        assert picked == [(word >> (8 * byte)) & 0xFF, 0, (word >> (8 * byte)) & 0xFF, 0]
+
+
+def test_min_u16x2_host_is_the_lane_minimum():
+    rng = np.random.default_rng(7)
+    a, b = (rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    got = min_u16x2_host(a, b)
+    assert np.array_equal(got & 0xFFFF, np.minimum(a & 0xFFFF, b & 0xFFFF))
+    assert np.array_equal(got >> 16, np.minimum(a >> 16, b >> 16))
+    assert int(min_u16x2_host(0x80000001, 0x7FFF8000)) == 0x7FFF0001   # unsigned lanes, no carry
+
+
+def k_ue8m0_pair(lanes, out):
+    """The kernels' ``_ue8m0_pair_scale_bits`` (device ``min_u16x2``) over ``lanes`` (MXFP4's offset)."""
+    i = cuda.grid(1)
+    if i < lanes.size:
+        out[i] = UE8M0_PAIR_DEVICE(lanes[i], MXFP4_UE8M0_OFFSET)
+
+
+def k_copy_lanes(lanes, out):
+    """``k_ue8m0_pair`` without the conversion: the SASS around it."""
+    i = cuda.grid(1)
+    if i < lanes.size:
+        out[i] = lanes[i]
+
+
+MXFP4_UE8M0_OFFSET = hs.ELEMENT_LOG2_OFFSET["e2m1"] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
+
+
+UE8M0_PAIR_DEVICE = cuda.jit(device=True, forceinline=True)(hs._ue8m0_pair_scale_bits(min_u16x2))
+
+
+def test_ue8m0_pair_scale_bits_compile_to_five_instructions():
+    """What the kernels run per two UE8M0 scales (after the lanes' ``prmt``): the multiply-add, the lane
+    minimum with +Inf, and the NaN flag (add, shift, merge)."""
+    from numba.cuda import types
+
+    sig = (types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 1, "C"))
+    pair, copy = ([ins for ins in offline.sass_instructions(offline.disassemble(offline.compile_cubin(
+        k, sig, offline.SM90A))) if not ins.startswith("NOP")] for k in (k_ue8m0_pair, k_copy_lanes))
+    assert sum(ins.startswith("VIMNMX.U16x2") for ins in pair) == 1
+    assert len(pair) - len(copy) == 5
+
+
+@pytest.mark.gpu
+def test_gpu_ue8m0_pair_scale_bits_match_the_host_form_for_every_byte_pair():
+    b0, b1 = (a.ravel().astype(np.uint32) for a in np.meshgrid(np.arange(256), np.arange(256)))
+    lanes = b0 | (b1 << 16)
+    out = cuda.device_array(lanes.size, np.uint32)
+    cuda.jit(k_ue8m0_pair)[(lanes.size + 255) // 256, 256](cuda.to_device(lanes), out)
+    assert np.array_equal(out.copy_to_host(), hs.ue8m0_pair_scale_bits(lanes, MXFP4_UE8M0_OFFSET))
 
 
 def test_ue4m3_scale_image_is_exact_and_finite():

@@ -121,7 +121,7 @@ from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import copy as cp
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
-from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2, prmt_b32
+from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2, min_u16x2, min_u16x2_host, prmt_b32
 from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import spin_wait_parity_or_trap, wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
@@ -770,22 +770,32 @@ def ue8m0_scale_bits(scale_byte, exponent_offset):
 
 
 UE8M0_LANES = 0x00010001        # 1 in each 16-bit lane
-UE8M0_LANE_BYTE = 0x00FF00FF
+UE8M0_LANE_INF = 0x7F807F80     # bf16 +Inf in each lane
 UE8M0_LANE_QUIET = 0x00400040   # the bf16 quiet-NaN bit of each lane
 
 
-def ue8m0_pair_scale_bits(lanes, exponent_offset):
-    """``ue8m0_scale_bits`` of two scale bytes at once: ``lanes`` holds them zero-extended in its 16-bit
-    lanes (byte 0 in bits 0..7, byte 1 in bits 16..23); returns the bf16 image of each in its lane.
-    Lane sums stay below 512 (``exponent_offset`` < 257), so one 32-bit add serves both, bit 8 of a
-    lane flags the saturation to Inf and bit 8 of ``lane + 1`` the NaN byte 0xFF: 10 integer
-    instructions for two scales instead of ~9 each (MXFP4 decode's per-stage scale work, ncu run 34)."""
-    lanes = np.uint32(lanes)
-    biased = np.uint32(lanes + np.uint32(exponent_offset * UE8M0_LANES))
-    over = (biased >> np.uint32(8)) & np.uint32(UE8M0_LANES)
-    biased = (biased | np.uint32(over * np.uint32(0xFF))) & np.uint32(UE8M0_LANE_BYTE)   # min(lane, 255)
-    quiet = (np.uint32(lanes + np.uint32(UE8M0_LANES)) >> np.uint32(2)) & np.uint32(UE8M0_LANE_QUIET)
-    return np.uint32((biased << np.uint32(BF16_EXPONENT_SHIFT)) | quiet)
+def _ue8m0_pair_scale_bits(lane_min):
+    """``ue8m0_pair_scale_bits`` with ``lane_min`` as the 16-bit-lane unsigned minimum (the device's
+    ``min_u16x2`` or the host's ``min_u16x2_host``): one body for the kernels and for the tests."""
+    def pair_scale_bits(lanes, exponent_offset):
+        lanes = np.uint32(lanes)
+        # each lane's (byte + offset) << 7 (below 0x10000: no lane carries into the next) is the scale's
+        # bf16 while byte + offset <= 254, and at least +Inf's 0x7F80 past it: the minimum saturates
+        biased = np.uint32(lanes * np.uint32(1 << BF16_EXPONENT_SHIFT)
+                           + np.uint32((exponent_offset << BF16_EXPONENT_SHIFT) * UE8M0_LANES))
+        quiet = (np.uint32(lanes + np.uint32(UE8M0_LANES)) >> np.uint32(2)) & np.uint32(UE8M0_LANE_QUIET)
+        return np.uint32(lane_min(biased, np.uint32(UE8M0_LANE_INF)) | quiet)
+    return pair_scale_bits
+
+
+ue8m0_pair_scale_bits = _ue8m0_pair_scale_bits(min_u16x2_host)
+ue8m0_pair_scale_bits.__doc__ = """``ue8m0_scale_bits`` of two scale bytes at once: ``lanes`` holds them
+zero-extended in its 16-bit lanes (byte 0 in bits 0..7, byte 1 in bits 16..23); returns the bf16 image of each in
+its lane. Each lane's ``(byte + offset) << 7`` is below 0x10000 (``exponent_offset`` < 257), so one 32-bit
+multiply-add serves both lanes; its lane minimum with +Inf saturates, and bit 8 of ``lane + 1`` flags the NaN byte
+0xFF: 5 instructions for two scales (``LEA``, ``VIMNMX.U16x2``, ``VIADD``, ``SHF``, ``LOP3``; 10 with integer
+saturation, ~9 each with per-byte conversions: MXFP4 decode's per-stage scale work, ncu run 34). Host form; the
+kernels compile the same body with ``arith.min_u16x2`` (``_ue8m0_pair_scale_bits``)."""
 
 
 UE4M3_CODE_SHIFT, UE4M3_CODE_LANE_ADDEND = UE4M3H200Scales.CODE_SHIFT, UE4M3H200Scales.LANE_ADDEND
@@ -802,6 +812,11 @@ def byte_pair_selector(first_byte):
     """``prmt`` selector that puts bytes ``first_byte`` and ``first_byte + 1`` of a word, zero-extended,
     into the two 16-bit lanes (the selector's 4 picks byte 0 of a zero second operand)."""
     return np.uint32(0x4040 | first_byte | ((first_byte + 1) << 8))
+
+
+def byte_broadcast_selector(byte):
+    """``prmt`` selector that puts byte ``byte`` of a word, zero-extended, into both 16-bit lanes."""
+    return np.uint32(0x4040 | byte | (byte << 8))
 
 
 ROTATION_RUN = 4   # groups are rotated inside aligned runs of 4 (every thread range has 4 or 8 groups)
@@ -928,9 +943,9 @@ def _make_side_reader(side: OperandSide, pairing: str):
     ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 and not ue4m3_coded else None
     e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == LAYOUT_E2M1_H200 else e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
-    ue8m0_bits = _device(ue8m0_scale_bits)
-    ue8m0_pair_bits = _device(ue8m0_pair_scale_bits)
+    ue8m0_pair_bits = _device(_ue8m0_pair_scale_bits(min_u16x2))
     pair_selector = _device(byte_pair_selector)
+    broadcast_byte = _device(byte_broadcast_selector)
     code_pair_bits = _device(ue4m3_code_pair_bits)
     byte_index = _device(scale_byte_index)
     broadcast_selector = _device(bf16_broadcast_selector)
@@ -975,13 +990,14 @@ def _make_side_reader(side: OperandSide, pairing: str):
             return prmt_b32(s0, s1, selector)
     else:
         if not 0 <= exponent_offset < 2 ** 8:
-            raise AssertionError("ue8m0_pair_scale_bits needs lane sums below 512")
+            raise AssertionError("ue8m0_pair_scale_bits: each lane (byte + offset) << 7 must stay below 0x10000")
 
         @_device
         def load_scales(address, q):
             word = ld_shared_u32(address)
-            if blocks == 1:
-                s0 = ue8m0_bits((word >> (8 * byte_index(q, blocks, 0))) & 0xFF, exponent_offset)
+            if blocks == 1:   # the one scale into both lanes: its bf16 twice
+                s0 = ue8m0_pair_bits(prmt_b32(word, np.uint32(0), broadcast_byte(byte_index(q, blocks, 0))),
+                                     exponent_offset)
                 return s0, s0
             pair = ue8m0_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(byte_index(q, blocks, 0))),
                                    exponent_offset)

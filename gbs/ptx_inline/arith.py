@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import numbers
 
+import numpy as np
 from llvmlite import ir
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
@@ -33,6 +34,20 @@ prmt_b32 = ptx_intrinsic(
     "prmt_b32", "prmt.b32 $0, $1, $2, $3;", [(arg, "u32") for arg in _U32_OPERANDS], result="u32", pure=True,
     doc="""Byte permute (default mode): byte i of the result is byte ``c[4i:4i+4]`` (0..7; bit 3 of each
 nibble replicates the byte's sign instead when set) of the 8 bytes ``b:a`` (``a`` = bytes 0-3).""")
+
+min_u16x2 = ptx_intrinsic(
+    "min_u16x2", "min.u16x2 $0, $1, $2;", [("a", "u32"), ("b", "u32")], result="u32", pure=True,
+    doc="""The unsigned minimum of each 16-bit lane of ``a`` and ``b`` (sm_90+; one ``VIMNMX.U16x2``).
+``min_u16x2_host`` is the same on numpy / Python integers.""")
+
+
+def min_u16x2_host(a, b):
+    """``min_u16x2`` on the host (numpy arrays or integers of u32 words), for tests and host models."""
+    a, b = np.uint32(a), np.uint32(b)
+    lo = np.minimum(a & np.uint32(0xFFFF), b & np.uint32(0xFFFF))
+    hi = np.minimum(a >> np.uint32(16), b >> np.uint32(16))
+    return np.uint32((hi << np.uint32(16)) | lo)
+
 
 f32_to_bf16_bits = ptx_intrinsic(
     "f32_to_bf16_bits", "cvt.rn.bf16.f32 $0, $1;", [("value", "f32")], result="u16", pure=True,
