@@ -390,6 +390,7 @@ class DeviceGroupedProblem(ProblemShape):
             object.__setattr__(self, name, int(value))
         if self.n <= 0 or self.k <= 0:
             raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
+        check_layout(self.b_layout, self.b_format, "b", (self.n, self.b_format.row_bytes(self.k)))
         if self.num_active_experts < 1:
             raise ValueError(f"num_active_experts must be >= 1, got {self.num_active_experts}")
         if self.estimated_total_m < 0:

@@ -209,12 +209,12 @@ class GroupedProblem(ProblemShape):
         for fmt in (self.a_format, self.b_format):
             _expect(k % fmt.block_size == 0,
                     f"K = {k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
-        check_layout(self.b_layout, self.b_format, "b")
         check_layout(self.a_layout, self.a_format, "a")
 
         if not isinstance(self.b, np.ndarray) or self.b.ndim != 3:
             raise ValueError(f"b must be a 3-D (num_experts, N, K bytes) array, got "
                              f"{getattr(self.b, 'shape', type(self.b).__name__)}")
+        check_layout(self.b_layout, self.b_format, "b", self.b.shape)
         num_experts = self.b.shape[0]
         _expect(num_experts >= 1, "b must hold at least one expert")
         if not isinstance(self.a, np.ndarray) or self.a.ndim != 2:
@@ -260,14 +260,23 @@ class GroupedProblem(ProblemShape):
 OPERAND_ROLES = {"a": "tokens", "b": "weights"}
 
 
-def check_layout(layout, fmt: BlockFormat, operand: str) -> str:
+def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:
     """``layout`` if it is a layout of ``gbs.quant.OPERAND_LAYOUTS`` that operand ``operand`` (``"a"``:
-    tokens, ``"b"``: weights) in ``fmt`` can have (the H200 order re-lays FP4 only); else ValueError."""
+    tokens, ``"b"``: weights) in ``fmt`` can have (the H200 orders re-lay FP4 only, the tiled one weights
+    only) and, given the operand's ``shape``, store (tiles need whole boxes); else ValueError."""
     if not isinstance(layout, str) or layout not in OPERAND_LAYOUTS:
         raise ValueError(f"{operand}_layout must be one of {sorted(OPERAND_LAYOUTS)}, got {layout!r}")
-    if layout != LAYOUT_PACKED and not fmt.packed:
+    order = OPERAND_LAYOUTS[layout]
+    if order is None:
+        return layout
+    if not fmt.packed:
         raise ValueError(f"{operand}_layout {layout!r} re-lays FP4 (E2M1) {OPERAND_ROLES[operand]}; "
                          f"{operand} is {fmt.name}")
+    if OPERAND_ROLES[operand] not in order.ROLES:
+        raise ValueError(f"{operand}_layout {layout!r} is for {' or '.join(order.ROLES)}, not "
+                         f"{OPERAND_ROLES[operand]}")
+    if order.TILED and shape is not None:
+        order.check_shape(shape)
     return layout
 
 

@@ -241,6 +241,7 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (every format's default)
 LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
+LAYOUT_E2M1_H200_TILED = "e2m1_h200_tiled"  # E2M1H200TiledOrder: the same bits, weights stored box by box
 
 
 def _e2m1_h200_destinations() -> tuple[int, ...]:
@@ -290,6 +291,9 @@ class E2M1H200Order:
     SPREAD_PRESHIFT = 8
     SPREAD_MASK = 0x006C006C                   # SPREAD_SLOT_BITS >> SPREAD_PRESHIFT, both halves
     SPREAD_MULTIPLIER = (1 << 0) | (1 << 5) | (1 << 10)   # three shifted copies; BF16_MASK keeps the right bits
+    ROLES = ("tokens", "weights")   # what the operand may be (``gbs.problem.check_layout``)
+    WORD_ORDER = LAYOUT_E2M1_H200   # the bits of each word: which decode the kernels run
+    TILED = False                   # weights stored box by box (``E2M1H200TiledOrder``)
 
     @staticmethod
     def _words(packed: np.ndarray) -> np.ndarray:
@@ -342,6 +346,70 @@ class E2M1H200Order:
         if scale_dtype == "ue4m3":
             return UE4M3H200Scales.decode(scale_bytes)
         return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+
+class E2M1H200TiledOrder(E2M1H200Order):
+    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: the weights' order for
+    the H200 kernels' decode (and small-prefill) configs.
+
+    The kernels' producer loads a weight stage as a TMA box of 128 rows x one 128-byte K slice (16 KB).
+    In row-major weights those are 128 pieces of 128 B, one per row, ``K / 2`` bytes apart; here each box
+    is 16 KB of contiguous memory, so a stage is one DRAM stream instead of 128 (why it is faster is inferred
+    from the measurement, not measured: fewer DRAM pages opened per byte). Boxes are ordered (128-row tile,
+    K slice), rows inside a box as before: byte ``c`` of row ``r`` of an expert's (N, K/2) matrix sits at
+    byte ``box_row * 128 + c % 128`` of the expert's slab, ``box_row = (r // 128 * (K/2 // 128) + c // 128)
+    * 128 + r % 128`` (the kernels' tensor map reads the slabs as rows of 128 B). So ``b`` keeps its shape and dtype (N and K/2 multiples of ``BOX_ROWS`` / ``BOX_BYTES``, which
+    every ``workloads.md`` shape is) and the scales keep the 128x4 layout (UE4M3 codes as in
+    ``E2M1H200Order``). The kernels read it through a 2-D tensor map over all the boxes
+    (``h200_stream.tensor_map_args``); wider or narrower weight boxes (256 or 64 rows, 64-byte K slices
+    with FP8 tokens) are whole boxes or sub-boxes of these. Weights only: tokens are not tiled.
+
+    Measured on the H200 (``notes/h200/README.md``, session 22, runs 95 and 97, the diagnostic that
+    preceded it): NVFP4 decode 268.0 -> 261.7 us on a 4.62 TB/s GPU and 279.5 -> 269.4 us on a 4.53 TB/s
+    one, where it also removed the bimodal launch times; MXFP4 decode slower (+2..3 %, bimodal).
+    """
+
+    BOX_ROWS = 128     # weight rows per box: the streaming kernel's M tile (``h200_stream.TILE_M_ROWS``)
+    BOX_BYTES = 128    # bytes of K per box row: one FP4 K slice of 256 elements (``h200_stream.K_SLICE_BYTES``)
+    ROLES = ("weights",)
+    TILED = True
+
+    @classmethod
+    def check_shape(cls, shape) -> None:
+        """ValueError unless ``shape`` (..., N, K/2 bytes) tiles into whole boxes."""
+        if len(shape) < 2 or shape[-2] % cls.BOX_ROWS or shape[-1] % cls.BOX_BYTES:
+            raise ValueError(f"{LAYOUT_E2M1_H200_TILED!r} stores weights in boxes of {cls.BOX_ROWS} rows x "
+                             f"{cls.BOX_BYTES} bytes: it needs (..., N, K/2) with N a multiple of {cls.BOX_ROWS} "
+                             f"and K/2 of {cls.BOX_BYTES} bytes (K of {2 * cls.BOX_BYTES}), got {tuple(shape)}")
+
+    @classmethod
+    def tile(cls, rows: np.ndarray) -> np.ndarray:
+        """(..., N, K/2) bytes -> the same shape with each box contiguous (a new array; bytes unchanged)."""
+        rows = np.asarray(rows)
+        cls.check_shape(rows.shape)
+        *lead, n, kb = rows.shape
+        boxes = rows.reshape(*lead, n // cls.BOX_ROWS, cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_BYTES)
+        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(rows.shape)
+
+    @classmethod
+    def untile(cls, tiled: np.ndarray) -> np.ndarray:
+        """Inverse of ``tile``."""
+        tiled = np.asarray(tiled)
+        cls.check_shape(tiled.shape)
+        *lead, n, kb = tiled.shape
+        boxes = tiled.reshape(*lead, n // cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_ROWS, cls.BOX_BYTES)
+        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(tiled.shape)
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        """``pack_fp4`` weight bytes (..., N, K/2) -> the same shape in this order (a new array)."""
+        cls.check_shape(np.shape(packed))
+        return cls.tile(super().swizzle(packed))
+
+    @classmethod
+    def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
+        """Inverse of ``swizzle``."""
+        return super().unswizzle(cls.untile(ordered))
 
 
 def _scale_bytes(scale_bytes, scale_dtype: str) -> np.ndarray:
@@ -443,7 +511,20 @@ def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:
 _E2M1_H200_DEST = _e2m1_h200_destinations()
 _E2M1_H200_TABLES = (_byte_tables(_E2M1_H200_DEST),
                      _byte_tables(tuple(int(i) for i in np.argsort(_E2M1_H200_DEST))))
-OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order}
+OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder}
+
+
+def word_order(layout: str) -> str:
+    """The order of the bits inside each 4-byte word of ``layout`` (what a kernel's decode reads):
+    ``LAYOUT_PACKED`` or ``LAYOUT_E2M1_H200`` (also the tiled layout's)."""
+    order = OPERAND_LAYOUTS[layout]
+    return LAYOUT_PACKED if order is None else order.WORD_ORDER
+
+
+def tiled_weights(layout: str) -> bool:
+    """Whether ``layout`` stores weights box by box (``E2M1H200TiledOrder``)."""
+    order = OPERAND_LAYOUTS[layout]
+    return order is not None and order.TILED
 
 
 # ----------------------------------------------------------------------------------------------

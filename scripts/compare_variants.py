@@ -7,9 +7,11 @@ before / after comparison shares the GPU's state (clocks, temperature, the read 
     python3 scripts/compare_variants.py --make-tree wip/some-branch wt/branch
     # on the GPU (the device tool copies untracked trees such as wt/ with the working tree)
     python3 scripts/compare_variants.py --rounds 2 --out $OUT main=wt/main new=wt/branch \\
-        diag=wt/branch:GBS_SOME_SWITCH=1 -- plan:auto:nvfp4:decode_up plan:auto:nvfp4:kimi_decode
+        diag=wt/branch:GBS_SOME_SWITCH=1 tiled=wt/main:--b-layout=e2m1_h200_tiled -- plan:auto:nvfp4:decode_up
 
-A variant is ``NAME=DIR[:VAR=VALUE[,VAR=VALUE...]]``; a tree written by ``--make-tree`` names its commit in
+A variant is ``NAME=DIR[:ITEM[,ITEM...]]``, each item ``VAR=VALUE`` (an environment variable of its runs) or
+``--OPTION=VALUE`` (a sweep option of its runs after the common ones, e.g. ``--b-layout=e2m1_h200_tiled``: two
+weight layouts on one tree); a tree written by ``--make-tree`` names its commit in
 ``REVISION``, which its runs record as ``GBS_COMMIT``. Each run is a fresh process of the variant's own
 ``scripts/h200_stream_sweep.py`` (the tree's, else this checkout's) with ``DIR`` first on ``PYTHONPATH`` and
 the variables set, so no variant's compiled kernels or module state serve another. Rounds alternate the
@@ -37,21 +39,26 @@ class Variant(NamedTuple):
     name: str
     tree: pathlib.Path
     env: dict
+    sweep_args: tuple = ()   # its own sweep options, after the common ones (argparse: the last one counts)
 
 
 def parse_variant(text: str) -> Variant:
-    """``NAME=DIR[:VAR=VALUE,...]``."""
+    """``NAME=DIR[:VAR=VALUE|--OPTION=VALUE,...]``."""
     name, sep, rest = text.partition("=")
     if not sep or not name.isidentifier() or not rest:
         raise ValueError(f"variant {text!r}: want NAME=DIR[:VAR=VALUE,...] (NAME an identifier)")
     tree, _, assignments = rest.partition(":")
-    env = {}
+    env, sweep_args = {}, []
     for item in filter(None, assignments.split(",")):
         var, sep, value = item.partition("=")
-        if not sep or not var.isidentifier():
-            raise ValueError(f"variant {text!r}: {item!r} is not VAR=VALUE")
-        env[var] = value
-    return Variant(name, pathlib.Path(tree), env)
+        option = var.startswith("--") and var[2:].replace("-", "_").isidentifier()
+        if not sep or not (option or var.isidentifier()):
+            raise ValueError(f"variant {text!r}: {item!r} is not VAR=VALUE or --OPTION=VALUE")
+        if option:
+            sweep_args += [var, value]
+        else:
+            env[var] = value
+    return Variant(name, pathlib.Path(tree), env, tuple(sweep_args))
 
 
 def make_tree(rev: str, directory: str) -> None:
@@ -83,7 +90,8 @@ def run_commands(variants, points, rounds: int, out: pathlib.Path, sweep_args) -
         for v in variants:
             tree = v.tree.resolve()
             sweep = tree / SWEEP if (tree / SWEEP).exists() else ROOT / SWEEP
-            argv = [sys.executable, str(sweep), *sweep_args, "--csv", str(out / f"{v.name}-r{r}.csv"), *points]
+            argv = [sys.executable, str(sweep), *sweep_args, *v.sweep_args, "--csv", str(out / f"{v.name}-r{r}.csv"),
+                    *points]
             env = dict(os.environ, **tree_environment(v))
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
             runs.append((v.name, r, argv, env))
@@ -129,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--a-layout", default="packed", help="the sweep's FP4 token layout (trees from before "
                         "a_layout existed take only the default)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    parser.add_argument("variants", nargs="*", metavar="NAME=DIR[:VAR=VALUE,...]", help="then -- and the points")
+    parser.add_argument("variants", nargs="*", metavar="NAME=DIR[:VAR=VALUE|--OPTION=VALUE,...]",
+                        help="then -- and the points")
     words = list(sys.argv[1:] if argv is None else argv)
     cut = words.index("--") if "--" in words else len(words)
     args, points = parser.parse_args(words[:cut]), words[cut + 1:]

@@ -16,11 +16,12 @@ import numpy as np
 from gbs.numba_kernels import h200_stream, h200_wgmma, simt
 from gbs.numba_kernels.h200_stream import StreamConfig
 from gbs.problem import build_problem, random_activations, random_weights
-from gbs.quant import LAYOUT_E2M1_H200
+from gbs.quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED
 from gbs.reference import check_acceptance
 from gbs.schedule import TileConfig
 
 N, K = 200, 512
+TILED_N = 256   # tiled weights need whole 128-row boxes
 GROUP_SIZES = [3, 0, 1, 9, 5]
 EXPERT_IDS = [2, 0, 1, -1, 3]
 # ((ab_swapped, mma_bn, cta_group, stages), k_splits, num_ctas, small_n_warps): decode (decoded-token slots),
@@ -38,9 +39,9 @@ FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
 
 
-def problem_for(fmt, seed, group_sizes=GROUP_SIZES):
+def problem_for(fmt, seed, group_sizes=GROUP_SIZES, n=N):
     rng = np.random.default_rng(seed)
-    return build_problem(random_activations(rng, sum(group_sizes), K), random_weights(rng, 4, N, K),
+    return build_problem(random_activations(rng, sum(group_sizes), K), random_weights(rng, 4, n, K),
                          group_sizes, EXPERT_IDS, fmt=fmt)
 
 
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
             relaid = p.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
             cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200), relaid,
                           lambda: h200_stream.grouped_matmul_h200(relaid, StreamConfig(True, 8, 1, 2))))
+            boxed = problem_for(fmt, seed, n=TILED_N).with_b_layout(LAYOUT_E2M1_H200_TILED)
+            cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_TILED), boxed,
+                          lambda: h200_stream.grouped_matmul_h200(boxed, StreamConfig(True, 8, 1, 2))))
             if "h200_wgmma" in kernels:
                 wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,

@@ -137,8 +137,10 @@ def variants():
 def test_compare_variants_parses_trees_and_variables(variants):
     v = variants.parse_variant("diag=wt/x:GBS_A=1,GBS_B=two")
     assert (v.name, str(v.tree), v.env) == ("diag", "wt/x", {"GBS_A": "1", "GBS_B": "two"})
-    assert variants.parse_variant("main=.").env == {}
-    for bad in ("wt/x", "1x=wt/x", "x=", "x=wt:NOVALUE"):
+    assert variants.parse_variant("main=.").env == {} and variants.parse_variant("main=.").sweep_args == ()
+    v = variants.parse_variant("tiled=wt/x:--b-layout=e2m1_h200_tiled,GBS_A=1")
+    assert (v.env, v.sweep_args) == ({"GBS_A": "1"}, ("--b-layout", "e2m1_h200_tiled"))
+    for bad in ("wt/x", "1x=wt/x", "x=", "x=wt:NOVALUE", "x=wt:--=1", "x=wt:--b layout=1"):
         with pytest.raises(ValueError):
             variants.parse_variant(bad)
 
@@ -162,6 +164,11 @@ def test_compare_variants_alternates_fresh_processes_per_tree(variants, tmp_path
     assert not any("--a-layout" in line for line in lines), "packed tokens: the flag older trees lack stays off"
     variants.main(["--dry-run", "--a-layout", "e2m1_h200", "--out", str(tmp_path / "o"), "a=.", "--", "p"])
     assert "--a-layout e2m1_h200" in capsys.readouterr().out
+    variants.main(["--dry-run", "--rounds", "1", "--out", str(tmp_path / "o"), "a=.", "t=.:--b-layout=e2m1_h200_tiled",
+                   "--", "p"])
+    a_line, t_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("==")]
+    assert "e2m1_h200_tiled" not in a_line
+    assert t_line.index("--b-layout e2m1_h200 ") < t_line.index("--b-layout e2m1_h200_tiled"), "the variant's last"
     with pytest.raises(SystemExit):
         variants.main(["a=.", "a=wt/x", "--", "p"])   # two variants of one name
     with pytest.raises(SystemExit):

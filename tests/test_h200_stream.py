@@ -46,6 +46,8 @@ from gbs.ptx_inline import offline
 from gbs.ptx_inline.arith import min_u16x2, min_u16x2_host
 from gbs.quant import (
     LAYOUT_E2M1_H200,
+    LAYOUT_E2M1_H200_TILED,
+    OPERAND_LAYOUTS,
     BF16,
     E2M1H200Order,
     BlockScaled,
@@ -860,6 +862,107 @@ def test_tensor_map_arguments_are_valid(fmt, config):
         assert math_prod(m.dims) == arr.size
 
 
+FP4_WEIGHT_FORMATS = tuple(f for f in FORMATS if get_format(PROBLEM_FORMATS[f][1]).packed)
+
+
+def tma_box_2d(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int]) -> np.ndarray:
+    """Bytes of a 2-D box of a C-contiguous byte tensor (before the swizzle, which both weight maps apply
+    alike: same box width, same shared-memory destination)."""
+    assert len(args.dims) == 2 and args.strides == (args.dims[0],)
+    view = tensor.reshape(args.dims[::-1])
+    (x, y), (width, rows) = coords, args.box
+    assert 0 <= x and x + width <= args.dims[0] and 0 <= y and y + rows <= args.dims[1], "inside: no fill"
+    return np.ascontiguousarray(view[y:y + rows, x:x + width]).reshape(-1)
+
+
+@pytest.mark.parametrize("fmt", FP4_WEIGHT_FORMATS)
+@pytest.mark.parametrize("config", ["decode", "not_swapped", "not_swapped_wide", "not_swapped_decode", "wide"])
+def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config):
+    """Tiled weights (``E2M1H200TiledOrder``): the producer's 2-D loads (``tiled_weight_row``, one per
+    128-row box part) put in a stage the bytes its 3-D load of the untiled weights does, for every
+    expert, weight tile and K slice (64-byte slices of W4A8 included: half a box's width)."""
+    base = spec_of(fmt, CONFIGS[config])
+    spec = dataclasses.replace(base, b_layout=LAYOUT_E2M1_H200_TILED)
+    p = _problem(fmt, n=512, k=4 * spec.k_slice, group_sizes=[3], expert_ids=[2])
+    untiled = p.with_b_layout(LAYOUT_E2M1_H200)
+    tiled = p.with_b_layout(LAYOUT_E2M1_H200_TILED)
+    assert tiled.b.shape == untiled.b.shape and not np.array_equal(tiled.b, untiled.b)
+    shapes, addresses = _shapes_and_fake_addresses(tiled)
+    maps = hs.tensor_map_args(spec, shapes, addresses)
+    row_major = hs.tensor_map_args(dataclasses.replace(spec, b_layout=LAYOUT_E2M1_H200), shapes, addresses)[1]
+    maps[1].check()
+    assert maps[1].swizzle == row_major.swizzle and maps[1].box[0] == row_major.box[0]
+    w_bytes, w_rows, _ = spec.weight_box
+    parts = spec.tiled_weight_loads
+    assert parts == (2 if w_rows == 256 else 1) and maps[1].box[1] * parts == w_rows
+    k_slices = p.k // spec.k_slice
+    for expert in range(p.num_experts):
+        for row0 in range(0, p.n, w_rows):
+            for s in range(k_slices):
+                want = tma_box_3d_any(untiled.b, row_major, (s * w_bytes, row0, expert))
+                k_byte = s * w_bytes
+                got = np.concatenate([
+                    tma_box_2d(tiled.b, maps[1], (k_byte % hs.TILED_BOX_BYTES, hs.tiled_weight_row(
+                        expert, row0 + part * hs.TILED_BOX_ROWS, k_byte, p.n // hs.TILED_BOX_ROWS,
+                        k_slices * w_bytes // hs.TILED_BOX_BYTES)))
+                    for part in range(parts)])
+                np.testing.assert_array_equal(got, want, err_msg=f"expert {expert} row {row0} slice {s}")
+    loads = [(offset, size) for what, offset, size, _ in hs.stage_loads(spec) if what == "weights"]
+    assert [size for _, size in loads] == [w_bytes * w_rows // parts] * parts
+    assert sum(size for _, _, size, _ in hs.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes
+
+
+def tma_box_3d_any(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
+    """``tma_box_3d`` for a swizzled map, before the swizzle (see ``tma_box_2d``)."""
+    return tma_box_3d(tensor, dataclasses.replace(args, swizzle="none"), coords)
+
+
+def test_tiled_weights_are_refused_where_they_cannot_be_read():
+    """The tiled layout: weights only, FP4 only, whole boxes (N and K/2 multiples of 128): each a clear
+    error before anything is written; every legal weight tile reads whole boxes or a part of one."""
+    p = _problem("nvfp4", n=512, k=512, group_sizes=[4], expert_ids=[0])
+    with pytest.raises(ValueError, match="'e2m1_h200_tiled' is for weights, not tokens"):
+        p.with_a_layout(LAYOUT_E2M1_H200_TILED)
+    with pytest.raises(ValueError, match="re-lays FP4"):
+        _problem("mxfp8", n=512, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(LAYOUT_E2M1_H200_TILED)
+    for n, k in ((512 + 64, 512), (512, 512 + 64)):
+        odd = _problem("nvfp4", n=n, k=k, group_sizes=[4], expert_ids=[0])
+        with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+            odd.with_b_layout(LAYOUT_E2M1_H200_TILED)
+        with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+            dataclasses.replace(odd, b_layout=LAYOUT_E2M1_H200_TILED)   # a tag on bytes that cannot be tiled
+    a, b = PROBLEM_FORMATS["nvfp4"]
+    for config in ALL_KNOBS:   # every legal weight tile is whole boxes or a power-of-2 part of one
+        spec = hs.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, 2,
+                             b_layout=LAYOUT_E2M1_H200_TILED)
+        rows = spec.weight_box[1]
+        assert rows % hs.TILED_BOX_ROWS == 0 or hs.TILED_BOX_ROWS % rows == 0, config
+    tiled = p.with_b_layout(LAYOUT_E2M1_H200_TILED)
+    shapes, addresses = _shapes_and_fake_addresses(tiled)
+    shapes["b"] = (4, 512 + 64, 256)
+    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+        hs.tensor_map_args(hs.StreamSpec(a, b, True, 8, 1, 2, b_layout=LAYOUT_E2M1_H200_TILED), shapes, addresses)
+
+
+def test_tiled_weights_build_only_the_producer_differently():
+    """Offline SASS: the tiled weights change the producer's loads only: the hot K-slice loop, registers
+    and local memory are the row-major build's."""
+    facts = {}
+    for layout in (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED):
+        spec = dataclasses.replace(spec_of("nvfp4", CONFIGS["decode"]), b_layout=layout)
+        cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+        sass = offline.disassemble(cubin)
+        hot = [loop for loop in offline.sass_loops(sass) if loop.count("HMMA")][0]
+        resources = offline.resource_usage(cubin)
+        loads = collections.Counter(op.split()[0].split(".")[1] for op in offline.sass_instructions(sass)
+                                    if op.startswith("UTMALDG."))
+        facts[layout] = (hot.opcodes, resources.registers, resources.local_bytes, loads["2D"], loads["3D"])
+    (hot, regs, local, loads_2d, loads_3d), (t_hot, t_regs, t_local, t_loads_2d, t_loads_3d) = facts.values()
+    assert t_hot == hot and t_regs == regs and t_local == local == 0
+    assert t_loads_2d - loads_2d == loads_3d - t_loads_3d > 0, "2-D weight loads in place of the 3-D ones"
+
+
 def math_prod(values) -> int:
     out = 1
     for v in values:
@@ -1476,9 +1579,10 @@ def test_h200_weight_order_is_a_bit_permutation_of_each_word():
         E2M1H200Order.swizzle(packed[..., :6])
 
 
-def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply():
+@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED])
+def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply(layout):
     problem = _problem("nvfp4", n=128, k=512, group_sizes=[5, 0, 3], expert_ids=[1, -1, 0])
-    relaid = problem.with_b_layout(LAYOUT_E2M1_H200)
+    relaid = problem.with_b_layout(layout)
     np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
                                   reference_grouped_matmul(problem).view(np.uint16))
     np.testing.assert_array_equal(relaid.with_b_layout("packed").b, problem.b)
@@ -1486,17 +1590,17 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
     np.testing.assert_array_equal(relaid.with_b_layout("packed").b_scales, problem.b_scales)
     np.testing.assert_array_equal(relaid.b_operand(1).scales, problem.b_operand(1).scales)
     mx = _problem("mxfp4", n=128, k=512, group_sizes=[5, 3], expert_ids=[1, 0])
-    np.testing.assert_array_equal(mx.with_b_layout(LAYOUT_E2M1_H200).b_scales, mx.b_scales)   # UE8M0 as is
+    np.testing.assert_array_equal(mx.with_b_layout(layout).b_scales, mx.b_scales)   # UE8M0 as is
     signed = dataclasses.replace(problem, b_scales=problem.b_scales | np.uint8(0x80))
     with pytest.raises(ValueError, match="has the sign bit set"):
-        signed.with_b_layout(LAYOUT_E2M1_H200)
+        signed.with_b_layout(layout)
     config = hs.StreamConfig(True, 8, 1)
-    assert hs.check_can_implement(relaid, config).b_layout == LAYOUT_E2M1_H200
+    assert hs.check_can_implement(relaid, config).b_layout == layout
     assert hs.check_can_implement(problem, config).b_layout == "packed"
-    assert hs.check_can_implement(relaid, config).m_side.layout == LAYOUT_E2M1_H200
+    assert hs.check_can_implement(relaid, config).m_side.layout == layout
     assert hs.check_can_implement(relaid, config).n_side.layout == "packed"   # tokens stay packed
     with pytest.raises(ValueError, match="re-lays FP4"):
-        _problem("mxfp8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(LAYOUT_E2M1_H200)
+        _problem("mxfp8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(layout)
     with pytest.raises(ValueError, match="b_layout must be one of"):
         problem.with_b_layout("tiled")
     with pytest.raises(ValueError, match="b_layout must be one of"):
@@ -1507,10 +1611,10 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
     with pytest.raises(ValueError, match="SM100 kernel reads b in 'packed' order"):
         sm100.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
     wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
-    assert wgmma_spec.b_layout == LAYOUT_E2M1_H200 and wgmma_spec.ring.weight_side.layout == LAYOUT_E2M1_H200
+    assert wgmma_spec.b_layout == layout and wgmma_spec.ring.weight_side.layout == layout
     assert relaid.nbytes() == problem.nbytes()
     with pytest.raises(TypeError, match="packed FP4 bytes as uint8"):
-        E2M1H200Order.swizzle(problem.b.view(np.int8))
+        OPERAND_LAYOUTS[layout].swizzle(problem.b.view(np.int8))
 
 
 def test_h200_token_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply():
@@ -1563,20 +1667,22 @@ def test_h200_weight_layout_shortens_the_decode_loop():
 H200_LAYOUT_CASES = [   # (format, shape, ab_swapped, mma_bn, cta_group, k_splits): weights on M and on N
     ("nvfp4", "n512_k7168", True, 8, 1, 1), ("mxfp4", "n4096_k2048", True, 16, 1, 3),
     ("w4a8", "n4096_k2048", False, 128, 1, 1), ("nvfp4", "n512_k7168", True, 64, 2, 1),
+    ("nvfp4", "n4096_k2048", False, 64, 1, 1), ("mxfp4", "n512_k7168", True, 256, 2, 1),
 ]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED])
 @pytest.mark.parametrize("case", H200_LAYOUT_CASES, ids=lambda c: f"{c[0]}-{'swap' if c[2] else 'noswap'}{c[3]}-cg{c[4]}")
-def test_gpu_h200_weight_layout_gives_the_same_bits(case):
-    """Weights re-laid in ``E2M1H200Order`` decode to the same bf16 registers, so the output is
-    bit-identical to the packed weights' without split-K (whose atomic adds land in any order) and
-    passes the reference either way."""
+def test_gpu_h200_weight_layout_gives_the_same_bits(case, layout):
+    """Weights re-laid in ``E2M1H200Order`` (row-major, or tiled box by box) decode to the same bf16
+    registers, so the output is bit-identical to the packed weights' without split-K (whose atomic adds
+    land in any order) and passes the reference either way."""
     fmt, shape, sw, bn, cg, splits = case
     problem, ref = gpu_problem(fmt, shape)
     config = hs.StreamConfig(sw, bn, cg)
-    relaid = problem.with_b_layout(LAYOUT_E2M1_H200)
-    assert hs.check_can_implement(relaid, config).b_layout == LAYOUT_E2M1_H200
+    relaid = problem.with_b_layout(layout)
+    assert hs.check_can_implement(relaid, config).b_layout == layout
     out = hs.grouped_matmul_h200(relaid, config, k_splits=splits)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"

@@ -410,17 +410,21 @@ def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["e2m1_h200", "e2m1_h200_tiled"])
 @pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("w4a8", 256)])
-def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn):
-    """Weights in ``E2M1H200Order`` (decoded by the shared weight reader) give bit-identical output."""
+def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn, layout):
+    """Weights in ``E2M1H200Order`` (decoded by the shared weight reader; row-major, or tiled box by box:
+    two box loads per stage at mma_bn 256, half a box's width with W4A8's 64-byte K slices) give
+    bit-identical output. N is not a multiple of 128 where the tiled layout allows it."""
     if launch.gpu_compute_capability() != hs.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem(fmt, n=1024 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
+    n = 1024 if layout == "e2m1_h200_tiled" else 1024 + 64
+    problem = synthetic_problem(fmt, n=n, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
                                 num_experts=8, seed=zlib.crc32(f"wgmma-layout/{fmt}".encode()))
     config = hw.WgmmaConfig(bn, AUTO_STAGES)
     packed = hw.grouped_matmul_h200(problem, config)
-    relaid = problem.with_b_layout("e2m1_h200")
-    assert hw.check_can_implement(relaid, config).ring.weight_side.layout == "e2m1_h200"
+    relaid = problem.with_b_layout(layout)
+    assert hw.check_can_implement(relaid, config).ring.weight_side.layout == layout
     np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
 

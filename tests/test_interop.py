@@ -253,6 +253,16 @@ def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_co
     assert interop.to_host(dp).a_layout == "e2m1_h200"
     with pytest.raises(ValueError, match="a_layout 'e2m1_h200' re-lays FP4"):
         interop.device_problem(**fake_arrays(ragged("w4a8")), fmt="w4a8", a_layout="e2m1_h200")
+    # tiled weights: whole boxes only (N 96 is not), and weights only
+    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+        interop.device_problem(**fake_arrays(ragged("nvfp4")), fmt="nvfp4", b_layout="e2m1_h200_tiled")
+    boxed = random_problem("nvfp4", n=128, k=256, num_experts=3, total_tokens=20, num_active_experts=2,
+                           seed=6).with_b_layout("e2m1_h200_tiled")
+    dp = interop.device_problem(**fake_arrays(boxed), fmt="nvfp4", b_layout="e2m1_h200_tiled")
+    assert dp.launch_view().b_layout == "e2m1_h200_tiled"
+    np.testing.assert_array_equal(interop.to_host(dp).with_b_layout("packed").b, boxed.with_b_layout("packed").b)
+    with pytest.raises(ValueError, match="is for weights, not tokens"):
+        interop.device_problem(**fake_arrays(boxed), fmt="nvfp4", a_layout="e2m1_h200_tiled")
 
 
 def test_int32_routing_is_read_as_the_kernels_dtypes(routing_copies):

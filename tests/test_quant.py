@@ -9,6 +9,7 @@ from hypothesis.extra import numpy as hnp
 from gbs.quant import (
     FORMATS,
     E2M1H200Order,
+    E2M1H200TiledOrder,
     ScaleLayout128x4,
     UE4M3H200Scales,
     decode_elements,
@@ -138,6 +139,37 @@ def test_h200_order_keeps_ue8m0_scales_and_codes_ue4m3_ones():
     coded = E2M1H200Order.encode_scales(scales, "ue4m3")
     np.testing.assert_array_equal(coded, UE4M3H200Scales.encode(scales))
     np.testing.assert_array_equal(E2M1H200Order.decode_scales(coded, "ue4m3"), scales)
+
+
+def test_tiled_h200_order_stores_each_box_contiguously():
+    """``E2M1H200TiledOrder``: the words of ``E2M1H200Order``, each 128-row x 128-byte box of an expert's
+    (N, K/2) matrix contiguous, boxes in (row tile, K box) order, where the docstring's formula says;
+    shape kept; ``unswizzle`` undoes ``swizzle`` and ``untile`` ``tile``."""
+    rng = np.random.default_rng(11)
+    packed = rng.integers(0, 256, (3, 384, 640), dtype=np.uint8)   # 3 row tiles x 5 K boxes per expert
+    tiled = E2M1H200TiledOrder.swizzle(packed)
+    assert tiled.shape == packed.shape and tiled.dtype == np.uint8
+    np.testing.assert_array_equal(tiled, E2M1H200TiledOrder.tile(E2M1H200Order.swizzle(packed)))
+    np.testing.assert_array_equal(E2M1H200TiledOrder.unswizzle(tiled), packed)
+    ordered = E2M1H200Order.swizzle(packed)
+    slabs = tiled.reshape(3, -1)
+    k_boxes = 640 // 128
+    for expert, row, col in zip(rng.integers(0, 3, 500), rng.integers(0, 384, 500), rng.integers(0, 640, 500)):
+        box_row = (row // 128 * k_boxes + col // 128) * 128 + row % 128
+        assert slabs[expert, box_row * 128 + col % 128] == ordered[expert, row, col]
+    box = tiled.reshape(3, -1)[1, (1 * k_boxes + 2) * 16384:][:16384].reshape(128, 128)
+    np.testing.assert_array_equal(box, ordered[1, 128:256, 256:384])   # row tile 1, K box 2: one 16 KB run
+    np.testing.assert_array_equal(E2M1H200TiledOrder.untile(E2M1H200TiledOrder.tile(packed[0])), packed[0])
+    assert E2M1H200TiledOrder.ROLES == ("weights",) and E2M1H200TiledOrder.TILED
+    assert E2M1H200TiledOrder.WORD_ORDER == E2M1H200Order.WORD_ORDER
+
+
+@pytest.mark.parametrize("shape", [(3, 384, 600), (3, 200, 640), (640,)])
+def test_tiled_h200_order_needs_whole_boxes(shape):
+    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+        E2M1H200TiledOrder.swizzle(np.zeros(shape, np.uint8))
+    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+        E2M1H200TiledOrder.unswizzle(np.zeros(shape, np.uint8))
 
 
 @pytest.mark.parametrize("element, max_value", [("e2m1", 6.0), ("e4m3", 448.0), ("e5m2", 57344.0)])

@@ -126,7 +126,8 @@ from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import spin_wait_parity_or_trap, wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
 from gbs.quant import (LAYOUT_E2M1_H200, LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
-                       SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, UE4M3H200Scales, get_format)
+                       SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales, get_format,
+                       tiled_weights, word_order)
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +143,9 @@ SM90 = (9, 0)
 CONSUMER_WAIT = spin_wait_parity_or_trap
 K_SLICE_BYTES = 128            # bytes of K per stage of a 1-byte (FP8) operand row (the SM100 K tile)
 TILE_M_ROWS = schedule.MMA_M_ROWS   # rows of the CTA's MMA M side (weight rows when swapped)
+TILED_BOX_ROWS, TILED_BOX_BYTES = E2M1H200TiledOrder.BOX_ROWS, E2M1H200TiledOrder.BOX_BYTES
+if (TILED_BOX_ROWS, TILED_BOX_BYTES) != (TILE_M_ROWS, K_SLICE_BYTES):
+    raise AssertionError("tiled weights' boxes are the swapped configs' weight boxes: 128 rows x 128 B")
 # ``StreamSpec.m_rows``: the ring's M side may hold 256 token rows (not swapped, one CTA) for the wgmma
 # kernel (``h200_wgmma.WgmmaConfig.tile_tokens``), which decodes each weight tile once for twice the
 # tokens; this kernel's own consumers (mma.sync, 128-row warp grid) take 128.
@@ -665,6 +669,19 @@ class StreamSpec:
         return side.row_bytes, (TILE_M_ROWS if self.ab_swapped else self.mma_bn), 1
 
     @property
+    def tiled_weights(self) -> bool:
+        """The weights are stored box by box (``gbs.quant.E2M1H200TiledOrder``): a 2-D tensor map over all
+        boxes, ``tiled_weight_loads`` loads per stage."""
+        return tiled_weights(self.b_layout)
+
+    @property
+    def tiled_weight_loads(self) -> int:
+        """TMA loads of a stage's weight box from tiled weights: one per 128-row box (two for mma_bn 256).
+        Every legal ``mma_bn`` (a power of 2, ``dispatch.check_mma_tile``) is a whole number of boxes or
+        divides one, so a tile's rows never straddle two boxes."""
+        return -(-self.weight_box[1] // TILED_BOX_ROWS)
+
+    @property
     def scale_box(self) -> tuple[int, int, int]:
         """One 128-row band's atoms of a K slice, as (128 B, 4 rows per atom, 1 band)."""
         return SCALE_MAP_ROW_BYTES, ATOM_MAP_ROWS * self.m_side.sf_atoms_per_slice, 1
@@ -684,7 +701,9 @@ def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
     w_data = lay.n_data if tokens_m else lay.m_data
     w_sf = lay.n_scales if tokens_m else lay.m_scales
     band_bytes = spec.m_side.sf_atoms_per_slice * SF_ATOM_BYTES
-    loads = [("weights", w_data, math.prod(spec.weight_box), False)]
+    parts = spec.tiled_weight_loads if spec.tiled_weights else 1
+    part_bytes = math.prod(spec.weight_box) // parts
+    loads = [("weights", w_data + p * part_bytes, part_bytes, False) for p in range(parts)]
     loads += [("weight scales", w_sf + b * band_bytes, band_bytes, False)
               for b in range(spec.weight_side.scale_bands)]
     box_bytes = math.prod(spec.token_box)
@@ -862,6 +881,15 @@ def weight_scale_band(expert, bands_per_expert, row):
     return expert * bands_per_expert + row // SF_ATOM_ROWS
 
 
+def tiled_weight_row(expert, row, k_byte, row_tiles, k_boxes):
+    """Row of the tiled weights' 2-D map (``gbs.quant.E2M1H200TiledOrder``: 128-byte rows, box after box)
+    where weight ``row`` (a box's first row, or a row of it) of ``expert`` starts in the box holding K
+    byte ``k_byte``; the box's byte column is ``k_byte % TILED_BOX_BYTES``. ``row_tiles``, ``k_boxes``:
+    boxes per expert along N and along K."""
+    box = (expert * row_tiles + row // TILED_BOX_ROWS) * k_boxes + k_byte // TILED_BOX_BYTES
+    return box * TILED_BOX_ROWS + row % TILED_BOX_ROWS
+
+
 def swizzle_xor(row, row_bytes, mask):
     """What TMA's 128B (mask 7) / 64B (mask 3) swizzle XORs into the in-row byte offset of row
     ``row`` of a 1024-byte aligned tile with ``row_bytes``-byte rows (16-byte chunk bits 4.. XOR
@@ -937,11 +965,11 @@ def _make_side_reader(side: OperandSide, pairing: str):
     blocks = side.blocks_per_thread
     groups_per_block = side.groups // blocks
     ue4m3 = side.fmt.scale_dtype == "ue4m3"
-    ue4m3_coded = ue4m3 and side.layout == LAYOUT_E2M1_H200   # scale bytes are UE4M3H200Scales codes
+    ue4m3_coded = ue4m3 and word_order(side.layout) == LAYOUT_E2M1_H200   # scale bytes are UE4M3H200Scales codes
     if ue4m3_coded and exponent_offset != UE4M3H200Scales.LOG2_MULTIPLIER:
         raise AssertionError("UE4M3H200Scales codes hold s * 2**118: the E2M1 x UE4M3 exponent offset")
     ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 and not ue4m3_coded else None
-    e2m1_bits = _device(e2m1_h200_pair_bits if side.layout == LAYOUT_E2M1_H200 else e2m1_pair_bits)
+    e2m1_bits = _device(e2m1_h200_pair_bits if word_order(side.layout) == LAYOUT_E2M1_H200 else e2m1_pair_bits)
     fp8_bits = _device(fp8_pair_bits)
     ue8m0_pair_bits = _device(_ue8m0_pair_scale_bits(min_u16x2))
     pair_selector = _device(byte_pair_selector)
@@ -1082,6 +1110,10 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     trace = spec.trace
     dynamic_items = spec.dynamic_items
     record_base = lay.work_record_base
+    tiled = spec.tiled_weights
+    tiled_loads = spec.tiled_weight_loads
+    tiled_part_bytes = w_slice_bytes * min(spec.weight_box[1], TILED_BOX_ROWS)
+    tiled_row_of = _device(tiled_weight_row)
 
     @_device
     def stamp(tensor_maps, event):
@@ -1265,7 +1297,15 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     mb.mbarrier_arrive_expect_tx(full, tx_bytes)
                     dst = np.uint32(base + stage * stage_bytes)
                     sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
-                    cp.tma_load_3d(dst + w_data_off, map_weights, s * w_slice_bytes, w_row0, expert, full)
+                    if tiled:
+                        k_byte = s * w_slice_bytes
+                        for p in range(tiled_loads):
+                            w_row = tiled_row_of(np.int64(expert), w_row0 + p * TILED_BOX_ROWS, k_byte,
+                                                 n // TILED_BOX_ROWS, k_slices * w_slice_bytes // TILED_BOX_BYTES)
+                            cp.tma_load_2d(dst + w_data_off + p * tiled_part_bytes, map_weights,
+                                           k_byte % TILED_BOX_BYTES, w_row, full)
+                    else:
+                        cp.tma_load_3d(dst + w_data_off, map_weights, s * w_slice_bytes, w_row0, expert, full)
                     for b in range(w_bands):
                         cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row, w_band + b,
                                        full)
@@ -1926,7 +1966,7 @@ class TensorMapArgs:
 
 def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[TensorMapArgs]:
     """The four maps the kernel reads, in its order (``MAP_TOKENS``...): tokens (2-D over ``a``),
-    weights (3-D over ``b``), token scales and weight scales (3-D views of the 128x4 atoms as rows of
+    weights (3-D over ``b``; 2-D over its 128-byte box rows when tiled), token scales and weight scales (3-D views of the 128x4 atoms as rows of
     128 bytes: (128 B, 4 rows per atom x column groups, 128-row bands)). ``shapes`` / ``addresses``:
     per array name of ``launch.PROBLEM_ARRAY_DTYPES``, its shape and device address."""
     a, b = shapes["a"], shapes["b"]
@@ -1938,10 +1978,16 @@ def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[Ten
         return TensorMapArgs(name, addresses[name], (SCALE_MAP_ROW_BYTES, rows, bands),
                              (SCALE_MAP_ROW_BYTES, SCALE_MAP_ROW_BYTES * rows), spec.scale_box, "none")
 
+    if spec.tiled_weights:   # rows of one box's width over every expert's boxes (E2M1H200TiledOrder)
+        check_layout(spec.b_layout, get_format(spec.b_format), "b", b)
+        weights = TensorMapArgs("b", addresses["b"], (TILED_BOX_BYTES, math.prod(b) // TILED_BOX_BYTES),
+                                (TILED_BOX_BYTES,), (w_bytes, min(w_rows, TILED_BOX_ROWS)), TMA_SWIZZLE[w_bytes])
+    else:
+        weights = TensorMapArgs("b", addresses["b"], (b[2], b[1], b[0]), (b[2], b[1] * b[2]),
+                                (w_bytes, w_rows, w_experts), TMA_SWIZZLE[w_bytes])
     return [
         TensorMapArgs("a", addresses["a"], (a[1], a[0]), (a[1],), (tok_bytes, tok_rows), TMA_SWIZZLE[tok_bytes]),
-        TensorMapArgs("b", addresses["b"], (b[2], b[1], b[0]), (b[2], b[1] * b[2]), (w_bytes, w_rows, w_experts),
-                      TMA_SWIZZLE[w_bytes]),
+        weights,
         scale_map("a_scales", shapes["a_scales"][0]),
         scale_map("b_scales", shapes["b_scales"][0] * shapes["b_scales"][1]),
     ]
