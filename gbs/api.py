@@ -45,6 +45,7 @@ import dataclasses
 
 from .dispatch import AUTO_STAGES, KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
+from .quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, get_format
 from .reference import reference_grouped_matmul
 
 BACKENDS = ("auto", "sm100", "h200_wgmma", "h200_stream", "simt", "reference")
@@ -57,6 +58,26 @@ def gpu_available() -> bool:
     from numba import config, cuda
 
     return not config.ENABLE_CUDASIM and cuda.is_available()
+
+
+# The byte layout to re-lay each FP4 weight format into, once, for the H200 kernels (``h200_weight_layout``).
+# Both re-lay the bits of each word (``E2M1H200Order``: the decode's 9 instead of 13 instructions per word,
+# and UE4M3 scale codes). NVFP4 also stores each 128-row x 128-byte TMA box contiguously: measured (compare
+# runs 95, 97 and 98, notes/h200/README.md session 22; alternating rounds, both operands re-laid) decode_up
+# 268.0 -> 261.7 us and 267.3 -> 260.6 us on 4.62-4.64 TB/s H200s (85.6 -> 87.6 %, 85.9 -> 87.9 % of the
+# read ceiling), 279.5 -> 269.4 us on a 4.53 one (its bimodal launches gone), decode_down 145.3 -> 142.3 us;
+# small prefill +0.8 %, Kimi +0.6 %, large prefill (wgmma) 839.7 -> 852.1 us (+1.5 %, round-to-round
+# spread 25 us). MXFP4 weights (MXFP4 and W4A8) stay row-major: tiled, MXFP4 decode_up ran 255.2 -> 265.0 us
+# (+3.8 %, run 98; +3.3 % run 95, bimodal), W4A8 281.1 -> 281.5 us.
+H200_WEIGHT_LAYOUTS = {"nvfp4": LAYOUT_E2M1_H200_TILED, "mxfp4": LAYOUT_E2M1_H200}
+
+
+def h200_weight_layout(weight_format) -> str:
+    """The layout ``GroupedProblem.with_b_layout`` / ``gbs.device_problem(b_layout=...)`` should get for FP4
+    weights of ``weight_format`` (a format or its name; ``H200_WEIGHT_LAYOUTS``, measured for decode on the
+    H200); ``"packed"`` for FP8 weights, which have no H200 layout."""
+    fmt = get_format(weight_format)
+    return H200_WEIGHT_LAYOUTS[fmt.name] if fmt.packed else LAYOUT_PACKED
 
 
 # Upstream's SM100 routing has no E5M2 entry (an error there). Tiles, stages and scales do not
@@ -155,9 +176,10 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
     on ``stream``, default the caller's current stream; see ``gbs.interop``). Rows of skipped slots
     keep the contents of ``out`` (host default: the poison sentinel of
     ``gbs.reference.poison_output``; device default: uninitialised). FP4 weights re-laid for the H200
-    (``problem.with_b_layout("e2m1_h200")``) and FP4 tokens in the same order (``a_layout``, written so
-    by their quantizer; ``problem.with_a_layout``) run on the H200 backends and the reference; the SIMT
-    and SM100 backends read packed operands only and say so.
+    (``problem.with_b_layout(h200_weight_layout(problem.b_format))``: ``"e2m1_h200"``, or for NVFP4
+    ``"e2m1_h200_tiled"``) and FP4 tokens in the H200 word order (``a_layout="e2m1_h200"``, written so by
+    their quantizer; ``problem.with_a_layout``) run on the H200 backends and the reference; the SIMT and
+    SM100 backends read packed operands only and say so.
     """
     if not isinstance(problem, GroupedProblem):
         from .interop import DeviceGroupedProblem, prepare

@@ -36,7 +36,8 @@ import numpy as np
 
 from . import peers as peer_lib
 from .problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from .quant import LAYOUT_E2M1_H200, LAYOUT_PACKED, E4M3, group_scale_offsets, swizzle_scales
+from .quant import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, OPERAND_LAYOUTS, E4M3, group_scale_offsets,
+                    swizzle_scales, tiled_weights, word_order)
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
@@ -485,8 +486,9 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
     otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``.
     ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
-    order (``with_a_layout``: their quantizer would write it, and the quantization is not timed either),
-    both untimed, before the runs. ``relay_tokens``: the FP4 tokens arrive packed instead, and each timed
+    word order (``with_a_layout``, ``gbs.quant.word_order``: their quantizer would write it, and the
+    quantization is not timed either), both untimed, before the runs; tiled weights need whole boxes
+    (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive packed instead, and each timed
     launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
@@ -500,10 +502,15 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
                 raise NotImplementedError(f"no {layout} re-layout for {problem.b_format.name} weights")
             if relay_tokens and not problem.a_format.packed:
                 raise NotImplementedError(f"{problem.a_format.name} tokens: no FP4 tokens to re-lay")
+            if tiled_weights(layout):
+                try:
+                    OPERAND_LAYOUTS[layout].check_shape(problem.b.shape)
+                except ValueError as error:
+                    raise NotImplementedError(str(error)) from error
             if last[0] is not problem:
                 last[:] = [None, None]   # drop the previous case's copy before making this one
                 relaid = problem.with_b_layout(layout)
-                last[:] = [problem, relaid.with_a_layout(layout) if problem.a_format.packed else relaid]
+                last[:] = [problem, relaid.with_a_layout(word_order(layout)) if problem.a_format.packed else relaid]
             problem = last[1]
         kernel, knobs = h200_kernel(problem, None, backend)
         device = to_device(problem)
@@ -543,7 +550,8 @@ class TokenRelayLaunch:
 def launch_knobs(launcher) -> str:
     """What a prepared launch runs, in words (``h200_stream``: tile knobs, ring, split-K runs, grid, and
     ``w8`` for 8 small-N consumer warps; ``t256`` for the wgmma kernel's 256-token tiles; ``e2m1_h200:ab``
-    for the operands it reads in ``E2M1H200Order``, ``b`` weights, ``a`` tokens)."""
+    for the operands it reads in ``E2M1H200Order``, ``b`` weights, ``a`` tokens; ``e2m1_h200_tiled:b`` tiled
+    weights)."""
     spec = getattr(launcher, "spec", None)
     if spec is None:
         return ""
@@ -551,19 +559,24 @@ def launch_knobs(launcher) -> str:
     warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
     from .numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
     tokens = f" t{spec.m_rows}" if getattr(spec, "m_rows", TILE_M_ROWS) != TILE_M_ROWS else ""
-    relaid = "".join(op for op in "ab" if getattr(spec, f"{op}_layout", LAYOUT_PACKED) == LAYOUT_E2M1_H200)
-    layouts = f" {LAYOUT_E2M1_H200}:{relaid}" if relaid else ""
+    relaid = {}   # layout -> the operands in it
+    for op in "ab":
+        layout = getattr(spec, f"{op}_layout", LAYOUT_PACKED)
+        if layout != LAYOUT_PACKED:
+            relaid[layout] = relaid.get(layout, "") + op
+    layouts = "".join(f" {layout}:{ops}" for layout, ops in relaid.items())
     return (f"{kernel}{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
             f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}{tokens}{layouts}")
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what
 # ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200 and FP4 tokens come in that
-# order; ``gbs_auto_h200_relay``: the same with the tokens arriving packed and re-laid on the GPU in each
-# timed call); a loader raises
+# order; ``gbs_auto_h200_tiled``: the same with the weights tiled box by box, ``E2M1H200TiledOrder``;
+# ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
+                   "gbs_auto_h200_tiled": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200_TILED),
                    "gbs_auto_h200_relay": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200,
                                                             relay_tokens=True),
                    "h200_stream": functools.partial(_load_h200_stream, True),

@@ -3,10 +3,11 @@ import numpy as np
 import pytest
 
 from gbs import grouped_matmul
-from gbs.api import dispatch_for, resolve_config, select_backend
+from gbs.api import dispatch_for, h200_weight_layout, resolve_config, select_backend
 from gbs.dispatch import grouped_matmul_nvfp4_dispatch
 from gbs.problem import PROBLEM_FORMATS, random_problem
-from gbs.reference import check_acceptance, is_poison
+from gbs.quant import get_format
+from gbs.reference import check_acceptance, is_poison, reference_grouped_matmul
 
 
 @pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))
@@ -120,3 +121,16 @@ def test_wgmma_backend_takes_a_configs_tile_on_its_own_ring():
     assert kernel is h200_wgmma
     assert knobs == h200_wgmma.WgmmaConfig(decision.mma_bn, AUTO_STAGES)
     assert h200_wgmma.check_can_implement(problem, knobs).mma_bn == decision.mma_bn
+
+
+def test_h200_weight_layout_is_the_measured_one_per_weight_format():
+    """NVFP4 weights tiled, MXFP4 weights (MXFP4 and W4A8) row-major in the H200 word order, FP8 weights
+    packed; every answer is a layout ``with_b_layout`` accepts for that format."""
+    assert h200_weight_layout("nvfp4") == "e2m1_h200_tiled"
+    assert h200_weight_layout(get_format("mxfp4")) == "e2m1_h200"
+    assert h200_weight_layout("mxfp8") == "packed"
+    for fmt in PROBLEM_FORMATS:
+        problem = random_problem(fmt, n=256, k=512, num_experts=3, total_tokens=12, num_active_experts=2, seed=1)
+        relaid = problem.with_b_layout(h200_weight_layout(problem.b_format))
+        np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
+                                      reference_grouped_matmul(problem).view(np.uint16))

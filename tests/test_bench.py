@@ -25,7 +25,7 @@ from gbs.api import dispatch_for, gpu_available
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
 from gbs.numba_kernels import h200_stream as hs
 from gbs.problem import PROBLEM_FORMATS
-from gbs.quant import decode_elements, unswizzle_scales
+from gbs.quant import OPERAND_LAYOUTS, decode_elements, unswizzle_scales
 
 L2 = 60 * 2 ** 20
 
@@ -107,7 +107,8 @@ def test_quick_and_full_selections():
     assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
     assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
-    assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "gbs_auto_h200_relay", "h200_stream",
+    assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "gbs_auto_h200_tiled",
+                                      "gbs_auto_h200_relay", "h200_stream",
                                       "h200_stream_sm100_knobs",
                                       "h200_wgmma",
                                       "torch_bf16",
@@ -496,14 +497,19 @@ def test_launch_knobs_names_what_ran():
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:b")
     FakeLaunch.spec = dataclasses.replace(FakeLaunch.spec, a_layout="e2m1_h200")
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:ab")
+    FakeLaunch.spec = dataclasses.replace(FakeLaunch.spec, b_layout="e2m1_h200_tiled")
+    assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:a e2m1_h200_tiled:b")
     assert bench.launch_knobs(object()) == ""
 
 
+@pytest.mark.parametrize("method, layout", [("gbs_auto_h200_layout", "e2m1_h200"),
+                                            ("gbs_auto_h200_tiled", "e2m1_h200_tiled")])
 @pytest.mark.parametrize("fmt, relaid", [("nvfp4", True), ("w4a8", True), ("mxfp8", False)])
-def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, monkeypatch):
-    """``gbs_auto_h200_layout`` hands the kernels the re-laid weights and FP4 tokens (W4A8's FP8 tokens stay
-    as they are), re-laying each bench case once however many rotation copies are prepared, and skips FP8
-    weights (no re-layout: the row would only repeat ``gbs_auto``). Host-only: kernel and copy are stubbed."""
+def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, method, layout, monkeypatch):
+    """``gbs_auto_h200_layout`` / ``_tiled`` hand the kernels the re-laid weights (row-major or tiled) and
+    FP4 tokens in the H200 word order (W4A8's FP8 tokens stay as they are), re-laying each bench case once
+    however many rotation copies are prepared, and skip FP8 weights (no re-layout: the row would only
+    repeat ``gbs_auto``) and, tiled, shapes without whole boxes. Host-only: kernel and copy are stubbed."""
     import gbs.api
     import gbs.numba_kernels.launch as launch
     from gbs.quant import E2M1H200Order
@@ -514,16 +520,19 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, monke
     monkeypatch.setattr(launch, "to_device", lambda problem: problem)
     swizzle = E2M1H200Order.swizzle
     monkeypatch.setattr(E2M1H200Order, "swizzle", classmethod(lambda cls, b: relayouts.append(1) or swizzle(b)))
-    prepare = bench.BACKEND_LOADERS["gbs_auto_h200_layout"]()
+    prepare = bench.BACKEND_LOADERS[method]()
     problem = bench.BenchCase("t", 256, 256, 2, 3).problem(fmt)
     if not relaid:
-        with pytest.raises(NotImplementedError, match="no e2m1_h200 re-layout for mxfp8"):
+        with pytest.raises(NotImplementedError, match=f"no {layout} re-layout for mxfp8"):
             prepare(problem, None)
         return
     for _ in range(3):
         prepare(problem, None)
     fp4_tokens = problem.a_format.packed
     assert len(relayouts) == 1 + fp4_tokens
-    assert all(p.b_layout == "e2m1_h200" and p.a_layout == ("e2m1_h200" if fp4_tokens else "packed") for p in seen)
-    np.testing.assert_array_equal(E2M1H200Order.unswizzle(seen[0].b), problem.b)
+    assert all(p.b_layout == layout and p.a_layout == ("e2m1_h200" if fp4_tokens else "packed") for p in seen)
+    np.testing.assert_array_equal(OPERAND_LAYOUTS[layout].unswizzle(seen[0].b), problem.b)
+    if layout == "e2m1_h200_tiled":
+        with pytest.raises(NotImplementedError, match="boxes of 128 rows"):
+            prepare(bench.BenchCase("t", 200, 256, 2, 3).problem(fmt), None)
     np.testing.assert_array_equal(seen[0].a_operand().data, problem.a)
