@@ -684,7 +684,9 @@ class StreamSpec:
     def tiled_weight_loads(self) -> int:
         """TMA loads of a stage's weight box from tiled weights: one per 128-row box (two for mma_bn 256).
         Every legal ``mma_bn`` (a power of 2, ``dispatch.check_mma_tile``) is a whole number of boxes or
-        divides one, so a tile's rows never straddle two boxes."""
+        divides one, so a tile's rows never straddle two boxes. A 256-row tile's second box past N reads
+        the next expert's first box (the last expert's: the map's zero fill) where the row-major map reads
+        zeros; those rows' outputs are never stored."""
         return -(-self.weight_box[1] // TILED_BOX_ROWS)
 
     @property
