@@ -488,8 +488,8 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
     word order (``with_a_layout``, ``gbs.quant.word_order``: their quantizer would write it, and the
     quantization is not timed either), both untimed, before the runs; tiled weights need whole boxes
-    (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive packed instead, and each timed
-    launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
+    (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive
+    packed instead, and each timed launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
     from .api import h200_kernel
     from .numba_kernels.launch import to_device
 

@@ -349,24 +349,25 @@ class E2M1H200Order:
 
 
 class E2M1H200TiledOrder(E2M1H200Order):
-    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: the weights' order for
-    the H200 kernels' decode (and small-prefill) configs.
+    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: the H200 kernels' faster
+    order for NVFP4 weights (``gbs.api.h200_weight_layout`` says which format takes which order).
 
     The kernels' producer loads a weight stage as a TMA box of 128 rows x one 128-byte K slice (16 KB).
     In row-major weights those are 128 pieces of 128 B, one per row, ``K / 2`` bytes apart; here each box
-    is 16 KB of contiguous memory, so a stage is one DRAM stream instead of 128 (why it is faster is inferred
-    from the measurement, not measured: fewer DRAM pages opened per byte). Boxes are ordered (128-row tile,
-    K slice), rows inside a box as before: byte ``c`` of row ``r`` of an expert's (N, K/2) matrix sits at
-    byte ``box_row * 128 + c % 128`` of the expert's slab, ``box_row = (r // 128 * (K/2 // 128) + c // 128)
-    * 128 + r % 128`` (the kernels' tensor map reads the slabs as rows of 128 B). So ``b`` keeps its shape and dtype (N and K/2 multiples of ``BOX_ROWS`` / ``BOX_BYTES``, which
-    every ``workloads.md`` shape is) and the scales keep the 128x4 layout (UE4M3 codes as in
-    ``E2M1H200Order``). The kernels read it through a 2-D tensor map over all the boxes
-    (``h200_stream.tensor_map_args``); wider or narrower weight boxes (256 or 64 rows, 64-byte K slices
-    with FP8 tokens) are whole boxes or sub-boxes of these. Weights only: tokens are not tiled.
+    is 16 KB of contiguous memory, so a stage is one DRAM stream instead of 128 (why that is faster is
+    inferred, not measured: fewer DRAM pages opened per byte). Boxes are ordered (128-row tile, K slice),
+    rows inside a box as before: byte ``c`` of row ``r`` of an expert's (N, K/2) matrix sits at byte
+    ``box_row * 128 + c % 128`` of the expert's slab, ``box_row = (r // 128 * (K/2 // 128) + c // 128) * 128
+    + r % 128`` (the kernels' tensor map reads the slabs as rows of 128 B). So ``b`` keeps its shape and
+    dtype (N and K/2 multiples of ``BOX_ROWS`` / ``BOX_BYTES``, which every ``workloads.md`` shape is) and
+    the scales keep the 128x4 layout (UE4M3 codes as in ``E2M1H200Order``). The kernels read it through a
+    2-D tensor map over all the boxes (``h200_stream.tensor_map_args``); wider or narrower weight tiles (256
+    or 8-64 rows, 64-byte K slices with FP8 tokens) are whole boxes or parts of them. Weights only: tokens
+    are not tiled.
 
-    Measured on the H200 (``notes/h200/README.md``, session 22, runs 95 and 97, the diagnostic that
-    preceded it): NVFP4 decode 268.0 -> 261.7 us on a 4.62 TB/s GPU and 279.5 -> 269.4 us on a 4.53 TB/s
-    one, where it also removed the bimodal launch times; MXFP4 decode slower (+2..3 %, bimodal).
+    Measured on the H200 against row-major weights (``notes/h200/README.md``, session 22, runs 95, 97 and
+    98): NVFP4 decode 267.3 -> 260.6 us on a 4.63 TB/s GPU (87.9 % of the read ceiling) and 279.5 -> 269.4
+    us on a 4.53 TB/s one, where it also removed the bimodal launch times; MXFP4 decode 2-4 % slower.
     """
 
     BOX_ROWS = 128     # weight rows per box: the streaming kernel's M tile (``h200_stream.TILE_M_ROWS``)

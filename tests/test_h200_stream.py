@@ -912,7 +912,8 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config):
                 # rows past N: zero fill in the row-major map, the next expert's first box (or the tiled map's
                 # zero fill) here; their outputs are never stored
                 valid = min(w_rows, p.n - row0) * w_bytes
-                np.testing.assert_array_equal(got[:valid], want[:valid], err_msg=f"expert {expert} row {row0} slice {s}")
+                np.testing.assert_array_equal(got[:valid], want[:valid],
+                                              err_msg=f"expert {expert} row {row0} slice {s}")
     loads = [(offset, size) for what, offset, size, _ in hs.stage_loads(spec) if what == "weights"]
     assert [size for _, size in loads] == [w_bytes * w_rows // parts] * parts
     assert sum(size for _, _, size, _ in hs.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes

@@ -1974,9 +1974,10 @@ class TensorMapArgs:
 
 def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[TensorMapArgs]:
     """The four maps the kernel reads, in its order (``MAP_TOKENS``...): tokens (2-D over ``a``),
-    weights (3-D over ``b``; 2-D over its 128-byte box rows when tiled), token scales and weight scales (3-D views of the 128x4 atoms as rows of
-    128 bytes: (128 B, 4 rows per atom x column groups, 128-row bands)). ``shapes`` / ``addresses``:
-    per array name of ``launch.PROBLEM_ARRAY_DTYPES``, its shape and device address."""
+    weights (3-D over ``b``; 2-D over its 128-byte box rows when tiled), token scales and weight scales (3-D
+    views of the 128x4 atoms as rows of 128 bytes: (128 B, 4 rows per atom x column groups, 128-row bands)).
+    ``shapes`` / ``addresses``: per array name of ``launch.PROBLEM_ARRAY_DTYPES``, its shape and device
+    address."""
     a, b = shapes["a"], shapes["b"]
     tok_bytes, tok_rows = spec.token_box
     w_bytes, w_rows, w_experts = spec.weight_box
