@@ -4,8 +4,10 @@ Simulator runs (a worker subprocess with ``NUMBA_ENABLE_CUDASIM=1``, which numba
 bit-identical to the host ``E2M1H200Order.swizzle`` on random bytes of several shapes (an empty one
 included), into a new array and into a given ``out``, the input untouched; UE4M3 scale bytes (all 256 values)
 to the host ``UE4M3H200Scales.encode`` codes, sign-bit bytes to the NaN code; bad input refused before any
-launch. Offline: both kernels assemble for sm_90a without local memory. GPU: torch tokens and their scales
-re-laid on the device run the H200 kernels with ``a_layout`` and give the packed tokens' bits.
+launch. Weights into ``E2M1H200TiledOrder`` (``to_e2m1_h200_tiled``): bit-identical to the host order in the
+simulator, shapes without whole boxes refused. Offline: the kernels assemble for sm_90a without local memory.
+GPU: torch tokens and their scales re-laid on the device run the H200 kernels with ``a_layout`` and give the
+packed tokens' bits; torch weights tiled on the device, with ``b_layout``, too.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gbs.quant import E2M1H200Order, UE4M3H200Scales
+from gbs.quant import E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 24), (5, 4), (0, 8), (3, 2, 16)]   # odd rows, one word per row, empty, 3-D
+TILED_SHAPES = [(2, 256, 384), (128, 128), (0, 128, 128)]   # experts x 2 row tiles x 3 K boxes, one box, empty
 
 _SIMULATOR_SCRIPT = r"""
 import json, sys
@@ -29,7 +32,7 @@ import numpy as np
 from numba import cuda
 from gbs.numba_kernels import relayout
 
-shapes = json.loads(sys.argv[1])
+shapes, tiled_shapes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 rng = np.random.default_rng(5)
 results = {"outputs": [], "errors": {}}
 for shape in shapes:
@@ -40,6 +43,15 @@ for shape in shapes:
     returned = relayout.to_e2m1_h200(device, out).copy_to_host()
     results["outputs"].append([host.tolist(), fresh.tolist(), out.copy_to_host().tolist(), returned.tolist(),
                                bool(np.array_equal(device.copy_to_host(), host))])
+results["tiled"] = []
+for shape in tiled_shapes:
+    host = rng.integers(0, 256, shape, dtype=np.uint8)
+    device = cuda.to_device(host)
+    fresh = relayout.to_e2m1_h200_tiled(device).copy_to_host()
+    out = cuda.device_array(tuple(shape), np.uint8)
+    relayout.to_e2m1_h200_tiled(device, out)
+    results["tiled"].append([host.tolist(), fresh.tolist(), out.copy_to_host().tolist(),
+                             bool(np.array_equal(device.copy_to_host(), host))])
 all_bytes = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)
 results["codes"] = [relayout.ue4m3_scales_to_h200(cuda.to_device(all_bytes)).copy_to_host().tolist(),
                     relayout.ue4m3_scales_to_h200(cuda.to_device(all_bytes[:, :0])).copy_to_host().shape]
@@ -49,7 +61,9 @@ bad = {"host": lambda: relayout.to_e2m1_h200(np.zeros((2, 8), np.uint8)),
        "odd_row": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 6), np.uint8))),
        "strided": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((4, 16), np.uint8))[:, :8]),
        "out_shape": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 8), np.uint8)),
-                                                  cuda.device_array((2, 4), np.uint8))}
+                                                  cuda.device_array((2, 4), np.uint8)),
+       "tiled_rows": lambda: relayout.to_e2m1_h200_tiled(cuda.to_device(np.zeros((1, 192, 128), np.uint8))),
+       "tiled_host": lambda: relayout.to_e2m1_h200_tiled(np.zeros((1, 128, 128), np.uint8))}
 for name, call in bad.items():
     try:
         call()
@@ -64,7 +78,8 @@ print(json.dumps(results))
 def simulated():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", _SIMULATOR_SCRIPT, json.dumps(SHAPES)], env=env, cwd=REPO,
+    res = subprocess.run([sys.executable, "-c", _SIMULATOR_SCRIPT, json.dumps(SHAPES), json.dumps(TILED_SHAPES)],
+                         env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -81,6 +96,17 @@ def test_device_relayout_is_the_host_swizzle_in_the_simulator(simulated):
         "random bytes change under the permutation"
 
 
+def test_device_tiled_relayout_is_the_host_order_in_the_simulator(simulated):
+    for shape, (host, fresh, given, untouched) in zip(TILED_SHAPES, simulated["tiled"]):
+        host = np.array(host, np.uint8).reshape(shape)
+        want = E2M1H200TiledOrder.swizzle(host)
+        for got in (fresh, given):
+            np.testing.assert_array_equal(np.array(got, np.uint8).reshape(shape), want)
+        assert untouched, "the input bytes are not modified"
+    first = np.array(simulated["tiled"][0][0], np.uint8).reshape(TILED_SHAPES[0])
+    assert not np.array_equal(E2M1H200TiledOrder.swizzle(first), E2M1H200Order.swizzle(first)), "boxes move"
+
+
 def test_device_scale_codes_are_the_host_encoding_in_the_simulator(simulated):
     """Every byte value: UE4M3 bytes get ``UE4M3H200Scales.encode``'s code, sign-bit bytes (no UE4M3 value,
     which the host encoder refuses) the NaN code; an empty array stays empty."""
@@ -92,12 +118,14 @@ def test_device_scale_codes_are_the_host_encoding_in_the_simulator(simulated):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("host", "TypeError: a is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle"),
+    ("host", "TypeError: a is a host array: host bytes take GroupedProblem.with_b_layout / with_a_layout"),
     ("scales_odd", "ValueError: scales: the last axis ((3,)) must be a multiple of 4 bytes"),
     ("two_bytes", "TypeError: a must hold bytes"),
     ("odd_row", "ValueError: a: the last axis ((6,)) must be a multiple of 4 bytes"),
     ("strided", "ValueError: a must be C-contiguous"),
     ("out_shape", "ValueError: out has shape (2, 4), a has (2, 8)"),
+    ("tiled_rows", "ValueError: 'e2m1_h200_tiled' stores weights in boxes of 128 rows x 128 bytes"),
+    ("tiled_host", "TypeError: b is a host array"),
 ])
 def test_device_relayout_refuses_bad_input(simulated, case, message):
     assert simulated["errors"][case].startswith(message), simulated["errors"][case]
@@ -123,9 +151,11 @@ def test_relayout_kernel_assembles_for_sm90a_without_local_memory():
     from gbs.ptx_inline import offline
 
     words = types.Array(types.uint32, 1, "C")
-    for kernel, table in ((relayout.relay_words, types.Array(types.uint32, 2, "C")),
-                          (relayout.map_bytes, types.Array(types.uint32, 1, "C"))):
-        cubin = offline.compile_cubin(kernel, (words, table, words), offline.SM90A)
+    tables = types.Array(types.uint32, 2, "C")
+    for kernel, signature in ((relayout.relay_words, (words, tables, words)),
+                              (relayout.map_bytes, (words, types.Array(types.uint32, 1, "C"), words)),
+                              (relayout.relay_tiled_words, (words, tables, types.int64, types.int64, words))):
+        cubin = offline.compile_cubin(kernel, signature, offline.SM90A)
         assert offline.resource_usage(cubin).local_bytes == 0
 
 
@@ -154,6 +184,33 @@ def test_gpu_tokens_relaid_on_the_device_give_the_packed_bits(backend):
         out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
         dp = gbs.device_problem(**dict(device, a=a, a_scales=a_scales), fmt="nvfp4", a_layout=layout)
         gbs.grouped_matmul(dp, backend=backend, out=out.view(torch.bfloat16))
+        outs.append(out.cpu().numpy().view(np.uint16))
+    assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@pytest.mark.gpu
+def test_gpu_weights_tiled_on_the_device_give_the_packed_bits():
+    """Torch NVFP4 weights and their scales put in ``E2M1H200TiledOrder`` on the GPU (read back: the host
+    order's bytes) run the streaming kernel with ``b_layout="e2m1_h200_tiled"`` and give the packed bits."""
+    torch = pytest.importorskip("torch")
+    import gbs
+    from gbs.bench import synthetic_problem
+    from gbs.numba_kernels import launch, relayout
+    from gbs.reference import check_acceptance, poison_output
+
+    problem = synthetic_problem("nvfp4", n=512, k=1024, group_sizes=[4, 0, 1, 3], expert_ids=[1, 0, -1, 2],
+                                num_experts=3, seed=12)
+    device = {name: torch.from_numpy(np.ascontiguousarray(getattr(problem, name))).cuda()
+              for name in launch.PROBLEM_ARRAY_DTYPES}
+    tiled = torch.as_tensor(relayout.to_e2m1_h200_tiled(device["b"]), device="cuda")
+    np.testing.assert_array_equal(tiled.cpu().numpy(), E2M1H200TiledOrder.swizzle(problem.b))
+    coded = torch.as_tensor(relayout.ue4m3_scales_to_h200(device["b_scales"]), device="cuda")
+    outs = []
+    for b, b_scales, layout in ((device["b"], device["b_scales"], "packed"), (tiled, coded, "e2m1_h200_tiled")):
+        out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
+        dp = gbs.device_problem(**dict(device, b=b, b_scales=b_scales), fmt="nvfp4", b_layout=layout)
+        gbs.grouped_matmul(dp, backend="h200_stream", out=out.view(torch.bfloat16))
         outs.append(out.cpu().numpy().view(np.uint16))
     assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
     np.testing.assert_array_equal(outs[1], outs[0])

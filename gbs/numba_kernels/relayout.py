@@ -1,11 +1,13 @@
 """FP4 operands into ``gbs.quant.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
 with UE4M3 / UE8M0 scale bytes (from a quantizer that cannot write the H200 order itself) before a launch
-with ``a_layout="e2m1_h200"``.
+with ``a_layout="e2m1_h200"``, and for weights that already live on the GPU (a one-time step:
+``to_e2m1_h200_tiled`` writes NVFP4's ``b_layout="e2m1_h200_tiled"``, ``to_e2m1_h200`` the row-major order).
 
     from gbs.numba_kernels import relayout
     a_h200 = relayout.to_e2m1_h200(a)      # a: (tokens, K/2) FP4 bytes on the GPU, any __cuda_array_interface__
     a_scales_h200 = relayout.ue4m3_scales_to_h200(a_scales)   # NVFP4 only: MX scales need nothing
     problem = gbs.device_problem(a_h200, b, a_scales_h200, ..., fmt="nvfp4", a_layout="e2m1_h200")
+    b_h200 = relayout.to_e2m1_h200_tiled(b)   # b: (experts, N, K/2) weights, once (gbs.api.h200_weight_layout)
 
 ``ue4m3_scales_to_h200`` maps each UE4M3 scale byte to its ``gbs.quant.UE4M3H200Scales`` code (one thread per
 4-byte word, a 256-byte table), bit-identical to ``UE4M3H200Scales.encode`` on every UE4M3 byte; a byte with
@@ -20,10 +22,13 @@ the 3-4 % (~30 us) that FP4 tokens in this order save the 256-token prefill kern
 it about pays for itself (NVFP4 874.1 us against 905.4 with packed tokens and weights, 856.5 with the tokens
 re-laid by their quantizer), in small prefill it does not. A quantizer that writes the order directly costs
 nothing extra: this kernel is for the ones that do not. Verified on the H200 (run 76): bit-identical to the
-host swizzle.
+host swizzle. ``to_e2m1_h200_tiled`` writes each word's image where ``E2M1H200TiledOrder`` puts it (a warp's 32
+words are one 128-byte box row, so its writes stay coalesced); bit-identical to the host order in the
+simulator (not yet run on the H200).
 
 Constraints (checked before any device work): a C-contiguous device array of 1-byte elements whose last
-axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same. Runs in Numba's CUDA
+axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same; tiled weights (..., N, K/2)
+with N and K/2 multiples of 128. Runs in Numba's CUDA
 simulator too (``NUMBA_ENABLE_CUDASIM=1``).
 """
 from __future__ import annotations
@@ -33,9 +38,11 @@ import functools
 import numpy as np
 from numba import cuda
 
-from gbs.quant import E2M1H200Order, UE4M3H200Scales
+from gbs.quant import E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
 
 THREADS = 256
+BOX_ROWS = E2M1H200TiledOrder.BOX_ROWS
+BOX_WORDS = E2M1H200TiledOrder.BOX_BYTES // 4   # words of one box row
 MAX_BLOCKS = 132 * 8   # a few waves of the H200's SMs; the grid-stride loop takes the rest
 
 
@@ -46,6 +53,21 @@ def relay_words(words, tables, out_words):
         w = words[i]
         out_words[i] = (tables[0, w & 0xFF] | tables[1, (w >> 8) & 0xFF] | tables[2, (w >> 16) & 0xFF]
                         | tables[3, w >> 24])
+
+
+def relay_tiled_words(words, tables, rows, row_words, out_words):
+    """Kernel: the image of ``words[i]`` (word ``i`` of row-major (matrices x ``rows``, ``row_words``) weights)
+    under the byte ``tables``, at its place in ``E2M1H200TiledOrder`` in ``out_words``."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    k_boxes = row_words // BOX_WORDS
+    slab = rows * row_words
+    for i in range(start, words.size, stride):
+        w = words[i]
+        row, col = i // row_words, i % row_words
+        r = row % rows
+        box_row = ((r // BOX_ROWS) * k_boxes + col // BOX_WORDS) * BOX_ROWS + r % BOX_ROWS
+        out_words[(row // rows) * slab + box_row * BOX_WORDS + col % BOX_WORDS] = (
+            tables[0, w & 0xFF] | tables[1, (w >> 8) & 0xFF] | tables[2, (w >> 16) & 0xFF] | tables[3, w >> 24])
 
 
 def map_bytes(words, table, out_words):
@@ -70,6 +92,11 @@ def _kernel():
 
 
 @functools.cache
+def _tiled_kernel():
+    return cuda.jit(relay_tiled_words)
+
+
+@functools.cache
 def _map_kernel():
     return cuda.jit(map_bytes)
 
@@ -87,8 +114,8 @@ def _device_tables():
 def _byte_array(name: str, value):
     """A numba device array of uint8 over ``value`` (no copy), or TypeError / ValueError saying why not."""
     if isinstance(value, np.ndarray):
-        raise TypeError(f"{name} is a host array: host bytes take gbs.quant.E2M1H200Order.swizzle / "
-                        "encode_scales")
+        raise TypeError(f"{name} is a host array: host bytes take GroupedProblem.with_b_layout / with_a_layout "
+                        "(gbs.quant.OPERAND_LAYOUTS' swizzle / encode_scales)")
     if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
         arr = value
     elif hasattr(value, "__cuda_array_interface__"):
@@ -123,6 +150,20 @@ def to_e2m1_h200(a, out=None, *, stream=0):
     if blocks:
         _kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
                                            dst.reshape(dst.size).view(np.uint32))
+    return dst
+
+
+def to_e2m1_h200_tiled(b, out=None, *, stream=0):
+    """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2), N and K/2 multiples of 128) in
+    ``E2M1H200TiledOrder`` on the GPU, enqueued on ``stream``: a new numba device array, or ``out`` (as
+    ``to_e2m1_h200``). ``b`` is not modified. NVFP4's weight scales take ``ue4m3_scales_to_h200`` too."""
+    shape = tuple(_byte_array("b", b).shape)   # the simulator's shape takes no negative indices
+    E2M1H200TiledOrder.check_shape(shape)
+    src, dst, blocks = _word_launch("b", b, out, stream)
+    if blocks:
+        _tiled_kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
+                                                 np.int64(shape[-2]), np.int64(shape[-1] // 4),
+                                                 dst.reshape(dst.size).view(np.uint32))
     return dst
 
 
