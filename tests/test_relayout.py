@@ -159,6 +159,38 @@ def test_relayout_kernel_assembles_for_sm90a_without_local_memory():
         assert offline.resource_usage(cubin).local_bytes == 0
 
 
+def _check_relaid_device_operands(problem, device, relaid, backend, **layout):
+    """``gbs.grouped_matmul`` on the packed torch arrays ``device`` and on them with ``relaid`` swapped in
+    (tagged ``layout``): the packed run passes the reference, the re-laid one gives its bits, skipped rows
+    keeping the poison in both."""
+    import torch
+
+    import gbs
+    from gbs.reference import check_acceptance, poison_output
+
+    outs = []
+    for arrays, tags in ((device, {}), (dict(device, **relaid), layout)):
+        out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
+        gbs.grouped_matmul(gbs.device_problem(**arrays, fmt="nvfp4", **tags), backend=backend,
+                           out=out.view(torch.bfloat16))
+        outs.append(out.cpu().numpy().view(np.uint16))
+    assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def _torch_problem(seed, group_sizes):
+    """A synthetic NVFP4 problem (N 512, K 1024, 3 experts) and its arrays as CUDA torch tensors."""
+    import torch
+
+    from gbs.bench import synthetic_problem
+    from gbs.numba_kernels import launch
+
+    problem = synthetic_problem("nvfp4", n=512, k=1024, group_sizes=group_sizes, expert_ids=[1, 0, -1, 2],
+                                num_experts=3, seed=seed)
+    return problem, {name: torch.from_numpy(np.ascontiguousarray(getattr(problem, name))).cuda()
+                     for name in launch.PROBLEM_ARRAY_DTYPES}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["h200_stream", "h200_wgmma"])
 def test_gpu_tokens_relaid_on_the_device_give_the_packed_bits(backend):
@@ -166,27 +198,14 @@ def test_gpu_tokens_relaid_on_the_device_give_the_packed_bits(backend):
     bytes) run both H200 kernels with ``a_layout="e2m1_h200"`` and give the packed tokens' bits, skipped
     rows keeping the poison."""
     torch = pytest.importorskip("torch")
-    import gbs
-    from gbs.bench import synthetic_problem
-    from gbs.numba_kernels import launch, relayout
-    from gbs.reference import check_acceptance, poison_output
+    from gbs.numba_kernels import relayout
 
-    problem = synthetic_problem("nvfp4", n=512, k=1024, group_sizes=[150, 0, 1, 40], expert_ids=[1, 0, -1, 2],
-                                num_experts=3, seed=11)
-    device = {name: torch.from_numpy(np.ascontiguousarray(getattr(problem, name))).cuda()
-              for name in launch.PROBLEM_ARRAY_DTYPES}
+    problem, device = _torch_problem(11, [150, 0, 1, 40])
     relaid = torch.as_tensor(relayout.to_e2m1_h200(device["a"]), device="cuda")
     np.testing.assert_array_equal(relaid.cpu().numpy(), E2M1H200Order.swizzle(problem.a))
     coded = torch.as_tensor(relayout.ue4m3_scales_to_h200(device["a_scales"]), device="cuda")
     np.testing.assert_array_equal(coded.cpu().numpy(), UE4M3H200Scales.encode(problem.a_scales))
-    outs = []
-    for a, a_scales, layout in ((device["a"], device["a_scales"], "packed"), (relaid, coded, "e2m1_h200")):
-        out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
-        dp = gbs.device_problem(**dict(device, a=a, a_scales=a_scales), fmt="nvfp4", a_layout=layout)
-        gbs.grouped_matmul(dp, backend=backend, out=out.view(torch.bfloat16))
-        outs.append(out.cpu().numpy().view(np.uint16))
-    assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
-    np.testing.assert_array_equal(outs[1], outs[0])
+    _check_relaid_device_operands(problem, device, {"a": relaid, "a_scales": coded}, backend, a_layout="e2m1_h200")
 
 
 @pytest.mark.gpu
@@ -194,23 +213,11 @@ def test_gpu_weights_tiled_on_the_device_give_the_packed_bits():
     """Torch NVFP4 weights and their scales put in ``E2M1H200TiledOrder`` on the GPU (read back: the host
     order's bytes) run the streaming kernel with ``b_layout="e2m1_h200_tiled"`` and give the packed bits."""
     torch = pytest.importorskip("torch")
-    import gbs
-    from gbs.bench import synthetic_problem
-    from gbs.numba_kernels import launch, relayout
-    from gbs.reference import check_acceptance, poison_output
+    from gbs.numba_kernels import relayout
 
-    problem = synthetic_problem("nvfp4", n=512, k=1024, group_sizes=[4, 0, 1, 3], expert_ids=[1, 0, -1, 2],
-                                num_experts=3, seed=12)
-    device = {name: torch.from_numpy(np.ascontiguousarray(getattr(problem, name))).cuda()
-              for name in launch.PROBLEM_ARRAY_DTYPES}
+    problem, device = _torch_problem(12, [4, 0, 1, 3])
     tiled = torch.as_tensor(relayout.to_e2m1_h200_tiled(device["b"]), device="cuda")
     np.testing.assert_array_equal(tiled.cpu().numpy(), E2M1H200TiledOrder.swizzle(problem.b))
     coded = torch.as_tensor(relayout.ue4m3_scales_to_h200(device["b_scales"]), device="cuda")
-    outs = []
-    for b, b_scales, layout in ((device["b"], device["b_scales"], "packed"), (tiled, coded, "e2m1_h200_tiled")):
-        out = torch.from_numpy(poison_output(problem.total_tokens, problem.n).view(np.int16)).cuda()
-        dp = gbs.device_problem(**dict(device, b=b, b_scales=b_scales), fmt="nvfp4", b_layout=layout)
-        gbs.grouped_matmul(dp, backend="h200_stream", out=out.view(torch.bfloat16))
-        outs.append(out.cpu().numpy().view(np.uint16))
-    assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
-    np.testing.assert_array_equal(outs[1], outs[0])
+    _check_relaid_device_operands(problem, device, {"b": tiled, "b_scales": coded}, "h200_stream",
+                                  b_layout="e2m1_h200_tiled")
