@@ -46,13 +46,17 @@ BOX_WORDS = E2M1H200TiledOrder.BOX_BYTES // 4   # words of one box row
 MAX_BLOCKS = 132 * 8   # a few waves of the H200's SMs; the grid-stride loop takes the rest
 
 
+@cuda.jit(device=True)
+def word_image(tables, w):
+    """The image of word ``w`` under the byte ``tables``: the OR of its four bytes' entries."""
+    return tables[0, w & 0xFF] | tables[1, (w >> 8) & 0xFF] | tables[2, (w >> 16) & 0xFF] | tables[3, w >> 24]
+
+
 def relay_words(words, tables, out_words):
     """Kernel: ``out_words[i]`` = the image of ``words[i]`` under the byte ``tables``."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, words.size, stride):
-        w = words[i]
-        out_words[i] = (tables[0, w & 0xFF] | tables[1, (w >> 8) & 0xFF] | tables[2, (w >> 16) & 0xFF]
-                        | tables[3, w >> 24])
+        out_words[i] = word_image(tables, words[i])
 
 
 def relay_tiled_words(words, tables, rows, row_words, out_words):
@@ -62,12 +66,10 @@ def relay_tiled_words(words, tables, rows, row_words, out_words):
     k_boxes = row_words // BOX_WORDS
     slab = rows * row_words
     for i in range(start, words.size, stride):
-        w = words[i]
         row, col = i // row_words, i % row_words
         r = row % rows
         box_row = ((r // BOX_ROWS) * k_boxes + col // BOX_WORDS) * BOX_ROWS + r % BOX_ROWS
-        out_words[(row // rows) * slab + box_row * BOX_WORDS + col % BOX_WORDS] = (
-            tables[0, w & 0xFF] | tables[1, (w >> 8) & 0xFF] | tables[2, (w >> 16) & 0xFF] | tables[3, w >> 24])
+        out_words[(row // rows) * slab + box_row * BOX_WORDS + col % BOX_WORDS] = word_image(tables, words[i])
 
 
 def map_bytes(words, table, out_words):
@@ -157,9 +159,9 @@ def to_e2m1_h200_tiled(b, out=None, *, stream=0):
     """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2), N and K/2 multiples of 128) in
     ``E2M1H200TiledOrder`` on the GPU, enqueued on ``stream``: a new numba device array, or ``out`` (as
     ``to_e2m1_h200``). ``b`` is not modified. NVFP4's weight scales take ``ue4m3_scales_to_h200`` too."""
-    shape = tuple(_byte_array("b", b).shape)   # the simulator's shape takes no negative indices
-    E2M1H200TiledOrder.check_shape(shape)
     src, dst, blocks = _word_launch("b", b, out, stream)
+    shape = tuple(src.shape)   # the simulator's shape takes no negative indices
+    E2M1H200TiledOrder.check_shape(shape)   # before the launch: nothing is written
     if blocks:
         _tiled_kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
                                                  np.int64(shape[-2]), np.int64(shape[-1] // 4),
