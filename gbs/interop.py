@@ -74,7 +74,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .problem import GroupedProblem, ProblemShape, _is_int, check_layout, problem_format_name, resolve_formats
-from .quant import LAYOUT_PACKED, BlockFormat, get_format
+from .quant import LAYOUT_PACKED, BlockFormat, get_format, stored_row_bytes
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
 DEVICE_BACKENDS = ("h200_stream", "h200_wgmma")
@@ -390,7 +390,8 @@ class DeviceGroupedProblem(ProblemShape):
             object.__setattr__(self, name, int(value))
         if self.n <= 0 or self.k <= 0:
             raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
-        check_layout(self.b_layout, self.b_format, "b", (self.n, self.b_format.row_bytes(self.k)))
+        check_layout(self.b_layout, self.b_format, "b",
+                     (self.n, stored_row_bytes(self.b_layout, self.b_format, self.k)))
         if self.num_active_experts < 1:
             raise ValueError(f"num_active_experts must be >= 1, got {self.num_active_experts}")
         if self.estimated_total_m < 0:
