@@ -350,8 +350,9 @@ class E2M1H200Order:
 
 
 class E2M1H200TiledOrder(E2M1H200Order):
-    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: the H200 kernels' faster
-    order for NVFP4 weights (``gbs.api.h200_weight_layout`` says which format takes which order).
+    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: faster than row-major for
+    NVFP4 weights, slower for MXFP4; ``E2M1H200FusedOrder`` (each box followed by its scales) is faster for both
+    and is the one ``gbs.api.h200_weight_layout`` recommends.
 
     The kernels' producer loads a weight stage as a TMA box of 128 rows x one 128-byte K slice (16 KB).
     In row-major weights those are 128 pieces of 128 B, one per row, ``K / 2`` bytes apart; here each box
