@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .quant import (
-    LAYOUT_E2M1_H200_FUSED,
-    LAYOUT_E2M1_H200_TILED,
     LAYOUT_PACKED,
     OPERAND_LAYOUTS,
     BlockFormat,
@@ -34,6 +32,7 @@ from .quant import (
     quantize,
     stored_row_bytes,
     swizzle_scales,
+    weight_bytes_layout,
 )
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
@@ -156,7 +155,7 @@ class GroupedProblem(ProblemShape):
         raw_scales = getattr(self, f"{operand}_scales")
         scales = _relaid_scales(raw_scales, fmt, old, layout)
         weights, weights_layout = _unfused(raw, fmt, old)
-        relaid = _relaid(weights, weights_layout, _UNFUSED.get(layout, layout))
+        relaid = _relaid(weights, weights_layout, weight_bytes_layout(layout))
         if fused_scales(layout):
             relaid = E2M1H200FusedOrder.fuse(relaid, scales, fmt.block_size)
         return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
@@ -305,13 +304,10 @@ def layout_of(problem, operand: str) -> str:
     return getattr(problem, f"{operand}_layout", LAYOUT_PACKED)
 
 
-_UNFUSED = {LAYOUT_E2M1_H200_FUSED: LAYOUT_E2M1_H200_TILED}   # the weight bytes of a fused layout
-
-
 def _unfused(raw: np.ndarray, fmt: BlockFormat, layout: str) -> tuple[np.ndarray, str]:
     """(weight bytes, their layout) of an operand stored in ``layout``: fused weights without their scales."""
     if fused_scales(layout):
-        return E2M1H200FusedOrder.unfuse(raw, fmt.block_size)[0], _UNFUSED[layout]
+        return E2M1H200FusedOrder.unfuse(raw, fmt.block_size)[0], weight_bytes_layout(layout)
     return raw, layout
 
 

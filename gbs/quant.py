@@ -632,6 +632,11 @@ def fused_scales(layout: str) -> bool:
     return layout == LAYOUT_E2M1_H200_FUSED
 
 
+def weight_bytes_layout(layout: str) -> str:
+    """The layout of the weight bytes alone of ``layout`` (a fused layout's without its scales)."""
+    return LAYOUT_E2M1_H200_TILED if fused_scales(layout) else layout
+
+
 def stored_row_bytes(layout: str, fmt, k: int) -> int:
     """Bytes per row of an operand of format ``fmt`` stored in ``layout`` (its array's last axis)."""
     fmt = get_format(fmt)
