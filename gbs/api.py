@@ -45,7 +45,7 @@ import dataclasses
 
 from .dispatch import AUTO_STAGES, KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
-from .quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, get_format
+from .quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED, E2M1H200TiledOrder, get_format
 from .reference import reference_grouped_matmul
 
 BACKENDS = ("auto", "sm100", "h200_wgmma", "h200_stream", "simt", "reference")
@@ -61,23 +61,34 @@ def gpu_available() -> bool:
 
 
 # The byte layout to re-lay each FP4 weight format into, once, for the H200 kernels (``h200_weight_layout``).
-# Both re-lay the bits of each word (``E2M1H200Order``: the decode's 9 instead of 13 instructions per word,
-# and UE4M3 scale codes). NVFP4 also stores each 128-row x 128-byte TMA box contiguously: measured (compare
-# runs 95, 97 and 98, notes/h200/README.md session 22; alternating rounds, both operands re-laid) decode_up
-# 268.0 -> 261.7 us and 267.3 -> 260.6 us on 4.62-4.64 TB/s H200s (85.6 -> 87.6 %, 85.9 -> 87.9 % of the
-# read ceiling), 279.5 -> 269.4 us on a 4.53 one (its bimodal launches gone), decode_down 145.3 -> 142.3 us;
-# small prefill +0.8 %, Kimi +0.6 %, large prefill (wgmma) 839.7 -> 852.1 us (+1.5 %, round-to-round
-# spread 25 us). MXFP4 weights (MXFP4 and W4A8) stay row-major: tiled, MXFP4 decode_up ran 255.2 -> 265.0 us
-# (+3.8 %, run 98; +3.3 % run 95, bimodal), W4A8 281.1 -> 281.5 us.
-H200_WEIGHT_LAYOUTS = {"nvfp4": LAYOUT_E2M1_H200_TILED, "mxfp4": LAYOUT_E2M1_H200}
+# ``E2M1H200FusedOrder``: the bits of each word re-laid (``E2M1H200Order``: the decode's 9 instead of 13
+# instructions per word, UE4M3 scale codes), each 128-row x 128-byte TMA box stored contiguously and followed by
+# its K slice's scale atoms, so a stage's weight bytes are one DRAM stream. Measured in alternating rounds, both
+# operands re-laid (notes/h200/README.md, sessions 22-23), row-major / tiled (scales apart) / fused:
+# - run 100 (4.63 TB/s H200; fused as a diagnostic copy): decode_up MXFP4 255.9 / 264.9 / 253.8 us (85.2 % of the
+#   read ceiling), NVFP4 268.5 / 261.0 / 260.5 (88.0 %);
+# - run 101 (4.53 TB/s H200, this layout): decode_up MXFP4 263.5 / 270.4 / 263.3 us, NVFP4 279.1 / 268.9 / 269.1
+#   (row-major's slow mode), W4A8 289.8 / 284.7 / 287.5, MXFP4 decode_down 140.7 / 140.7 / 139.3, NVFP4 small
+#   prefill 291.8 / 294.6 / 292.6, MXFP4 large prefill (wgmma) 809.0 / 804.6 / 802.7.
+# Fused is the fastest or within 1 % of it on every point; tiled weights with separate scales lose 2.6-3.8 % on
+# MXFP4 decode (runs 95, 98, 100, 101), which the fused chunks undo.
+H200_WEIGHT_LAYOUTS = {"nvfp4": LAYOUT_E2M1_H200_FUSED, "mxfp4": LAYOUT_E2M1_H200_FUSED}
 
 
-def h200_weight_layout(weight_format) -> str:
+def h200_weight_layout(weight_format, n: int | None = None, k: int | None = None) -> str:
     """The layout ``GroupedProblem.with_b_layout`` / ``gbs.device_problem(b_layout=...)`` should get for FP4
-    weights of ``weight_format`` (a format or its name; ``H200_WEIGHT_LAYOUTS``, measured for decode on the
-    H200); ``"packed"`` for FP8 weights, which have no H200 layout."""
+    weights of ``weight_format`` (a format or its name; ``H200_WEIGHT_LAYOUTS``, measured on the H200);
+    ``"packed"`` for FP8 weights, which have no H200 layout. Given the weights' ``n`` and ``k``: the row-major
+    H200 order (``"e2m1_h200"``) where they do not make whole 128-row x 256-element boxes."""
     fmt = get_format(weight_format)
-    return H200_WEIGHT_LAYOUTS[fmt.name] if fmt.packed else LAYOUT_PACKED
+    if not fmt.packed:
+        return LAYOUT_PACKED
+    layout = H200_WEIGHT_LAYOUTS[fmt.name]
+    whole_boxes = n is None or k is None or not (n % E2M1H200TiledOrder.BOX_ROWS
+                                                 or k % (2 * E2M1H200TiledOrder.BOX_BYTES))
+    if not whole_boxes:
+        return LAYOUT_E2M1_H200
+    return layout
 
 
 # Upstream's SM100 routing has no E5M2 entry (an error there). Tiles, stages and scales do not
@@ -176,8 +187,9 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
     on ``stream``, default the caller's current stream; see ``gbs.interop``). Rows of skipped slots
     keep the contents of ``out`` (host default: the poison sentinel of
     ``gbs.reference.poison_output``; device default: uninitialised). FP4 weights re-laid for the H200
-    (``problem.with_b_layout(h200_weight_layout(problem.b_format))``: ``"e2m1_h200"``, or for NVFP4
-    ``"e2m1_h200_tiled"``) and FP4 tokens in the H200 word order (``a_layout="e2m1_h200"``, written so by
+    (``problem.with_b_layout(h200_weight_layout(problem.b_format, problem.n, problem.k))``:
+    ``"e2m1_h200_fused"``; or ``"e2m1_h200"``, ``"e2m1_h200_tiled"``) and FP4 tokens in the H200 word order
+    (``a_layout="e2m1_h200"``, written so by
     their quantizer; ``problem.with_a_layout``) run on the H200 backends and the reference; the SIMT and
     SM100 backends read packed operands only and say so.
     """

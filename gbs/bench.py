@@ -36,8 +36,8 @@ import numpy as np
 
 from . import peers as peer_lib
 from .problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from .quant import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, OPERAND_LAYOUTS, E4M3, group_scale_offsets,
-                    swizzle_scales, tiled_weights, word_order)
+from .quant import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, E4M3,
+                    group_scale_offsets, swizzle_scales, word_order)
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
@@ -502,14 +502,12 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
                 raise NotImplementedError(f"no {layout} re-layout for {problem.b_format.name} weights")
             if relay_tokens and not problem.a_format.packed:
                 raise NotImplementedError(f"{problem.a_format.name} tokens: no FP4 tokens to re-lay")
-            if tiled_weights(layout):
-                try:
-                    OPERAND_LAYOUTS[layout].check_shape(problem.b.shape)
-                except ValueError as error:
-                    raise NotImplementedError(str(error)) from error
             if last[0] is not problem:
                 last[:] = [None, None]   # drop the previous case's copy before making this one
-                relaid = problem.with_b_layout(layout)
+                try:
+                    relaid = problem.with_b_layout(layout)
+                except ValueError as error:   # tiled weights without whole boxes
+                    raise NotImplementedError(str(error)) from error
                 last[:] = [problem, relaid.with_a_layout(word_order(layout)) if problem.a_format.packed else relaid]
             problem = last[1]
         kernel, knobs = h200_kernel(problem, None, backend)
@@ -572,11 +570,13 @@ def launch_knobs(launcher) -> str:
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what
 # ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200 and FP4 tokens come in that
 # order; ``gbs_auto_h200_tiled``: the same with the weights tiled box by box, ``E2M1H200TiledOrder``;
+# ``gbs_auto_h200_fused``: each box followed by its scales, ``E2M1H200FusedOrder``, the recommended one;
 # ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
                    "gbs_auto_h200_tiled": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200_TILED),
+                   "gbs_auto_h200_fused": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200_FUSED),
                    "gbs_auto_h200_relay": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200,
                                                             relay_tokens=True),
                    "h200_stream": functools.partial(_load_h200_stream, True),

@@ -74,7 +74,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .problem import GroupedProblem, ProblemShape, _is_int, check_layout, problem_format_name, resolve_formats
-from .quant import LAYOUT_PACKED, BlockFormat, get_format
+from .quant import LAYOUT_PACKED, BlockFormat, get_format, stored_row_bytes, weight_bytes_layout
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
 DEVICE_BACKENDS = ("h200_stream", "h200_wgmma")
@@ -390,7 +390,8 @@ class DeviceGroupedProblem(ProblemShape):
             object.__setattr__(self, name, int(value))
         if self.n <= 0 or self.k <= 0:
             raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
-        check_layout(self.b_layout, self.b_format, "b", (self.n, self.b_format.row_bytes(self.k)))
+        check_layout(self.b_layout, self.b_format, "b",
+                     (self.n, stored_row_bytes(self.b_layout, self.b_format, self.k)))
         if self.num_active_experts < 1:
             raise ValueError(f"num_active_experts must be >= 1, got {self.num_active_experts}")
         if self.estimated_total_m < 0:
@@ -435,16 +436,20 @@ class DeviceGroupedProblem(ProblemShape):
         """``GroupedProblem.validate`` on host copies of the routing arrays (as the kernels read them:
         uint32, uint32, int32) with zero-byte stand-ins of this problem's shapes for the rest;
         ValueError / TypeError as there."""
-        def stand_in(name: str, dtype) -> np.ndarray:
-            return np.broadcast_to(np.zeros((), dtype), getattr(self, name).shape)
+        def stand_in(name: str, dtype, shape=None) -> np.ndarray:
+            return np.broadcast_to(np.zeros((), dtype), getattr(self, name).shape if shape is None else shape)
 
+        # fused weights stand in as their weight bytes alone: the scale copy's check would read every byte
+        b_layout = weight_bytes_layout(self.b_layout)
+        b_shape = (self.num_experts, self.n, self.b_format.row_bytes(self.k))
         GroupedProblem(
-            a_format=self.a_format, b_format=self.b_format,
-            a=stand_in("a", _host_operand_dtype(self.a_format)), b=stand_in("b", _host_operand_dtype(self.b_format)),
+            a_format=self.a_format, b_format=self.b_format, a=stand_in("a", _host_operand_dtype(self.a_format)),
+            b=stand_in("b", _host_operand_dtype(self.b_format), b_shape),
             a_scales=stand_in("a_scales", np.uint8), b_scales=stand_in("b_scales", np.uint8),
             a_offsets=np.asarray(a_offsets), a_scale_offsets=np.asarray(a_scale_offsets),
             expert_ids=np.asarray(expert_ids), expert_scales=stand_in("expert_scales", np.float32),
-            num_active_experts=self.num_active_experts, estimated_total_m=self.estimated_total_m, n=self.n, k=self.k)
+            num_active_experts=self.num_active_experts, estimated_total_m=self.estimated_total_m, n=self.n, k=self.k,
+            b_layout=b_layout, a_layout=self.a_layout)
 
     def validate_routing(self, stream=None) -> None:
         """Copy ``ROUTING_ARRAYS`` to the host on ``stream`` (default: the caller's current stream of

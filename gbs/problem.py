@@ -23,12 +23,16 @@ from .quant import (
     OPERAND_LAYOUTS,
     BlockFormat,
     BlockScaled,
+    E2M1H200FusedOrder,
     _ceil_div,
+    fused_scales,
     get_format,
     group_scale_offsets,
     pad_group_scales,
     quantize,
+    stored_row_bytes,
     swizzle_scales,
+    weight_bytes_layout,
 )
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
@@ -131,8 +135,10 @@ class GroupedProblem(ProblemShape):
     def with_b_layout(self, b_layout: str) -> "GroupedProblem":
         """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.OPERAND_LAYOUTS``: ``"packed"``, or
         ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions; NVFP4's UE4M3
-        ``b_scales`` are re-encoded with them, ``gbs.quant.UE4M3H200Scales``). One-time weight preparation:
-        returns a new problem (``b`` and ``b_scales`` copied), the result of the matmul is the same."""
+        ``b_scales`` are re-encoded with them, ``gbs.quant.UE4M3H200Scales``; ``"e2m1_h200_tiled"`` also stores
+        them box by box, ``"e2m1_h200_fused"`` each box with its scales, ``gbs.quant.E2M1H200FusedOrder``).
+        One-time weight preparation: returns a new problem (``b`` and ``b_scales`` copied), the result of the
+        matmul is the same."""
         return self._with_layout("b", b_layout)
 
     def with_a_layout(self, a_layout: str) -> "GroupedProblem":
@@ -145,9 +151,13 @@ class GroupedProblem(ProblemShape):
     def _with_layout(self, operand: str, layout: str) -> "GroupedProblem":
         fmt = getattr(self, f"{operand}_format")
         check_layout(layout, fmt, operand)
-        raw, raw_scales = getattr(self, operand), getattr(self, f"{operand}_scales")
-        old = getattr(self, f"{operand}_layout")
-        relaid, scales = _relaid(raw, old, layout), _relaid_scales(raw_scales, fmt, old, layout)
+        raw, old = getattr(self, operand), getattr(self, f"{operand}_layout")
+        raw_scales = getattr(self, f"{operand}_scales")
+        scales = _relaid_scales(raw_scales, fmt, old, layout)
+        weights, weights_layout = _unfused(raw, fmt, old)
+        relaid = _relaid(weights, weights_layout, weight_bytes_layout(layout))
+        if fused_scales(layout):
+            relaid = E2M1H200FusedOrder.fuse(relaid, scales, fmt.block_size)
         return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
                                             f"{operand}_scales": scales if scales is not raw_scales else scales.copy(),
                                             f"{operand}_layout": layout})
@@ -185,7 +195,8 @@ class GroupedProblem(ProblemShape):
 
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
         scales = _relaid_scales(scales, self.b_format, self.b_layout, LAYOUT_PACKED)
-        return BlockScaled(_relaid(self.b[expert], self.b_layout, LAYOUT_PACKED), scales, self.b_format)
+        weights, weights_layout = _unfused(self.b[expert], self.b_format, self.b_layout)
+        return BlockScaled(_relaid(weights, weights_layout, LAYOUT_PACKED), scales, self.b_format)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes each tensor occupies (the whole B, not only the active experts)."""
@@ -224,7 +235,7 @@ class GroupedProblem(ProblemShape):
         a_dtype = np.uint8 if self.a_format.packed else self.a_format.element_dtype
         b_dtype = np.uint8 if self.b_format.packed else self.b_format.element_dtype
         _expect_array("a", self.a, a_dtype, operand_shape(self.a_format, (total,), k))
-        _expect_array("b", self.b, b_dtype, operand_shape(self.b_format, (num_experts, n), k))
+        _expect_array("b", self.b, b_dtype, (num_experts, n, stored_row_bytes(self.b_layout, self.b_format, k)))
 
         _expect_array("a_offsets", self.a_offsets, np.uint32, (g + 1,))
         offsets = self.a_offsets.astype(np.int64)
@@ -255,6 +266,13 @@ class GroupedProblem(ProblemShape):
         _expect_array("a_scales", self.a_scales, np.uint8, (bands, _ceil_div(a_cols, 4), 32, 4, 4))
         _expect_array("b_scales", self.b_scales, np.uint8,
                       (num_experts, _ceil_div(n, 128), _ceil_div(b_cols, 4), 32, 4, 4))
+        if fused_scales(self.b_layout):
+            fused_copy = E2M1H200FusedOrder.unfuse(self.b, self.b_format.block_size)[1]
+            if not np.array_equal(fused_copy, self.b_scales):
+                bad = np.unravel_index(int(np.argmax(fused_copy != self.b_scales)), fused_copy.shape)
+                raise ValueError(f"b ({self.b_layout!r}) holds a copy of the weights' scales that differs from "
+                                 f"b_scales at atom index {tuple(int(i) for i in bad)}: build both with "
+                                 "with_b_layout (or E2M1H200FusedOrder.fuse)")
 
 
 OPERAND_ROLES = {"a": "tokens", "b": "weights"}
@@ -276,7 +294,7 @@ def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:
         raise ValueError(f"{operand}_layout {layout!r} is for {' or '.join(order.ROLES)}, not "
                          f"{OPERAND_ROLES[operand]}")
     if order.TILED and shape is not None:
-        order.check_shape(shape)
+        order.check_shape(shape, fmt)
     return layout
 
 
@@ -284,6 +302,13 @@ def layout_of(problem, operand: str) -> str:
     """The byte layout of ``problem.a`` / ``problem.b`` (``"packed"`` for objects without the field, e.g.
     the ``SimpleNamespace`` views ``gbs.ablate`` and ``launch.to_device`` callers may pass)."""
     return getattr(problem, f"{operand}_layout", LAYOUT_PACKED)
+
+
+def _unfused(raw: np.ndarray, fmt: BlockFormat, layout: str) -> tuple[np.ndarray, str]:
+    """(weight bytes, their layout) of an operand stored in ``layout``: fused weights without their scales."""
+    if fused_scales(layout):
+        return E2M1H200FusedOrder.unfuse(raw, fmt.block_size)[0], weight_bytes_layout(layout)
+    return raw, layout
 
 
 def _relaid(raw: np.ndarray, layout: str, new_layout: str) -> np.ndarray:

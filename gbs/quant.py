@@ -242,6 +242,7 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
 LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (every format's default)
 LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
 LAYOUT_E2M1_H200_TILED = "e2m1_h200_tiled"  # E2M1H200TiledOrder: the same bits, weights stored box by box
+LAYOUT_E2M1_H200_FUSED = "e2m1_h200_fused"  # E2M1H200FusedOrder: each box followed by its block scales
 
 
 def _e2m1_h200_destinations() -> tuple[int, ...]:
@@ -349,8 +350,9 @@ class E2M1H200Order:
 
 
 class E2M1H200TiledOrder(E2M1H200Order):
-    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: the H200 kernels' faster
-    order for NVFP4 weights (``gbs.api.h200_weight_layout`` says which format takes which order).
+    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: faster than row-major for
+    NVFP4 weights, slower for MXFP4; ``E2M1H200FusedOrder`` (each box followed by its scales) is faster for both
+    and is the one ``gbs.api.h200_weight_layout`` recommends.
 
     The kernels' producer loads a weight stage as a TMA box of 128 rows x one 128-byte K slice (16 KB).
     In row-major weights those are 128 pieces of 128 B, one per row, ``K / 2`` bytes apart; here each box
@@ -376,8 +378,8 @@ class E2M1H200TiledOrder(E2M1H200Order):
     TILED = True
 
     @classmethod
-    def check_shape(cls, shape) -> None:
-        """ValueError unless ``shape`` (..., N, K/2 bytes) tiles into whole boxes."""
+    def check_shape(cls, shape, fmt=None) -> None:
+        """ValueError unless ``shape`` (..., N, K/2 bytes) tiles into whole boxes (``fmt``: unused here)."""
         if len(shape) < 2 or shape[-2] % cls.BOX_ROWS or shape[-1] % cls.BOX_BYTES:
             raise ValueError(f"{LAYOUT_E2M1_H200_TILED!r} stores weights in boxes of {cls.BOX_ROWS} rows x "
                              f"{cls.BOX_BYTES} bytes: it needs (..., N, K/2) with N a multiple of {cls.BOX_ROWS} "
@@ -411,6 +413,102 @@ class E2M1H200TiledOrder(E2M1H200Order):
     def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
         """Inverse of ``swizzle``."""
         return super().unswizzle(cls.untile(ordered))
+
+
+class E2M1H200FusedOrder(E2M1H200TiledOrder):
+    """``E2M1H200TiledOrder``'s boxes, each followed by its block scales: one contiguous chunk per stage of
+    the H200 kernels (``gbs.api.h200_weight_layout``: the H200 order of FP4 weights, NVFP4 and MXFP4).
+
+    A weight stage is a 16 KB box (128 rows x one 128-byte K slice, 256 elements) plus that slice's 128x4
+    scale atoms for the box's 128-row band: ``64 / block_size`` atoms of 512 B (MXFP4 2 = 1 KB, NVFP4 4 =
+    2 KB). Tiled weights with separate scales still make a stage two DRAM streams; here each chunk is the
+    box's 16 KB and then its atoms' bytes, exactly as ``b_scales`` holds them (UE4M3 codes as in
+    ``E2M1H200Order``), so a stage is one stream of ``16 KB + 128 * 256 / block_size`` bytes. Chunks are
+    ordered (expert, 128-row tile, K slice). An expert's chunks hold ``N * (K/2 + K/block_size)`` bytes:
+    each row's weight and scale bytes, so ``b`` has shape ``(E, N, K/2 + K/block_size)``
+    (``stored_row_bytes``); N and K/2 must be multiples of 128 (every ``workloads.md`` shape is).
+
+    ``b_scales`` keeps the 128x4 atoms as well (the reference and the checks read them; ``GroupedProblem``
+    checks that they equal the chunks' copies): on the device that copy costs 1/16 (MXFP4) or 1/8 (NVFP4)
+    of the weight bytes, which the H200 kernels do not read. ``fuse`` / ``unfuse`` convert from / to tiled
+    weights and atoms; ``GroupedProblem.with_b_layout`` does it for a problem.
+
+    Measured on the H200 (run 100, GPU-c6caf3fc, 4.63 TB/s; the diagnostic that copied the chunks at launch
+    preparation): decode_up MXFP4 255.9 us row-major / 264.9 tiled / 253.8 fused (85.2 % of the read
+    ceiling), NVFP4 268.5 / 261.0 / 260.5 (88.0 %): with the scales in its chunks MXFP4 gains instead of
+    losing (why separate scales made tiled MXFP4 lose is not understood; the scale stream's order and
+    address were measured not to matter, run 100).
+    """
+
+    ROLES = ("weights",)
+    CHUNK_BOX_BYTES = E2M1H200TiledOrder.BOX_ROWS * E2M1H200TiledOrder.BOX_BYTES
+    SLICE_ELEMENTS = 2 * E2M1H200TiledOrder.BOX_BYTES     # elements of K per box row (FP4: two per byte)
+
+    @classmethod
+    def chunk_scale_bytes(cls, block_size: int) -> int:
+        """Bytes of one chunk's scale atoms: 128 rows x one scale byte per block of the K slice."""
+        return cls.BOX_ROWS * (cls.SLICE_ELEMENTS // block_size)
+
+    @classmethod
+    def stored_row_bytes(cls, k: int, block_size: int) -> int:
+        """Bytes per weight row in ``b``'s shape: K/2 weight bytes and K/block_size scale bytes."""
+        return k // 2 + k // block_size
+
+    @classmethod
+    def _k(cls, shape, block_size: int) -> int:
+        """K of fused weights of ``shape``; ValueError unless they are whole chunks."""
+        row_bytes = shape[-1] if len(shape) >= 2 else 0
+        k = row_bytes * 2 * block_size // (block_size + 2)
+        if (len(shape) < 2 or shape[-2] % cls.BOX_ROWS or k <= 0 or k % cls.SLICE_ELEMENTS
+                or cls.stored_row_bytes(k, block_size) != row_bytes):
+            raise ValueError(f"{LAYOUT_E2M1_H200_FUSED!r} stores weights with their scales in chunks of {cls.BOX_ROWS} "
+                             f"rows: it needs (..., N, K/2 + K/{block_size}) bytes with N a multiple of "
+                             f"{cls.BOX_ROWS} and K of {cls.SLICE_ELEMENTS}, got {tuple(shape)}")
+        return k
+
+    @classmethod
+    def check_shape(cls, shape, fmt=None) -> None:
+        """ValueError unless ``shape`` is fused weights of format ``fmt`` (its block size) in whole chunks."""
+        if fmt is None:
+            raise TypeError(f"{LAYOUT_E2M1_H200_FUSED!r}: the shape check needs the weights' format")
+        cls._k(shape, get_format(fmt).block_size)
+
+    @classmethod
+    def fuse(cls, tiled: np.ndarray, scale_atoms: np.ndarray, block_size: int) -> np.ndarray:
+        """Tiled weights (..., N, K/2) (``E2M1H200TiledOrder``) and their 128x4 atoms (..., N/128, K/block/4,
+        32, 4, 4) -> fused (..., N, K/2 + K/block) (a new array)."""
+        tiled, scale_atoms = np.asarray(tiled), np.asarray(scale_atoms)
+        E2M1H200TiledOrder.check_shape(tiled.shape)
+        *lead, n, kb = tiled.shape
+        tiles, slices = n // cls.BOX_ROWS, kb // cls.BOX_BYTES
+        want = (*lead, tiles, 2 * kb // block_size // SF_ATOM_COLS, *_ATOM_SHAPE)
+        if scale_atoms.dtype != np.uint8 or scale_atoms.shape != want:
+            raise ValueError(f"fuse: scale atoms must be uint8 {want} for weights {tiled.shape}, got "
+                             f"{scale_atoms.dtype} {scale_atoms.shape}")
+        boxes = tiled.reshape(*lead, tiles, slices, cls.CHUNK_BOX_BYTES)
+        atoms = scale_atoms.reshape(*lead, tiles, slices, cls.chunk_scale_bytes(block_size))
+        fused = np.concatenate([boxes, atoms], axis=-1)
+        return fused.reshape(*lead, n, cls.stored_row_bytes(2 * kb, block_size))
+
+    @classmethod
+    def unfuse(cls, fused: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse of ``fuse``: (tiled weights, scale atoms), new arrays."""
+        fused = np.asarray(fused)
+        k = cls._k(fused.shape, block_size)
+        *lead, n, _ = fused.shape
+        tiles, slices = n // cls.BOX_ROWS, k // cls.SLICE_ELEMENTS
+        chunks = fused.reshape(*lead, tiles, slices, -1)
+        tiled = np.ascontiguousarray(chunks[..., :cls.CHUNK_BOX_BYTES]).reshape(*lead, n, k // 2)
+        atoms = np.ascontiguousarray(chunks[..., cls.CHUNK_BOX_BYTES:]).reshape(
+            *lead, tiles, k // block_size // SF_ATOM_COLS, *_ATOM_SHAPE)
+        return tiled, atoms
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        raise TypeError(f"{LAYOUT_E2M1_H200_FUSED!r} holds the weights' scales too: build it with "
+                        "GroupedProblem.with_b_layout or E2M1H200FusedOrder.fuse")
+
+    unswizzle = swizzle
 
 
 def _scale_bytes(scale_bytes, scale_dtype: str) -> np.ndarray:
@@ -512,7 +610,8 @@ def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:
 _E2M1_H200_DEST = _e2m1_h200_destinations()
 _E2M1_H200_TABLES = (_byte_tables(_E2M1_H200_DEST),
                      _byte_tables(tuple(int(i) for i in np.argsort(_E2M1_H200_DEST))))
-OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder}
+OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder,
+                   LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder}
 
 
 def word_order(layout: str) -> str:
@@ -523,9 +622,27 @@ def word_order(layout: str) -> str:
 
 
 def tiled_weights(layout: str) -> bool:
-    """Whether ``layout`` stores weights box by box (``E2M1H200TiledOrder``)."""
+    """Whether ``layout`` stores weights box by box (``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``)."""
     order = OPERAND_LAYOUTS[layout]
     return order is not None and order.TILED
+
+
+def fused_scales(layout: str) -> bool:
+    """Whether ``layout`` stores the weights' block scales in ``b`` with them (``E2M1H200FusedOrder``)."""
+    return layout == LAYOUT_E2M1_H200_FUSED
+
+
+def weight_bytes_layout(layout: str) -> str:
+    """The layout of the weight bytes alone of ``layout`` (a fused layout's without its scales)."""
+    return LAYOUT_E2M1_H200_TILED if fused_scales(layout) else layout
+
+
+def stored_row_bytes(layout: str, fmt, k: int) -> int:
+    """Bytes per row of an operand of format ``fmt`` stored in ``layout`` (its array's last axis)."""
+    fmt = get_format(fmt)
+    if fused_scales(layout):
+        return E2M1H200FusedOrder.stored_row_bytes(k, fmt.block_size)
+    return fmt.row_bytes(k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,6 +766,7 @@ SF_ATOM_COLS = 4     # scale columns of one atom: 4 bytes, one 32-bit TMEM word 
 SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
 SF_LANES = 32        # rows of one 32-lane slice of an atom (one TMEM lane group)
 SF_LANE_BYTES = 16   # bytes per lane: 4 slices x 4 scale columns
+_ATOM_SHAPE = (SF_LANES, SF_ATOM_ROWS // SF_LANES, SF_ATOM_COLS)   # an atom's axes in the scale arrays
 
 
 def scale_byte_offset(row, col, col_groups):

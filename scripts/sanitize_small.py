@@ -16,7 +16,7 @@ import numpy as np
 from gbs.numba_kernels import h200_stream, h200_wgmma, simt
 from gbs.numba_kernels.h200_stream import StreamConfig
 from gbs.problem import build_problem, random_activations, random_weights
-from gbs.quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED
+from gbs.quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
 from gbs.reference import check_acceptance
 from gbs.schedule import TileConfig
 
@@ -74,6 +74,12 @@ def main(argv=None) -> int:
             boxed = problem_for(fmt, seed, n=TILED_N).with_b_layout(LAYOUT_E2M1_H200_TILED)
             cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_TILED), boxed,
                           lambda: h200_stream.grouped_matmul_h200(boxed, StreamConfig(True, 8, 1, 2))))
+            fused = boxed.with_b_layout(LAYOUT_E2M1_H200_FUSED)   # each box followed by its scale atoms
+            cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_FUSED), fused,
+                          lambda: h200_stream.grouped_matmul_h200(fused, StreamConfig(True, 8, 1, 2))))
+            if "h200_wgmma" in kernels:   # two boxes and two scale bands per stage
+                cases.append(("h200_wgmma", (256, 128, LAYOUT_E2M1_H200_FUSED), fused,
+                              lambda: h200_wgmma.grouped_matmul_h200(fused, h200_wgmma.WgmmaConfig(256))))
             if "h200_wgmma" in kernels:
                 wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,

@@ -124,11 +124,14 @@ def test_wgmma_backend_takes_a_configs_tile_on_its_own_ring():
 
 
 def test_h200_weight_layout_is_the_measured_one_per_weight_format():
-    """NVFP4 weights tiled, MXFP4 weights (MXFP4 and W4A8) row-major in the H200 word order, FP8 weights
+    """FP4 weights (NVFP4, MXFP4 and W4A8's) fused with their scales in the H200 word order, FP8 weights
     packed; every answer is a layout ``with_b_layout`` accepts for that format."""
-    assert h200_weight_layout("nvfp4") == "e2m1_h200_tiled"
-    assert h200_weight_layout(get_format("mxfp4")) == "e2m1_h200"
+    assert h200_weight_layout("nvfp4") == "e2m1_h200_fused"
+    assert h200_weight_layout(get_format("mxfp4")) == "e2m1_h200_fused"
     assert h200_weight_layout("mxfp8") == "packed"
+    assert h200_weight_layout("nvfp4", 4096, 7168) == "e2m1_h200_fused"
+    assert h200_weight_layout("nvfp4", 200, 7168) == h200_weight_layout("mxfp4", 4096, 7168 + 128) == "e2m1_h200"
+    assert h200_weight_layout("mxfp8", 200, 7168) == "packed"
     for fmt in PROBLEM_FORMATS:
         problem = random_problem(fmt, n=256, k=512, num_experts=3, total_tokens=12, num_active_experts=2, seed=1)
         relaid = problem.with_b_layout(h200_weight_layout(problem.b_format))

@@ -108,6 +108,7 @@ def test_quick_and_full_selections():
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
     assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
     assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "gbs_auto_h200_tiled",
+                                      "gbs_auto_h200_fused",
                                       "gbs_auto_h200_relay", "h200_stream",
                                       "h200_stream_sm100_knobs",
                                       "h200_wgmma",
@@ -503,10 +504,12 @@ def test_launch_knobs_names_what_ran():
 
 
 @pytest.mark.parametrize("method, layout", [("gbs_auto_h200_layout", "e2m1_h200"),
-                                            ("gbs_auto_h200_tiled", "e2m1_h200_tiled")])
+                                            ("gbs_auto_h200_tiled", "e2m1_h200_tiled"),
+                                            ("gbs_auto_h200_fused", "e2m1_h200_fused")])
 @pytest.mark.parametrize("fmt, relaid", [("nvfp4", True), ("w4a8", True), ("mxfp8", False)])
 def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, method, layout, monkeypatch):
-    """``gbs_auto_h200_layout`` / ``_tiled`` hand the kernels the re-laid weights (row-major or tiled) and
+    """``gbs_auto_h200_layout`` / ``_tiled`` / ``_fused`` hand the kernels the re-laid weights (row-major,
+    tiled, or tiled with their scales) and
     FP4 tokens in the H200 word order (W4A8's FP8 tokens stay as they are), re-laying each bench case once
     however many rotation copies are prepared, and skip FP8 weights (no re-layout: the row would only
     repeat ``gbs_auto``) and, tiled, shapes without whole boxes. Host-only: kernel and copy are stubbed."""
@@ -531,8 +534,9 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     fp4_tokens = problem.a_format.packed
     assert len(relayouts) == 1 + fp4_tokens
     assert all(p.b_layout == layout and p.a_layout == ("e2m1_h200" if fp4_tokens else "packed") for p in seen)
-    np.testing.assert_array_equal(OPERAND_LAYOUTS[layout].unswizzle(seen[0].b), problem.b)
-    if layout == "e2m1_h200_tiled":
-        with pytest.raises(NotImplementedError, match="boxes of 128 rows"):
+    np.testing.assert_array_equal(seen[0].b_operand(1).data, problem.b_operand(1).data)
+    np.testing.assert_array_equal(seen[0].b_operand(1).scales, problem.b_operand(1).scales)
+    if layout != "e2m1_h200":
+        with pytest.raises(NotImplementedError, match="128 rows"):
             prepare(bench.BenchCase("t", 200, 256, 2, 3).problem(fmt), None)
     np.testing.assert_array_equal(seen[0].a_operand().data, problem.a)

@@ -94,7 +94,8 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
 def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeypatch, capsys):
     """The wgmma cases on one format: every config on the small groups, and 256-token tiles also on groups
     whose tiles hold more than 128 tokens (their second m64 tiles run), with packed FP4 operands and with both
-    in the H200 order, each checked against its own problem."""
+    in the H200 order, and mma_bn 256 on fused weights (two scale bands per stage), each checked against its own
+    problem."""
     sanitize = load_script("sanitize_small")
     from gbs.reference import reference_grouped_matmul
 
@@ -106,7 +107,7 @@ def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeyp
     small, wide = sum(sanitize.GROUP_SIZES), sum(sanitize.TWO_M_GROUP_SIZES)
     assert max(sanitize.TWO_M_GROUP_SIZES) > 128
     assert sorted(calls) == sorted([(small, tokens, "packed") for _, tokens in sanitize.WGMMA_CONFIGS]
-                                   + [(wide, 256, "packed"), (wide, 256, "e2m1_h200")])
+                                   + [(wide, 256, "packed"), (wide, 256, "e2m1_h200"), (small, 128, "packed")])
     assert capsys.readouterr().out.strip().endswith("0 failed")
 
 

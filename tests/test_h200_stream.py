@@ -46,6 +46,7 @@ from gbs.ptx_inline import offline
 from gbs.ptx_inline.arith import min_u16x2, min_u16x2_host
 from gbs.quant import (
     LAYOUT_E2M1_H200,
+    LAYOUT_E2M1_H200_FUSED,
     LAYOUT_E2M1_H200_TILED,
     OPERAND_LAYOUTS,
     BF16,
@@ -877,28 +878,37 @@ def tma_box_2d(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, in
     return out.reshape(-1)
 
 
+@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200_TILED, LAYOUT_E2M1_H200_FUSED])
 @pytest.mark.parametrize("fmt", FP4_WEIGHT_FORMATS)
 @pytest.mark.parametrize("config", ["decode", "not_swapped", "not_swapped_wide", "not_swapped_decode", "wide"])
-def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config):
-    """Tiled weights (``E2M1H200TiledOrder``): the producer's 2-D loads (``tiled_weight_row``, one per
-    128-row box part) put in a stage the bytes its 3-D load of the untiled weights does, for every
-    expert, weight tile and K slice (64-byte slices of W4A8 included: half a box's width), on every
-    row below N."""
+def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, layout):
+    """Tiled weights (``E2M1H200TiledOrder``, and ``E2M1H200FusedOrder`` with the scales in the chunks): the
+    producer's 2-D loads (``tiled_weight_row``, one per 128-row box part) put in a stage the bytes its 3-D
+    load of the untiled weights does, for every expert, weight tile and K slice (64-byte slices of W4A8
+    included: half a box's width), on every row below N; fused, the weight-scale loads from ``b`` put there
+    the bytes of the 3-D loads of ``b_scales``, band by band."""
     base = spec_of(fmt, CONFIGS[config])
-    spec = dataclasses.replace(base, b_layout=LAYOUT_E2M1_H200_TILED)
+    spec = dataclasses.replace(base, b_layout=layout)
     p = _problem(fmt, n=384, k=4 * spec.k_slice, group_sizes=[3], expert_ids=[2])   # 256-row tiles: one half past N
     untiled = p.with_b_layout(LAYOUT_E2M1_H200)
-    tiled = p.with_b_layout(LAYOUT_E2M1_H200_TILED)
-    assert tiled.b.shape == untiled.b.shape and not np.array_equal(tiled.b, untiled.b)
+    tiled = p.with_b_layout(layout)
+    assert not np.array_equal(tiled.b[..., :untiled.b.shape[2]], untiled.b)
     shapes, addresses = _shapes_and_fake_addresses(tiled)
     maps = hs.tensor_map_args(spec, shapes, addresses)
-    row_major = hs.tensor_map_args(dataclasses.replace(spec, b_layout=LAYOUT_E2M1_H200), shapes, addresses)[1]
-    maps[1].check()
+    row_major_maps = hs.tensor_map_args(dataclasses.replace(spec, b_layout=LAYOUT_E2M1_H200),
+                                        _shapes_and_fake_addresses(untiled)[0], addresses)
+    row_major, row_major_scales = row_major_maps[1], dataclasses.replace(row_major_maps[3], swizzle="none")
+    for m in maps:
+        m.check()
     assert maps[1].swizzle == row_major.swizzle and maps[1].box[0] == row_major.box[0]
+    fused = layout == LAYOUT_E2M1_H200_FUSED
+    assert (maps[3].global_address == maps[1].global_address) == fused
     w_bytes, w_rows, _ = spec.weight_box
     parts = spec.tiled_weight_loads
     assert parts == (2 if w_rows == 256 else 1) and maps[1].box[1] * parts == w_rows
-    k_slices = p.k // spec.k_slice
+    k_slices, row_tiles, bands = p.k // spec.k_slice, p.n // hs.TILED_BOX_ROWS, spec.weight_side.scale_bands
+    k_boxes = k_slices * w_bytes // hs.TILED_BOX_BYTES
+    sf_rows = spec.scale_box[1]
     for expert in range(p.num_experts):
         for row0 in range(0, p.n, w_rows):
             for s in range(k_slices):
@@ -906,14 +916,26 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config):
                 k_byte = s * w_bytes
                 got = np.concatenate([
                     tma_box_2d(tiled.b, maps[1], (k_byte % hs.TILED_BOX_BYTES, hs.tiled_weight_row(
-                        expert, row0 + part * hs.TILED_BOX_ROWS, k_byte, p.n // hs.TILED_BOX_ROWS,
-                        k_slices * w_bytes // hs.TILED_BOX_BYTES)))
+                        expert, row0 + part * hs.TILED_BOX_ROWS, k_byte, row_tiles, k_boxes, spec.weight_chunk_rows)))
                     for part in range(parts)])
                 # rows past N: zero fill in the row-major map, the next expert's first box (or the tiled map's
                 # zero fill) here; their outputs are never stored
                 valid = min(w_rows, p.n - row0) * w_bytes
                 np.testing.assert_array_equal(got[:valid], want[:valid],
                                               err_msg=f"expert {expert} row {row0} slice {s}")
+                if not fused:
+                    continue
+                for b in range(bands):
+                    band_row = (row0 // hs.TILED_BOX_ROWS + b) * hs.TILED_BOX_ROWS
+                    if band_row >= p.n:
+                        continue
+                    chunk = hs.tiled_weight_row(expert, band_row, k_byte, row_tiles, k_boxes, spec.weight_chunk_rows)
+                    got_sf = tma_box_2d(tiled.b, maps[3], (0, chunk + hs.TILED_BOX_ROWS + k_byte % hs.TILED_BOX_BYTES
+                                                           // w_bytes * sf_rows))
+                    want_sf = tma_box_3d(untiled.b_scales, row_major_scales,
+                                         (0, s * sf_rows, hs.weight_scale_band(expert, row_tiles, row0) + b))
+                    np.testing.assert_array_equal(got_sf, want_sf, err_msg=f"scales: expert {expert} row {row0} "
+                                                  f"slice {s} band {b}")
     loads = [(offset, size) for what, offset, size, _ in hs.stage_loads(spec) if what == "weights"]
     assert [size for _, size in loads] == [w_bytes * w_rows // parts] * parts
     assert sum(size for _, _, size, _ in hs.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes
@@ -1586,7 +1608,7 @@ def test_h200_weight_order_is_a_bit_permutation_of_each_word():
         E2M1H200Order.swizzle(packed[..., :6])
 
 
-@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED])
+@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_E2M1_H200_FUSED])
 def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply(layout):
     problem = _problem("nvfp4", n=128, k=512, group_sizes=[5, 0, 3], expert_ids=[1, -1, 0])
     relaid = problem.with_b_layout(layout)
@@ -1619,6 +1641,11 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
         sm100.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
     wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
     assert wgmma_spec.b_layout == layout and wgmma_spec.ring.weight_side.layout == layout
+    if layout == LAYOUT_E2M1_H200_FUSED:   # b holds a copy of the scales too; its bytes come only with them
+        assert relaid.nbytes() == {**problem.nbytes(), "b": problem.b.nbytes + problem.b_scales.nbytes}
+        with pytest.raises(TypeError, match="holds the weights' scales too"):
+            OPERAND_LAYOUTS[layout].swizzle(problem.b)
+        return
     assert relaid.nbytes() == problem.nbytes()
     with pytest.raises(TypeError, match="packed FP4 bytes as uint8"):
         OPERAND_LAYOUTS[layout].swizzle(problem.b.view(np.int8))
@@ -1679,10 +1706,11 @@ H200_LAYOUT_CASES = [   # (format, shape, ab_swapped, mma_bn, cta_group, k_split
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED])
+@pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_E2M1_H200_FUSED])
 @pytest.mark.parametrize("case", H200_LAYOUT_CASES, ids=lambda c: f"{c[0]}-{'swap' if c[2] else 'noswap'}{c[3]}-cg{c[4]}")
 def test_gpu_h200_weight_layout_gives_the_same_bits(case, layout):
-    """Weights re-laid in ``E2M1H200Order`` (row-major, or tiled box by box) decode to the same bf16
+    """Weights re-laid in ``E2M1H200Order`` (row-major, tiled box by box, or each box with its scales) decode
+    to the same bf16
     registers, so the output is bit-identical to the packed weights' without split-K (whose atomic adds
     land in any order) and passes the reference either way."""
     fmt, shape, sw, bn, cg, splits = case

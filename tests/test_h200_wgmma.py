@@ -410,16 +410,17 @@ def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["e2m1_h200", "e2m1_h200_tiled"])
-@pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("w4a8", 256)])
+@pytest.mark.parametrize("layout", ["e2m1_h200", "e2m1_h200_tiled", "e2m1_h200_fused"])
+@pytest.mark.parametrize("fmt, bn", [("nvfp4", 128), ("w4a8", 256), ("mxfp4", 256)])
 def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn, layout):
-    """Weights in ``E2M1H200Order`` (decoded by the shared weight reader; row-major, or tiled box by box:
-    two box loads per stage at mma_bn 256, half a box's width with W4A8's 64-byte K slices) give
-    bit-identical output. N is not a multiple of 128 where the tiled layout allows it, and not of 256 with
-    it: the last 256-row tile's second box lies past N (it reads the next expert's first box; never stored)."""
+    """Weights in ``E2M1H200Order`` (decoded by the shared weight reader; row-major, tiled box by box, or
+    each box with its scales: two box loads and two scale bands per stage at mma_bn 256, half a box's width
+    and half its atoms with W4A8's 64-byte K slices) give bit-identical output. N is not a multiple of 128
+    where the layout allows it, and not of 256 with tiled weights: the last 256-row tile's second box lies
+    past N (it reads the next expert's first box; never stored)."""
     if launch.gpu_compute_capability() != hs.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    n = 1024 + (128 if layout == "e2m1_h200_tiled" else 64)
+    n = 1024 + (64 if layout == "e2m1_h200" else 128)
     problem = synthetic_problem(fmt, n=n, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
                                 num_experts=8, seed=zlib.crc32(f"wgmma-layout/{fmt}".encode()))
     config = hw.WgmmaConfig(bn, AUTO_STAGES)

@@ -263,6 +263,13 @@ def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_co
     np.testing.assert_array_equal(interop.to_host(dp).with_b_layout("packed").b, boxed.with_b_layout("packed").b)
     with pytest.raises(ValueError, match="is for weights, not tokens"):
         interop.device_problem(**fake_arrays(boxed), fmt="nvfp4", a_layout="e2m1_h200_tiled")
+    # fused weights: b holds each box's scales too, (E, N, K/2 + K/16); the routing check and the host copy take it
+    fused = boxed.with_b_layout("e2m1_h200_fused")
+    dp = interop.device_problem(**fake_arrays(fused), fmt="nvfp4", b_layout="e2m1_h200_fused")
+    assert dp.launch_view().b_layout == "e2m1_h200_fused" and dp.b.shape == (3, 128, 128 + 16)
+    np.testing.assert_array_equal(interop.to_host(dp).with_b_layout("packed").b, boxed.with_b_layout("packed").b)
+    with pytest.raises(ValueError, match=r"b must have shape \(3, 128, 144\)"):
+        interop.device_problem(**fake_arrays(boxed), fmt="nvfp4", b_layout="e2m1_h200_fused")
 
 
 def test_int32_routing_is_read_as_the_kernels_dtypes(routing_copies):

@@ -5,9 +5,11 @@ bit-identical to the host ``E2M1H200Order.swizzle`` on random bytes of several s
 included), into a new array and into a given ``out``, the input untouched; UE4M3 scale bytes (all 256 values)
 to the host ``UE4M3H200Scales.encode`` codes, sign-bit bytes to the NaN code; bad input refused before any
 launch. Weights into ``E2M1H200TiledOrder`` (``to_e2m1_h200_tiled``): bit-identical to the host order in the
-simulator, shapes without whole boxes refused. Offline: the kernels assemble for sm_90a without local memory.
-GPU: torch tokens and their scales re-laid on the device run the H200 kernels with ``a_layout`` and give the
-packed tokens' bits; torch weights tiled on the device, with ``b_layout``, too.
+simulator, shapes without whole boxes refused; into ``E2M1H200FusedOrder`` with their scale atoms
+(``to_e2m1_h200_fused``, NVFP4 and MXFP4 blocks) the same, atoms of the wrong shape refused. Offline: the
+kernels assemble for sm_90a without local memory. GPU: torch tokens and their scales re-laid on the device run
+the H200 kernels with ``a_layout`` and give the packed tokens' bits; torch weights tiled or fused on the
+device, with ``b_layout``, too.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gbs.quant import E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
+from gbs.quant import E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 24), (5, 4), (0, 8), (3, 2, 16)]   # odd rows, one word per row, empty, 3-D
 TILED_SHAPES = [(2, 256, 384), (128, 128), (0, 128, 128)]   # experts x 2 row tiles x 3 K boxes, one box, empty
+FUSED_CASES = [((2, 256, 384), 16), ((2, 256, 384), 32), ((128, 128), 32), ((0, 128, 128), 16)]   # (shape, block)
 
 _SIMULATOR_SCRIPT = r"""
 import json, sys
@@ -32,7 +35,7 @@ import numpy as np
 from numba import cuda
 from gbs.numba_kernels import relayout
 
-shapes, tiled_shapes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+shapes, tiled_shapes, fused_cases = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 rng = np.random.default_rng(5)
 results = {"outputs": [], "errors": {}}
 for shape in shapes:
@@ -52,6 +55,18 @@ for shape in tiled_shapes:
     relayout.to_e2m1_h200_tiled(device, out)
     results["tiled"].append([host.tolist(), fresh.tolist(), out.copy_to_host().tolist(),
                              bool(np.array_equal(device.copy_to_host(), host))])
+results["fused"] = []
+for shape, block in fused_cases:
+    *lead, n, kb = shape
+    host = rng.integers(0, 256, shape, dtype=np.uint8)
+    atoms = rng.integers(0, 256, (*lead, n // 128, 2 * kb // block // 4, 32, 4, 4), dtype=np.uint8)
+    device, device_atoms = cuda.to_device(host), cuda.to_device(atoms)
+    fresh = relayout.to_e2m1_h200_fused(device, device_atoms).copy_to_host()
+    out = cuda.device_array(fresh.shape, np.uint8)
+    relayout.to_e2m1_h200_fused(device, device_atoms, out)
+    results["fused"].append([host.tolist(), atoms.tolist(), fresh.tolist(), out.copy_to_host().tolist(),
+                             list(fresh.shape), bool(np.array_equal(device.copy_to_host(), host))
+                             and bool(np.array_equal(device_atoms.copy_to_host(), atoms))])
 all_bytes = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)
 results["codes"] = [relayout.ue4m3_scales_to_h200(cuda.to_device(all_bytes)).copy_to_host().tolist(),
                     relayout.ue4m3_scales_to_h200(cuda.to_device(all_bytes[:, :0])).copy_to_host().shape]
@@ -63,7 +78,12 @@ bad = {"host": lambda: relayout.to_e2m1_h200(np.zeros((2, 8), np.uint8)),
        "out_shape": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 8), np.uint8)),
                                                   cuda.device_array((2, 4), np.uint8)),
        "tiled_rows": lambda: relayout.to_e2m1_h200_tiled(cuda.to_device(np.zeros((1, 192, 128), np.uint8))),
-       "tiled_host": lambda: relayout.to_e2m1_h200_tiled(np.zeros((1, 128, 128), np.uint8))}
+       "tiled_host": lambda: relayout.to_e2m1_h200_tiled(np.zeros((1, 128, 128), np.uint8)),
+       "fused_atoms": lambda: relayout.to_e2m1_h200_fused(cuda.to_device(np.zeros((1, 128, 128), np.uint8)),
+                                                          cuda.to_device(np.zeros((1, 1, 3, 32, 4, 4), np.uint8))),
+       "fused_out": lambda: relayout.to_e2m1_h200_fused(cuda.to_device(np.zeros((1, 128, 128), np.uint8)),
+                                                        cuda.to_device(np.zeros((1, 1, 2, 32, 4, 4), np.uint8)),
+                                                        cuda.device_array((1, 128, 128), np.uint8))}
 for name, call in bad.items():
     try:
         call()
@@ -78,7 +98,8 @@ print(json.dumps(results))
 def simulated():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", _SIMULATOR_SCRIPT, json.dumps(SHAPES), json.dumps(TILED_SHAPES)],
+    res = subprocess.run([sys.executable, "-c", _SIMULATOR_SCRIPT, json.dumps(SHAPES), json.dumps(TILED_SHAPES),
+                          json.dumps(FUSED_CASES)],
                          env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -107,6 +128,18 @@ def test_device_tiled_relayout_is_the_host_order_in_the_simulator(simulated):
     assert not np.array_equal(E2M1H200TiledOrder.swizzle(first), E2M1H200Order.swizzle(first)), "boxes move"
 
 
+def test_device_fused_relayout_is_the_host_order_in_the_simulator(simulated):
+    for (shape, block), (host, atoms, fresh, given, fused_shape, untouched) in zip(FUSED_CASES, simulated["fused"]):
+        *lead, n, kb = shape
+        host = np.array(host, np.uint8).reshape(shape)
+        atoms = np.array(atoms, np.uint8).reshape(*lead, n // 128, 2 * kb // block // 4, 32, 4, 4)
+        want = E2M1H200FusedOrder.fuse(E2M1H200TiledOrder.swizzle(host), atoms, block)
+        assert tuple(fused_shape) == want.shape == (*lead, n, kb + 2 * kb // block)
+        for got in (fresh, given):
+            np.testing.assert_array_equal(np.array(got, np.uint8).reshape(want.shape), want)
+        assert untouched, "the input bytes are not modified"
+
+
 def test_device_scale_codes_are_the_host_encoding_in_the_simulator(simulated):
     """Every byte value: UE4M3 bytes get ``UE4M3H200Scales.encode``'s code, sign-bit bytes (no UE4M3 value,
     which the host encoder refuses) the NaN code; an empty array stays empty."""
@@ -126,6 +159,8 @@ def test_device_scale_codes_are_the_host_encoding_in_the_simulator(simulated):
     ("out_shape", "ValueError: out has shape (2, 4), a has (2, 8)"),
     ("tiled_rows", "ValueError: 'e2m1_h200_tiled' stores weights in boxes of 128 rows x 128 bytes"),
     ("tiled_host", "TypeError: b is a host array"),
+    ("fused_atoms", "ValueError: b_scales of shape (1, 1, 3, 32, 4, 4) are not the 128x4 atoms"),
+    ("fused_out", "ValueError: out has shape (1, 128, 128), fused weights (1, 128, 128) have (1, 128, 136)"),
 ])
 def test_device_relayout_refuses_bad_input(simulated, case, message):
     assert simulated["errors"][case].startswith(message), simulated["errors"][case]
@@ -154,7 +189,9 @@ def test_relayout_kernel_assembles_for_sm90a_without_local_memory():
     tables = types.Array(types.uint32, 2, "C")
     for kernel, signature in ((relayout.relay_words, (words, tables, words)),
                               (relayout.map_bytes, (words, types.Array(types.uint32, 1, "C"), words)),
-                              (relayout.relay_tiled_words, (words, tables, types.int64, types.int64, words))):
+                              (relayout.relay_tiled_words, (words, tables, types.int64, types.int64, types.int64,
+                                                            words)),
+                              (relayout.place_scale_words, (words, types.int64, types.int64, words))):
         cubin = offline.compile_cubin(kernel, signature, offline.SM90A)
         assert offline.resource_usage(cubin).local_bytes == 0
 
@@ -221,3 +258,19 @@ def test_gpu_weights_tiled_on_the_device_give_the_packed_bits():
     coded = torch.as_tensor(relayout.ue4m3_scales_to_h200(device["b_scales"]), device="cuda")
     _check_relaid_device_operands(problem, device, {"b": tiled, "b_scales": coded}, "h200_stream",
                                   b_layout="e2m1_h200_tiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["h200_stream", "h200_wgmma"])
+def test_gpu_weights_fused_on_the_device_give_the_packed_bits(backend):
+    """Torch NVFP4 weights and their scale codes put in ``E2M1H200FusedOrder`` on the GPU (read back: the host
+    order's bytes) run both H200 kernels with ``b_layout="e2m1_h200_fused"`` and give the packed bits."""
+    torch = pytest.importorskip("torch")
+    from gbs.numba_kernels import relayout
+
+    problem, device = _torch_problem(13, [150, 0, 1, 40])
+    coded = torch.as_tensor(relayout.ue4m3_scales_to_h200(device["b_scales"]), device="cuda")
+    fused = torch.as_tensor(relayout.to_e2m1_h200_fused(device["b"], coded), device="cuda")
+    np.testing.assert_array_equal(fused.cpu().numpy(), problem.with_b_layout("e2m1_h200_fused").b)
+    _check_relaid_device_operands(problem, device, {"b": fused, "b_scales": coded}, backend,
+                                  b_layout="e2m1_h200_fused")

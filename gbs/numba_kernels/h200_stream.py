@@ -97,13 +97,17 @@ except a zero scale as -0: the decode config's K-slice loop 470 -> 430 instructi
 NVFP4 weights tiled (``gbs.quant.E2M1H200TiledOrder``: each stage's 128 rows x 128 B box is 16 KB of
 contiguous memory instead of 128 row pieces ``K / 2`` bytes apart; only the producer's load changes) stream
 faster: decode_up 85.6-85.9 -> 87.6-87.9 % of the read ceiling on 4.63 TB/s H200s, 83.6 -> 86.9 % on a
-4.53 one (runs 95, 97, 98); MXFP4 weights tiled ran 3-4 % slower (``gbs.api.H200_WEIGHT_LAYOUTS``).
+4.53 one (runs 95, 97, 98); MXFP4 weights tiled ran 3-4 % slower. Weights fused with their scales
+(``gbs.quant.E2M1H200FusedOrder``: each box followed by its K slice's scale atoms, so a stage's weight bytes
+are one contiguous chunk) stream fastest for both formats (run 100: MXFP4 decode_up 85.2 %, NVFP4 88.0 % of the
+read ceiling): the producer loads the box and the atoms from the same buffer (``tensor_map_args``), the
+consumers see the same stage (``gbs.api.H200_WEIGHT_LAYOUTS``).
 FP8 decodes twice the bytes per instruction and streams at 87 %.
 
 Constraints (``check_can_implement``): K a multiple of the K slice (256 elements when both operands
 are FP4, else 128): pad K with zero elements (zero codes, any scale byte) otherwise; 16-byte aligned
 device arrays (TMA); the pipeline's real shared-memory bytes within the H200's 227 KiB per block; tiled
-weights: N a multiple of 128 and K / 2 bytes of 128 (whole boxes).
+weights (tiled or fused): N a multiple of 128 and K / 2 bytes of 128 (whole boxes).
 """
 from __future__ import annotations
 
@@ -132,8 +136,8 @@ from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import spin_wait_parity_or_trap, wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
 from gbs.quant import (LAYOUT_E2M1_H200, LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
-                       SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales, get_format,
-                       tiled_weights, word_order)
+                       SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder,
+                       UE4M3H200Scales, fused_scales, get_format, tiled_weights, word_order)
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -681,6 +685,19 @@ class StreamSpec:
         return tiled_weights(self.b_layout)
 
     @property
+    def fused_weight_scales(self) -> bool:
+        """The weights' scale atoms follow each box in ``b`` (``gbs.quant.E2M1H200FusedOrder``): the weight-scale
+        map reads ``b`` too (``tensor_map_args``), a chunk of ``weight_chunk_rows`` rows per box."""
+        return fused_scales(self.b_layout)
+
+    @property
+    def weight_chunk_rows(self) -> int:
+        """128-byte rows from one box of the tiled weights' map to the next: the box, plus its scale atoms when
+        they are fused."""
+        scale_bytes = E2M1H200FusedOrder.chunk_scale_bytes(get_format(self.b_format).block_size)
+        return TILED_BOX_ROWS + (scale_bytes // TILED_BOX_BYTES if self.fused_weight_scales else 0)
+
+    @property
     def tiled_weight_loads(self) -> int:
         """TMA loads of a stage's weight box from tiled weights: one per 128-row box (two for mma_bn 256).
         Every legal ``mma_bn`` (a power of 2, ``dispatch.check_mma_tile``) is a whole number of boxes or
@@ -889,13 +906,14 @@ def weight_scale_band(expert, bands_per_expert, row):
     return expert * bands_per_expert + row // SF_ATOM_ROWS
 
 
-def tiled_weight_row(expert, row, k_byte, row_tiles, k_boxes):
+def tiled_weight_row(expert, row, k_byte, row_tiles, k_boxes, chunk_rows):
     """Row of the tiled weights' 2-D map (``gbs.quant.E2M1H200TiledOrder``: 128-byte rows, box after box)
     where weight ``row`` (a box's first row, or a row of it) of ``expert`` starts in the box holding K
     byte ``k_byte``; the box's byte column is ``k_byte % TILED_BOX_BYTES``. ``row_tiles``, ``k_boxes``:
-    boxes per expert along N and along K."""
+    boxes per expert along N and along K; ``chunk_rows``: map rows per box (``StreamSpec.weight_chunk_rows``:
+    128, or more where each box is followed by its scale atoms)."""
     box = (expert * row_tiles + row // TILED_BOX_ROWS) * k_boxes + k_byte // TILED_BOX_BYTES
-    return box * TILED_BOX_ROWS + row % TILED_BOX_ROWS
+    return box * chunk_rows + row % TILED_BOX_ROWS
 
 
 def swizzle_xor(row, row_bytes, mask):
@@ -1122,6 +1140,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     tiled_loads = spec.tiled_weight_loads
     tiled_part_bytes = w_slice_bytes * min(spec.weight_box[1], TILED_BOX_ROWS)
     tiled_row_of = _device(tiled_weight_row)
+    fused = spec.fused_weight_scales
+    chunk_rows = spec.weight_chunk_rows
 
     @_device
     def stamp(tensor_maps, event):
@@ -1305,18 +1325,27 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     mb.mbarrier_arrive_expect_tx(full, tx_bytes)
                     dst = np.uint32(base + stage * stage_bytes)
                     sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
+                    k_byte = s * w_slice_bytes
                     if tiled:
-                        k_byte = s * w_slice_bytes
                         for p in range(tiled_loads):
                             w_row = tiled_row_of(np.int64(expert), w_row0 + p * TILED_BOX_ROWS, k_byte,
-                                                 n // TILED_BOX_ROWS, k_slices * w_slice_bytes // TILED_BOX_BYTES)
+                                                 n // TILED_BOX_ROWS, k_slices * w_slice_bytes // TILED_BOX_BYTES,
+                                                 chunk_rows)
                             cp.tma_load_2d(dst + w_data_off + p * tiled_part_bytes, map_weights,
                                            k_byte % TILED_BOX_BYTES, w_row, full)
                     else:
-                        cp.tma_load_3d(dst + w_data_off, map_weights, s * w_slice_bytes, w_row0, expert, full)
+                        cp.tma_load_3d(dst + w_data_off, map_weights, k_byte, w_row0, expert, full)
                     for b in range(w_bands):
-                        cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row, w_band + b,
-                                       full)
+                        if fused:   # the atoms after the box of band b's rows; W4A8: after the other half's
+                            chunk = tiled_row_of(np.int64(expert), (w_row0 // TILED_BOX_ROWS + b) * TILED_BOX_ROWS,
+                                                 k_byte, n // TILED_BOX_ROWS,
+                                                 k_slices * w_slice_bytes // TILED_BOX_BYTES, chunk_rows)
+                            cp.tma_load_2d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0,
+                                           chunk + TILED_BOX_ROWS + k_byte % TILED_BOX_BYTES // w_slice_bytes
+                                           * sf_rows_per_slice, full)
+                        else:
+                            cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row,
+                                           w_band + b, full)
                     if cta_group > 1:   # each CTA loads its half of the tokens for both
                         cp.tma_load_2d_multicast(dst + tok_data_off + rank * tok_box_bytes, map_tokens,
                                                  s * tok_slice_bytes, t0 + rank * tok_box_rows, full,
@@ -1975,7 +2004,8 @@ class TensorMapArgs:
 def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[TensorMapArgs]:
     """The four maps the kernel reads, in its order (``MAP_TOKENS``...): tokens (2-D over ``a``),
     weights (3-D over ``b``; 2-D over its 128-byte box rows when tiled), token scales and weight scales (3-D
-    views of the 128x4 atoms as rows of 128 bytes: (128 B, 4 rows per atom x column groups, 128-row bands)).
+    views of the 128x4 atoms as rows of 128 bytes: (128 B, 4 rows per atom x column groups, 128-row bands);
+    with fused weights 2-D over ``b``'s rows, like the weights, whose chunks hold the atoms).
     ``shapes`` / ``addresses``: per array name of ``launch.PROBLEM_ARRAY_DTYPES``, its shape and device
     address."""
     a, b = shapes["a"], shapes["b"]
@@ -1987,10 +2017,15 @@ def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[Ten
         return TensorMapArgs(name, addresses[name], (SCALE_MAP_ROW_BYTES, rows, bands),
                              (SCALE_MAP_ROW_BYTES, SCALE_MAP_ROW_BYTES * rows), spec.scale_box, "none")
 
+    weight_scales = scale_map("b_scales", shapes["b_scales"][0] * shapes["b_scales"][1])
     if spec.tiled_weights:   # rows of one box's width over every expert's boxes (E2M1H200TiledOrder)
         check_layout(spec.b_layout, get_format(spec.b_format), "b", b)
-        weights = TensorMapArgs("b", addresses["b"], (TILED_BOX_BYTES, math.prod(b) // TILED_BOX_BYTES),
-                                (TILED_BOX_BYTES,), (w_bytes, min(w_rows, TILED_BOX_ROWS)), TMA_SWIZZLE[w_bytes])
+        box_rows = (TILED_BOX_BYTES, math.prod(b) // TILED_BOX_BYTES)
+        weights = TensorMapArgs("b", addresses["b"], box_rows, (TILED_BOX_BYTES,),
+                                (w_bytes, min(w_rows, TILED_BOX_ROWS)), TMA_SWIZZLE[w_bytes])
+        if spec.fused_weight_scales:   # the same rows: each box's atoms follow it (E2M1H200FusedOrder)
+            weight_scales = TensorMapArgs("b_scales", addresses["b"], box_rows, (TILED_BOX_BYTES,),
+                                          spec.scale_box[:2], "none")
     else:
         weights = TensorMapArgs("b", addresses["b"], (b[2], b[1], b[0]), (b[2], b[1] * b[2]),
                                 (w_bytes, w_rows, w_experts), TMA_SWIZZLE[w_bytes])
@@ -1998,7 +2033,7 @@ def tensor_map_args(spec: StreamSpec, shapes: dict, addresses: dict) -> list[Ten
         TensorMapArgs("a", addresses["a"], (a[1], a[0]), (a[1],), (tok_bytes, tok_rows), TMA_SWIZZLE[tok_bytes]),
         weights,
         scale_map("a_scales", shapes["a_scales"][0]),
-        scale_map("b_scales", shapes["b_scales"][0] * shapes["b_scales"][1]),
+        weight_scales,
     ]
 
 

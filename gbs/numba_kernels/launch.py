@@ -36,7 +36,7 @@ import numpy as np
 from gbs.dispatch import require_int
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
 from gbs.problem import ProblemShape
-from gbs.quant import LAYOUT_PACKED, BlockFormat, get_format
+from gbs.quant import LAYOUT_PACKED, BlockFormat, get_format, stored_row_bytes
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
@@ -159,7 +159,7 @@ def _check_device_shapes(p: DeviceProblem) -> None:
     num_experts, total = p.b.shape[0], p.a.shape[0]
     want = {
         "a": (total, p.a_format.row_bytes(k)),
-        "b": (num_experts, n, p.b_format.row_bytes(k)),
+        "b": (num_experts, n, stored_row_bytes(p.b_layout, p.b_format, k)),
         "a_offsets": (g + 1,),
         "a_scale_offsets": (g,),
         "expert_ids": (g,),

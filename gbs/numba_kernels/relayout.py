@@ -1,13 +1,16 @@
 """FP4 operands into ``gbs.quant.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
 with UE4M3 / UE8M0 scale bytes (from a quantizer that cannot write the H200 order itself) before a launch
 with ``a_layout="e2m1_h200"``, and for weights that already live on the GPU (a one-time step:
-``to_e2m1_h200_tiled`` writes NVFP4's ``b_layout="e2m1_h200_tiled"``, ``to_e2m1_h200`` the row-major order).
+``to_e2m1_h200_fused`` writes ``b_layout="e2m1_h200_fused"``, the one ``gbs.api.h200_weight_layout`` recommends;
+``to_e2m1_h200_tiled`` the tiled order, ``to_e2m1_h200`` the row-major one).
 
     from gbs.numba_kernels import relayout
     a_h200 = relayout.to_e2m1_h200(a)      # a: (tokens, K/2) FP4 bytes on the GPU, any __cuda_array_interface__
     a_scales_h200 = relayout.ue4m3_scales_to_h200(a_scales)   # NVFP4 only: MX scales need nothing
     problem = gbs.device_problem(a_h200, b, a_scales_h200, ..., fmt="nvfp4", a_layout="e2m1_h200")
-    b_h200 = relayout.to_e2m1_h200_tiled(b)   # b: (experts, N, K/2) weights, once (gbs.api.h200_weight_layout)
+    b_scales_h200 = relayout.ue4m3_scales_to_h200(b_scales)   # NVFP4 weights, once
+    b_h200 = relayout.to_e2m1_h200_fused(b, b_scales_h200)    # (experts, N, K/2 + K/block) weights and scales
+    problem = gbs.device_problem(..., b_h200, ..., b_scales_h200, ..., b_layout="e2m1_h200_fused")
 
 ``ue4m3_scales_to_h200`` maps each UE4M3 scale byte to its ``gbs.quant.UE4M3H200Scales`` code (one thread per
 4-byte word, a 256-byte table), bit-identical to ``UE4M3H200Scales.encode`` on every UE4M3 byte; a byte with
@@ -23,12 +26,13 @@ it about pays for itself (NVFP4 874.1 us against 905.4 with packed tokens and we
 re-laid by their quantizer), in small prefill it does not. A quantizer that writes the order directly costs
 nothing extra: this kernel is for the ones that do not. Verified on the H200 (run 76): bit-identical to the
 host swizzle. ``to_e2m1_h200_tiled`` writes each word's image where ``E2M1H200TiledOrder`` puts it (a warp's 32
-words are one 128-byte box row, so its writes stay coalesced); bit-identical to the host order in the
-simulator (not yet run on the H200).
+words are one 128-byte box row, so its writes stay coalesced); bit-identical to the host order on the H200
+(run 99). ``to_e2m1_h200_fused`` writes the same words one chunk pitch apart (``E2M1H200FusedOrder``: each box
+followed by its scale atoms) and a second kernel copies the atoms behind their boxes.
 
 Constraints (checked before any device work): a C-contiguous device array of 1-byte elements whose last
-axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same; tiled weights (..., N, K/2)
-with N and K/2 multiples of 128. Runs in Numba's CUDA
+axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same; tiled or fused weights
+(..., N, K/2) with N and K/2 multiples of 128, fused ones with their 128x4 atoms. Runs in Numba's CUDA
 simulator too (``NUMBA_ENABLE_CUDASIM=1``).
 """
 from __future__ import annotations
@@ -38,11 +42,13 @@ import functools
 import numpy as np
 from numba import cuda
 
-from gbs.quant import E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
+from gbs.quant import SF_ATOM_BYTES, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
 
 THREADS = 256
 BOX_ROWS = E2M1H200TiledOrder.BOX_ROWS
 BOX_WORDS = E2M1H200TiledOrder.BOX_BYTES // 4   # words of one box row
+ATOM_WORDS = SF_ATOM_BYTES // 4
+FP4_BLOCK_SIZES = (16, 32)   # NVFP4, MXFP4
 MAX_BLOCKS = 132 * 8   # a few waves of the H200's SMs; the grid-stride loop takes the rest
 
 
@@ -59,17 +65,30 @@ def relay_words(words, tables, out_words):
         out_words[i] = word_image(tables, words[i])
 
 
-def relay_tiled_words(words, tables, rows, row_words, out_words):
+def relay_tiled_words(words, tables, rows, row_words, chunk_words, out_words):
     """Kernel: the image of ``words[i]`` (word ``i`` of row-major (matrices x ``rows``, ``row_words``) weights)
-    under the byte ``tables``, at its place in ``E2M1H200TiledOrder`` in ``out_words``."""
+    under the byte ``tables``, at its place in ``E2M1H200TiledOrder`` in ``out_words``, boxes ``chunk_words``
+    apart (a box's words, or more: ``E2M1H200FusedOrder``'s chunks)."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
     k_boxes = row_words // BOX_WORDS
-    slab = rows * row_words
+    slab = (rows // BOX_ROWS) * k_boxes * chunk_words
     for i in range(start, words.size, stride):
         row, col = i // row_words, i % row_words
         r = row % rows
-        box_row = ((r // BOX_ROWS) * k_boxes + col // BOX_WORDS) * BOX_ROWS + r % BOX_ROWS
-        out_words[(row // rows) * slab + box_row * BOX_WORDS + col % BOX_WORDS] = word_image(tables, words[i])
+        box = (r // BOX_ROWS) * k_boxes + col // BOX_WORDS
+        out_words[(row // rows) * slab + box * chunk_words + (r % BOX_ROWS) * BOX_WORDS + col % BOX_WORDS] = \
+            word_image(tables, words[i])
+
+
+def place_scale_words(scale_words, atoms_per_chunk, chunk_words, out_words):
+    """Kernel: word ``i`` of 128x4 scale atoms (bands of K boxes x ``atoms_per_chunk`` atoms of ``ATOM_WORDS``)
+    behind the box of its chunk in ``E2M1H200FusedOrder`` words ``out_words``."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    box_words = BOX_ROWS * BOX_WORDS
+    for i in range(start, scale_words.size, stride):
+        atom, word = i // ATOM_WORDS, i % ATOM_WORDS
+        chunk, in_chunk = atom // atoms_per_chunk, atom % atoms_per_chunk   # chunks run (band, K box)
+        out_words[chunk * chunk_words + box_words + in_chunk * ATOM_WORDS + word] = scale_words[i]
 
 
 def map_bytes(words, table, out_words):
@@ -96,6 +115,11 @@ def _kernel():
 @functools.cache
 def _tiled_kernel():
     return cuda.jit(relay_tiled_words)
+
+
+@functools.cache
+def _scale_kernel():
+    return cuda.jit(place_scale_words)
 
 
 @functools.cache
@@ -162,10 +186,48 @@ def to_e2m1_h200_tiled(b, out=None, *, stream=0):
     src, dst, blocks = _word_launch("b", b, out, stream)
     shape = tuple(src.shape)   # the simulator's shape takes no negative indices
     E2M1H200TiledOrder.check_shape(shape)   # before the launch: nothing is written
+    _launch_tiled(src, dst, blocks, BOX_ROWS * BOX_WORDS, stream)
+    return dst
+
+
+def _launch_tiled(src, dst, blocks, chunk_words, stream):
+    shape = tuple(src.shape)
     if blocks:
         _tiled_kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
-                                                 np.int64(shape[-2]), np.int64(shape[-1] // 4),
+                                                 np.int64(shape[-2]), np.int64(shape[-1] // 4), np.int64(chunk_words),
                                                  dst.reshape(dst.size).view(np.uint32))
+
+
+def to_e2m1_h200_fused(b, b_scales, out=None, *, stream=0):
+    """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2), N and K/2 multiples of 128) and their 128x4
+    scale atoms ``b_scales`` ((..., N/128, K/block/4, 32, 4, 4), in the H200 encoding: NVFP4's through
+    ``ue4m3_scales_to_h200`` first, UE8M0 as they are) in ``E2M1H200FusedOrder`` on the GPU, enqueued on
+    ``stream``: a new numba device array of shape (..., N, K/2 + K/block), or ``out`` of that shape filled
+    and returned as a numba view of it. Neither input is modified; pass ``b_scales`` as the problem's too."""
+    src = _byte_array("b", b)
+    scales = _byte_array("b_scales", b_scales)
+    shape, scale_shape = tuple(src.shape), tuple(scales.shape)
+    E2M1H200TiledOrder.check_shape(shape)   # before the launch: nothing is written
+    *lead, n, kb = shape
+    k_boxes = kb // E2M1H200TiledOrder.BOX_BYTES
+    atoms_per_band = scale_shape[len(lead) + 1] if len(scale_shape) == len(shape) + 3 else 0
+    atoms_per_chunk = atoms_per_band // k_boxes
+    block = 2 * kb // max(1, 4 * atoms_per_band)
+    want = (*lead, n // BOX_ROWS, atoms_per_band, 32, 4, 4)
+    if scale_shape != want or block not in FP4_BLOCK_SIZES or 4 * atoms_per_band * block != 2 * kb:
+        raise ValueError(f"b_scales of shape {scale_shape} are not the 128x4 atoms of 16- or 32-element blocks of "
+                         f"weights {shape}")
+    fused_shape = (*lead, n, E2M1H200FusedOrder.stored_row_bytes(2 * kb, block))
+    dst = cuda.device_array(fused_shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
+    if tuple(dst.shape) != fused_shape:
+        raise ValueError(f"out has shape {tuple(dst.shape)}, fused weights {shape} have {fused_shape}")
+    chunk_words = (E2M1H200FusedOrder.CHUNK_BOX_BYTES + atoms_per_chunk * SF_ATOM_BYTES) // 4
+    _launch_tiled(src, dst, min(-(-(src.size // 4) // THREADS), MAX_BLOCKS), chunk_words, stream)
+    scale_blocks = min(-(-(scales.size // 4) // THREADS), MAX_BLOCKS)
+    if scale_blocks:
+        _scale_kernel()[scale_blocks, THREADS, stream](scales.reshape(scales.size).view(np.uint32),
+                                                       np.int64(atoms_per_chunk), np.int64(chunk_words),
+                                                       dst.reshape(dst.size).view(np.uint32))
     return dst
 
 
