@@ -154,8 +154,8 @@ class GroupedProblem(ProblemShape):
         raw, old = getattr(self, operand), getattr(self, f"{operand}_layout")
         raw_scales = getattr(self, f"{operand}_scales")
         scales = _relaid_scales(raw_scales, fmt, old, layout)
-        weights, weights_layout = _unfused(raw, fmt, old)
-        relaid = _relaid(weights, weights_layout, weight_bytes_layout(layout))
+        elements, elements_layout = _unfused(raw, fmt, old)
+        relaid = _relaid(elements, elements_layout, weight_bytes_layout(layout))
         if fused_scales(layout):
             relaid = E2M1H200FusedOrder.fuse(relaid, scales, fmt.block_size)
         return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
@@ -267,7 +267,7 @@ class GroupedProblem(ProblemShape):
         _expect_array("b_scales", self.b_scales, np.uint8,
                       (num_experts, _ceil_div(n, 128), _ceil_div(b_cols, 4), 32, 4, 4))
         if fused_scales(self.b_layout):
-            fused_copy = E2M1H200FusedOrder.unfuse(self.b, self.b_format.block_size)[1]
+            fused_copy = E2M1H200FusedOrder.scale_atoms(self.b, self.b_format.block_size)
             if not np.array_equal(fused_copy, self.b_scales):
                 bad = np.unravel_index(int(np.argmax(fused_copy != self.b_scales)), fused_copy.shape)
                 raise ValueError(f"b ({self.b_layout!r}) holds a copy of the weights' scales that differs from "
@@ -305,7 +305,7 @@ def layout_of(problem, operand: str) -> str:
 
 
 def _unfused(raw: np.ndarray, fmt: BlockFormat, layout: str) -> tuple[np.ndarray, str]:
-    """(weight bytes, their layout) of an operand stored in ``layout``: fused weights without their scales."""
+    """(element bytes, their layout) of an operand stored in ``layout``: fused weights without their scales."""
     if fused_scales(layout):
         return E2M1H200FusedOrder.unfuse(raw, fmt.block_size)[0], weight_bytes_layout(layout)
     return raw, layout

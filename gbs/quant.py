@@ -494,14 +494,26 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
     def unfuse(cls, fused: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Inverse of ``fuse``: (tiled weights, scale atoms), new arrays."""
         fused = np.asarray(fused)
+        *lead, n, _ = fused.shape
+        tiled = np.ascontiguousarray(cls._chunks(fused, block_size)[..., :cls.CHUNK_BOX_BYTES])
+        return tiled.reshape(*lead, n, cls._k(fused.shape, block_size) // 2), cls.scale_atoms(fused, block_size)
+
+    @classmethod
+    def scale_atoms(cls, fused: np.ndarray, block_size: int) -> np.ndarray:
+        """The copy of the 128x4 scale atoms that fused weights hold (a new array; the weight bytes are not
+        copied: what ``GroupedProblem`` checks against ``b_scales``)."""
+        fused = np.asarray(fused)
+        *lead, n, _ = fused.shape
+        atoms = np.ascontiguousarray(cls._chunks(fused, block_size)[..., cls.CHUNK_BOX_BYTES:])
+        return atoms.reshape(*lead, n // cls.BOX_ROWS, cls._k(fused.shape, block_size) // block_size // SF_ATOM_COLS,
+                             *_ATOM_SHAPE)
+
+    @classmethod
+    def _chunks(cls, fused: np.ndarray, block_size: int) -> np.ndarray:
+        """A (..., row tiles, K slices, chunk bytes) view of fused weights."""
         k = cls._k(fused.shape, block_size)
         *lead, n, _ = fused.shape
-        tiles, slices = n // cls.BOX_ROWS, k // cls.SLICE_ELEMENTS
-        chunks = fused.reshape(*lead, tiles, slices, -1)
-        tiled = np.ascontiguousarray(chunks[..., :cls.CHUNK_BOX_BYTES]).reshape(*lead, n, k // 2)
-        atoms = np.ascontiguousarray(chunks[..., cls.CHUNK_BOX_BYTES:]).reshape(
-            *lead, tiles, k // block_size // SF_ATOM_COLS, *_ATOM_SHAPE)
-        return tiled, atoms
+        return fused.reshape(*lead, n // cls.BOX_ROWS, k // cls.SLICE_ELEMENTS, -1)
 
     @classmethod
     def swizzle(cls, packed: np.ndarray) -> np.ndarray:

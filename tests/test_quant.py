@@ -8,6 +8,7 @@ from hypothesis.extra import numpy as hnp
 
 from gbs.quant import (
     FORMATS,
+    E2M1H200FusedOrder,
     E2M1H200Order,
     E2M1H200TiledOrder,
     ScaleLayout128x4,
@@ -170,6 +171,52 @@ def test_tiled_h200_order_needs_whole_boxes(shape):
         E2M1H200TiledOrder.swizzle(np.zeros(shape, np.uint8))
     with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
         E2M1H200TiledOrder.unswizzle(np.zeros(shape, np.uint8))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fused_h200_order_puts_each_box_s_scale_atoms_behind_it(block_size):
+    """``E2M1H200FusedOrder``: chunk (row tile t, K box s) of an expert is the tiled box (t, s), 16 KB, then the
+    atoms of K slice s of band t, 128 x 256 / block_size bytes, exactly as ``b_scales`` holds them; the shape is
+    (..., N, K/2 + K/block_size); ``unfuse`` and ``scale_atoms`` undo ``fuse``."""
+    rng = np.random.default_rng(12)
+    experts, n, kb = 3, 384, 640   # 3 row tiles x 5 K boxes
+    k = 2 * kb
+    tiled = E2M1H200TiledOrder.swizzle(rng.integers(0, 256, (experts, n, kb), dtype=np.uint8))
+    atoms = rng.integers(0, 256, (experts, n // 128, k // block_size // 4, 32, 4, 4), dtype=np.uint8)
+    fused = E2M1H200FusedOrder.fuse(tiled, atoms, block_size)
+    scale_bytes = E2M1H200FusedOrder.chunk_scale_bytes(block_size)
+    assert scale_bytes == {16: 2048, 32: 1024}[block_size]
+    assert fused.shape == (experts, n, kb + k // block_size) == (experts, n, E2M1H200FusedOrder.stored_row_bytes(
+        k, block_size))
+    chunk = 16384 + scale_bytes
+    per_slice = atoms.reshape(experts, n // 128, kb // 128, scale_bytes)   # each K slice's atoms, contiguous
+    for expert, t, s in ((0, 0, 0), (2, 1, 3), (1, 2, 4)):
+        start = ((expert * (n // 128) + t) * (kb // 128) + s) * chunk
+        run = fused.reshape(-1)[start:start + chunk]
+        np.testing.assert_array_equal(run[:16384], tiled.reshape(experts, -1)[expert, (t * 5 + s) * 16384:][:16384])
+        np.testing.assert_array_equal(run[16384:], per_slice[expert, t, s])
+    back, back_atoms = E2M1H200FusedOrder.unfuse(fused, block_size)
+    np.testing.assert_array_equal(back, tiled)
+    np.testing.assert_array_equal(back_atoms, atoms)
+    np.testing.assert_array_equal(E2M1H200FusedOrder.scale_atoms(fused, block_size), atoms)
+    assert E2M1H200FusedOrder.ROLES == ("weights",) and E2M1H200FusedOrder.TILED
+
+
+def test_fused_h200_order_refuses_what_it_cannot_hold():
+    tiled = np.zeros((2, 256, 256), np.uint8)
+    atoms = np.zeros((2, 2, 8, 32, 4, 4), np.uint8)   # NVFP4: 512 elements / 16 / 4
+    with pytest.raises(ValueError, match=r"scale atoms must be uint8 \(2, 2, 4, 32, 4, 4\)"):
+        E2M1H200FusedOrder.fuse(tiled, atoms, 32)
+    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+        E2M1H200FusedOrder.fuse(np.zeros((2, 200, 256), np.uint8), atoms, 16)
+    fused = E2M1H200FusedOrder.fuse(tiled, atoms, 16)
+    with pytest.raises(ValueError, match=r"needs \(\.\.\., N, K/2 \+ K/32\) bytes"):
+        E2M1H200FusedOrder.unfuse(fused, 32)   # NVFP4 chunks read as MXFP4: not whole chunks
+    with pytest.raises(ValueError, match="needs"):
+        E2M1H200FusedOrder.check_shape(fused.shape[:-1] + (fused.shape[-1] - 16,), "nvfp4")
+    E2M1H200FusedOrder.check_shape(fused.shape, "nvfp4")
+    with pytest.raises(TypeError, match="holds the weights' scales too"):
+        E2M1H200FusedOrder.unswizzle(fused)
 
 
 @pytest.mark.parametrize("element, max_value", [("e2m1", 6.0), ("e4m3", 448.0), ("e5m2", 57344.0)])
