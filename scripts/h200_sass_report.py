@@ -7,8 +7,8 @@ docstrings and in ``notes/`` are read; compare before / after a decode change. ~
 Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] | wgmma:FMT:MMA_BN[:t256] ...]
 (``:w8``: 8 consumer warps on a small-N tile, ``h200_stream.StreamConfig.small_n_warps``; ``:t256``: 256-token
 tiles, ``h200_wgmma.WgmmaConfig.tile_tokens``.)
-A spec may end in ``:e2m1_h200`` or ``:e2m1_h200_tiled``: the weights re-laid for the H200 (``gbs.quant.E2M1H200Order``,
-``E2M1H200TiledOrder``).
+A spec may end in ``:e2m1_h200``, ``:e2m1_h200_tiled`` or ``:e2m1_h200_fused``: the weights re-laid for the H200
+(``gbs.quant.E2M1H200Order``, ``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``).
 Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8,
 and NVFP4's two with re-laid weights.
 """

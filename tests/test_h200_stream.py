@@ -974,10 +974,11 @@ def test_tiled_weights_are_refused_where_they_cannot_be_read():
 
 
 def test_tiled_weights_build_only_the_producer_differently():
-    """Offline SASS: the tiled weights change the producer's loads only: the hot K-slice loop, registers
-    and local memory are the row-major build's."""
+    """Offline SASS: tiled and fused weights change the producer's loads only: the hot K-slice loop, registers
+    and local memory are the row-major build's; tiled, 2-D weight loads replace the 3-D ones, fused, the weight
+    scales' 3-D loads become 2-D too."""
     facts = {}
-    for layout in (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED):
+    for layout in (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_E2M1_H200_FUSED):
         spec = dataclasses.replace(spec_of("nvfp4", CONFIGS["decode"]), b_layout=layout)
         cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
@@ -987,9 +988,12 @@ def test_tiled_weights_build_only_the_producer_differently():
         loads = collections.Counter(op.split()[0].split(".")[1] for op in offline.sass_instructions(sass)
                                     if op.startswith("UTMALDG."))
         facts[layout] = (hot.opcodes, resources.registers, resources.local_bytes, loads["2D"], loads["3D"])
-    (hot, regs, local, loads_2d, loads_3d), (t_hot, t_regs, t_local, t_loads_2d, t_loads_3d) = facts.values()
+    (hot, regs, local, loads_2d, loads_3d), (t_hot, t_regs, t_local, t_loads_2d, t_loads_3d), fused = facts.values()
     assert t_hot == hot and t_regs == regs and t_local == local == 0
     assert t_loads_2d - loads_2d == loads_3d - t_loads_3d > 0, "2-D weight loads in place of the 3-D ones"
+    f_hot, f_regs, f_local, f_loads_2d, f_loads_3d = fused
+    assert f_hot == hot and f_regs == regs and f_local == 0
+    assert f_loads_2d - t_loads_2d == t_loads_3d - f_loads_3d > 0, "2-D weight-scale loads in place of the 3-D ones"
 
 
 def math_prod(values) -> int:

@@ -20,7 +20,8 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   rows' slice (3-D map over ``b``: rows past N read as zero and never bleed into the next expert; tiled
   weights, ``b_layout`` "e2m1_h200_tiled", one or two 16 KB boxes of a 2-D map over their boxes), the
   token rows' slice (2-D map over ``a``) and the 512-byte scale atoms of both, straight from the 128x4
-  layouts (the weights' 6-D scales as stored: no re-layout).
+  layouts (the weights' 6-D scales as stored: no re-layout; with fused weights, ``b_layout``
+  "e2m1_h200_fused", the atoms that follow each box in ``b``, through a second 2-D map over its rows).
 * The consumers: 4 warps (``mma_bn <= 32``; 8 of 16 rows with ``StreamConfig.small_n_warps``, which
   ``h200_plan`` picks for latency-bound tiles) or 8. They do not walk: after the ``full`` wait of an
   item's first stage they read its record. Each owns a ``WM x WN`` part of the CTA's ``128 x mma_bn``
