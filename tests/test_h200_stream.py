@@ -1706,6 +1706,7 @@ H200_LAYOUT_CASES = [   # (format, shape, ab_swapped, mma_bn, cta_group, k_split
     ("nvfp4", "n512_k7168", True, 8, 1, 1), ("mxfp4", "n4096_k2048", True, 16, 1, 3),
     ("w4a8", "n4096_k2048", False, 128, 1, 1), ("nvfp4", "n512_k7168", True, 64, 2, 1),
     ("nvfp4", "n4096_k2048", False, 64, 1, 1), ("mxfp4", "n512_k7168", True, 256, 2, 1),
+    ("w4a8", "n512_k7168", True, 8, 1, 1),   # the decode's 64-byte weight slices: half a box, half its atoms
 ]
 
 
