@@ -433,14 +433,14 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
     of the weight bytes, which the H200 kernels do not read. ``fuse`` / ``unfuse`` convert from / to tiled
     weights and atoms; ``GroupedProblem.with_b_layout`` does it for a problem.
 
-    Measured on the H200 (run 100, GPU-c6caf3fc, 4.63 TB/s; the diagnostic that copied the chunks at launch
-    preparation): decode_up MXFP4 255.9 us row-major / 264.9 tiled / 253.8 fused (85.2 % of the read
-    ceiling), NVFP4 268.5 / 261.0 / 260.5 (88.0 %): with the scales in its chunks MXFP4 gains instead of
-    losing (why separate scales made tiled MXFP4 lose is not understood; the scale stream's order and
-    address were measured not to matter, run 100).
+    Measured on the H200 (``notes/h200/README.md``, session 23), row-major / tiled / fused: run 100 (4.63 TB/s;
+    a diagnostic that copied the chunks at launch preparation) decode_up MXFP4 255.9 / 264.9 / 253.8 us (85.2 %
+    of the read ceiling), NVFP4 268.5 / 261.0 / 260.5 (88.0 %); run 101 (4.53 TB/s, this layout) MXFP4 263.5 /
+    270.4 / 263.3, NVFP4 279.1 / 268.9 / 269.1; bench run 102 (4.53 TB/s): NVFP4 87.2 %, MXFP4 85.8 %. With the
+    scales in its chunks MXFP4 gains instead of losing (why separate scales made tiled MXFP4 lose is inferred,
+    not measured: two DRAM streams per stage; the scale stream's order and address did not matter, run 100).
     """
 
-    ROLES = ("weights",)
     CHUNK_BOX_BYTES = E2M1H200TiledOrder.BOX_ROWS * E2M1H200TiledOrder.BOX_BYTES
     SLICE_ELEMENTS = 2 * E2M1H200TiledOrder.BOX_BYTES     # elements of K per box row (FP4: two per byte)
 

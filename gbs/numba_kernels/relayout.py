@@ -42,13 +42,14 @@ import functools
 import numpy as np
 from numba import cuda
 
-from gbs.quant import SF_ATOM_BYTES, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
+from gbs.quant import (FORMATS, SF_ATOM_BYTES, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder,
+                       UE4M3H200Scales)
 
 THREADS = 256
 BOX_ROWS = E2M1H200TiledOrder.BOX_ROWS
 BOX_WORDS = E2M1H200TiledOrder.BOX_BYTES // 4   # words of one box row
 ATOM_WORDS = SF_ATOM_BYTES // 4
-FP4_BLOCK_SIZES = (16, 32)   # NVFP4, MXFP4
+FP4_BLOCK_SIZES = sorted({fmt.block_size for fmt in FORMATS.values() if fmt.packed})   # NVFP4 16, MXFP4 32
 MAX_BLOCKS = 132 * 8   # a few waves of the H200's SMs; the grid-stride loop takes the rest
 
 
@@ -221,7 +222,7 @@ def to_e2m1_h200_fused(b, b_scales, out=None, *, stream=0):
     dst = cuda.device_array(fused_shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
     if tuple(dst.shape) != fused_shape:
         raise ValueError(f"out has shape {tuple(dst.shape)}, fused weights {shape} have {fused_shape}")
-    chunk_words = (E2M1H200FusedOrder.CHUNK_BOX_BYTES + atoms_per_chunk * SF_ATOM_BYTES) // 4
+    chunk_words = (E2M1H200FusedOrder.CHUNK_BOX_BYTES + E2M1H200FusedOrder.chunk_scale_bytes(block)) // 4
     _launch_tiled(src, dst, min(-(-(src.size // 4) // THREADS), MAX_BLOCKS), chunk_words, stream)
     scale_blocks = min(-(-(scales.size // 4) // THREADS), MAX_BLOCKS)
     if scale_blocks:
