@@ -84,8 +84,7 @@ def h200_weight_layout(weight_format, n: int | None = None, k: int | None = None
     if not fmt.packed:
         return LAYOUT_PACKED
     layout = H200_WEIGHT_LAYOUTS[fmt.name]
-    whole_boxes = n is None or k is None or not (n % E2M1H200TiledOrder.BOX_ROWS
-                                                 or k % (2 * E2M1H200TiledOrder.BOX_BYTES))
+    whole_boxes = n is None or k is None or E2M1H200TiledOrder.whole_boxes((n, fmt.row_bytes(k)))
     if not whole_boxes:
         return LAYOUT_E2M1_H200
     return layout

@@ -378,9 +378,14 @@ class E2M1H200TiledOrder(E2M1H200Order):
     TILED = True
 
     @classmethod
+    def whole_boxes(cls, shape) -> bool:
+        """Whether weights of ``shape`` (..., N, K/2 bytes) tile into whole boxes."""
+        return len(shape) >= 2 and not (shape[-2] % cls.BOX_ROWS or shape[-1] % cls.BOX_BYTES)
+
+    @classmethod
     def check_shape(cls, shape, fmt=None) -> None:
         """ValueError unless ``shape`` (..., N, K/2 bytes) tiles into whole boxes (``fmt``: unused here)."""
-        if len(shape) < 2 or shape[-2] % cls.BOX_ROWS or shape[-1] % cls.BOX_BYTES:
+        if not cls.whole_boxes(shape):
             raise ValueError(f"{LAYOUT_E2M1_H200_TILED!r} stores weights in boxes of {cls.BOX_ROWS} rows x "
                              f"{cls.BOX_BYTES} bytes: it needs (..., N, K/2) with N a multiple of {cls.BOX_ROWS} "
                              f"and K/2 of {cls.BOX_BYTES} bytes (K of {2 * cls.BOX_BYTES}), got {tuple(shape)}")

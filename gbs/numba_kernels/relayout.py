@@ -160,13 +160,18 @@ def _byte_array(name: str, value):
     return arr.view(np.uint8)
 
 
+def _grid_blocks(arr) -> int:
+    """Blocks of ``THREADS`` for one thread per 4-byte word of ``arr`` (the grid-stride loop takes the rest)."""
+    return min(-(-(arr.size // 4) // THREADS), MAX_BLOCKS)
+
+
 def _word_launch(name: str, value, out, stream):
     """(source, destination) byte device arrays of one shape and the grid for their words."""
     src = _byte_array(name, value)
     dst = cuda.device_array(src.shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"out has shape {tuple(dst.shape)}, {name} has {tuple(src.shape)}")
-    return src, dst, min(-(-(src.size // 4) // THREADS), MAX_BLOCKS)
+    return src, dst, _grid_blocks(src)
 
 
 def to_e2m1_h200(a, out=None, *, stream=0):
@@ -223,8 +228,8 @@ def to_e2m1_h200_fused(b, b_scales, out=None, *, stream=0):
     if tuple(dst.shape) != fused_shape:
         raise ValueError(f"out has shape {tuple(dst.shape)}, fused weights {shape} have {fused_shape}")
     chunk_words = (E2M1H200FusedOrder.CHUNK_BOX_BYTES + E2M1H200FusedOrder.chunk_scale_bytes(block)) // 4
-    _launch_tiled(src, dst, min(-(-(src.size // 4) // THREADS), MAX_BLOCKS), chunk_words, stream)
-    scale_blocks = min(-(-(scales.size // 4) // THREADS), MAX_BLOCKS)
+    _launch_tiled(src, dst, _grid_blocks(src), chunk_words, stream)
+    scale_blocks = _grid_blocks(scales)
     if scale_blocks:
         _scale_kernel()[scale_blocks, THREADS, stream](scales.reshape(scales.size).view(np.uint32),
                                                        np.int64(atoms_per_chunk), np.int64(chunk_words),
