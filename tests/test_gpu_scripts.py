@@ -35,6 +35,8 @@ def sweep():
     ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66),
     ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132),
     ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None),
+    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None),
+    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", h200_wgmma.WgmmaConfig(64, 6, ab_swapped=True), 132),
 ])
 def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas):
     parsed = sweep.parse_point(point)
@@ -53,6 +55,7 @@ def test_sweep_parses_stream_and_plan_points(sweep):
 
 
 @pytest.mark.parametrize("point", ["wgmma:mxfp8:large_prefill_up:256:auto:e4m3", "wgmma:mxfp8:x:128:auto",
+                                   "wgmma:nvfp4:small_prefill_up:128:auto:swap",
                                    "nvfp4:decode_up:Y:8:1:2:1", "plan:simt:nvfp4:decode_up"])
 def test_sweep_refuses_bad_points(sweep, point):
     with pytest.raises(ValueError):
