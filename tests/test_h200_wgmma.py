@@ -499,7 +499,7 @@ def test_gpu_swapped_tiles_read_the_h200_layouts_to_the_same_bits(fmt):
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
     relaid = problem.with_a_layout("e2m1_h200").with_b_layout("e2m1_h200_fused")
     spec = hw.check_can_implement(relaid, config)
-    assert spec.ring.weight_side is spec.ring.m_side and spec.ring.weight_side.layout == "e2m1_h200_fused"
+    assert spec.ring.weight_side == spec.ring.m_side and spec.ring.weight_side.layout == "e2m1_h200_fused"
     np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
 
 
