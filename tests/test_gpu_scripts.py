@@ -97,21 +97,26 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
 def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeypatch, capsys):
     """The wgmma cases on one format: every config on the small groups, and 256-token tiles also on groups
     whose tiles hold more than 128 tokens (their second m64 tiles run), with packed FP4 operands and with both
-    in the H200 order, and mma_bn 256 on fused weights (two scale bands per stage), each checked against its own
-    problem."""
+    in the H200 order, mma_bn 256 on fused weights (two scale bands per stage), and the swapped tiles (32 and 64
+    tokens, and 32 on fused weights), each checked against its own problem."""
     sanitize = load_script("sanitize_small")
     from gbs.reference import reference_grouped_matmul
 
     calls = []
     monkeypatch.setattr(sanitize.h200_wgmma, "grouped_matmul_h200",
-                        lambda p, config: calls.append((p.total_tokens, config.tile_tokens, p.a_layout)) or
-                        reference_grouped_matmul(p))
+                        lambda p, config: calls.append((p.total_tokens, config.tile_tokens, p.a_layout,
+                                                        config.ab_swapped)) or reference_grouped_matmul(p))
     assert sanitize.main(["h200_wgmma", "nvfp4"]) == 0
     small, wide = sum(sanitize.GROUP_SIZES), sum(sanitize.TWO_M_GROUP_SIZES)
     assert max(sanitize.TWO_M_GROUP_SIZES) > 128
-    assert sorted(calls) == sorted([(small, tokens, "packed") for _, tokens in sanitize.WGMMA_CONFIGS]
-                                   + [(wide, 256, "packed"), (wide, 256, "e2m1_h200"), (small, 128, "packed")])
+    assert sorted(calls) == sorted([(small, tokens, "packed", False) for _, tokens in sanitize.WGMMA_CONFIGS]
+                                   + [(wide, 256, "packed", False), (wide, 256, "e2m1_h200", False),
+                                      (small, 128, "packed", False)]
+                                   + [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 1))
     assert capsys.readouterr().out.strip().endswith("0 failed")
+    calls.clear()
+    assert sanitize.main(["h200_wgmma", "nvfp4", "swapped"]) == 0
+    assert sorted(calls) == [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 1)
 
 
 def test_sweep_trace_summary_is_per_launch_and_skips_unlaunched_copies(sweep):

@@ -1018,6 +1018,30 @@ def check_can_implement(problem, config) -> WgmmaSpec:
 # since its token decode takes whole rotation runs per item (runs 33-34; it tied at 32 before: 534 vs
 # 539), and its token tiles past it lose (48 tokens: 2 tiles of 16) up to 2.4-5x (64-128).
 WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
+# Swapped tiles (``ab_swapped``: weights on wgmma M, 32 or 64 tokens on N), measured (sweep runs 107-108,
+# 2026-12-01, commit 977904c, GPU-a9362624, 32 experts, 4096 x 7168, weights fused with their scales, FP4 tokens in
+# E2M1H200Order; notes/h200/2026-12-01-sweep-swapped-run10[78].*), us:
+#   tokens/expert   plan before (streaming <= 32, wgmma 128-token tiles above)   swapped bn32   swapped bn64
+#   NVFP4   8       160.5                                                      249.1          298.8
+#          16       184.0                                                      249.3          300.1
+#          32       291.7                                                      250.2          299.7
+#          48       456.2                                                      486.9          300.8
+#          64       456.0                                                      488.0          300.8
+#         128       461.2                                                      964.8          589.6
+#   MXFP4  16       177.8                                                      235.4          289.2
+#          32       301.7                                                      236.0
+#          64       454.8                                                      460.5          290.2
+#   NVFP4 7168 x 2048, 32 x 32: 159.8 -> 138.2 (bn32).
+# A swapped tile's time is flat up to its width (the weight decode sets it), as the 128-token tile's is. With FP8
+# tokens it loses (32 x 32: W4A8 266.8 streaming against 381.4 at bn32; MXFP8 284.6 against 415.0): their B items
+# take one quarter each (``b_quarters``) and their 64-kappa sub-steps double the barriers. So FP4 x FP4 only:
+# - from ``SWAPPED_MIN_TOKENS_PER_EXPERT`` on average (the streaming kernel's time grows ~7 us per token there,
+#   the swapped bn32 tile's stays at ~250 / ~236 us: they cross at ~25.6 / ~23.4 tokens);
+# - the cheapest by ``estimated_tile_work`` with these costs per token x weight row, relative to the 128-token
+#   plan's (NVFP4 / MXFP4 at full waves: bn32 250.2 / 456.0 x 4 = 2.19, 236.0 / 454.8 x 4 = 2.08; bn64 300.8 / 456.0
+#   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
+SWAPPED_MIN_TOKENS_PER_EXPERT = 25
+SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 
 
 def _both_fp4(problem) -> bool:
@@ -1027,9 +1051,9 @@ def _both_fp4(problem) -> bool:
 
 
 def min_tokens_per_expert(problem) -> int:
-    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem`` (every format
-    pair: the measurements above)."""
-    return WGMMA_MIN_TOKENS_PER_EXPERT
+    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem``: the swapped tiles' from
+    FP4 x FP4, else the 128-token tiles' (the measurements above)."""
+    return SWAPPED_MIN_TOKENS_PER_EXPERT if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
 def prefers(problem) -> bool:
@@ -1105,14 +1129,22 @@ def wgmma_tile_tokens(problem, mma_bn: int) -> int:
 
 def wgmma_plan(problem) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the measured tile
-    width for the format pair and its token tile (above), and the deepest ring that fits. The SM100
-    decision does not carry over (its tiles are for tcgen05; this kernel's tile is 128 or 256 tokens
-    by ``mma_bn`` weight rows, one CTA per SM)."""
+    width for the format pair and its token tile (above), a swapped tile where it is cheaper (FP4 x FP4,
+    ``SWAPPED_ROW_COST``), and the deepest ring that fits. The SM100 decision does not carry over (its
+    tiles are for tcgen05; this kernel's tile is 128 or 256 tokens by ``mma_bn`` weight rows, or 128 weight
+    rows by 32 or 64 tokens, one CTA per SM)."""
     mma_bn = WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8
     tile_tokens = wgmma_tile_tokens(problem, mma_bn)
     if tile_tokens != TILE_TOKENS[0]:
         mma_bn = TWO_M_TILES_MMA_BN[0]
-    return WgmmaConfig(mma_bn, AUTO_STAGES, tile_tokens=tile_tokens)
+    plan = WgmmaConfig(mma_bn, AUTO_STAGES, tile_tokens=tile_tokens)
+    if not _both_fp4(problem):
+        return plan
+    row_cost = TWO_M_TILES_ROW_COST.get(hs._problem_formats(problem), 1.0) if tile_tokens != TILE_TOKENS[0] else 1.0
+    work = {plan: estimated_tile_work(problem, tile_tokens, mma_bn, row_cost)}
+    for bn, cost in SWAPPED_ROW_COST.items():   # a swapped tile: bn tokens by 128 weight rows
+        work[WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)] = estimated_tile_work(problem, bn, hs.TILE_M_ROWS, cost)
+    return min(work, key=work.get)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:
