@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             cases.append(("h200_wgmma", (128, "e4m3"), p, lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
-                                          and (not only_swapped or "swapped" in knobs)]:
+                                          and (not only_swapped or "swapped" in case[1])]:
             verdict = check_acceptance(problem, run())
             failures += not verdict.passed
             print(f"{fmt:6} {name:12} {str(knobs):30} {verdict}", flush=True)
