@@ -1020,7 +1020,7 @@ def check_can_implement(problem, config) -> WgmmaSpec:
 WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 # Swapped tiles (``ab_swapped``: weights on wgmma M, 32 or 64 tokens on N), measured (sweep runs 107-108,
 # 2026-12-01, commit 977904c, GPU-a9362624, 32 experts, 4096 x 7168, weights fused with their scales, FP4 tokens in
-# E2M1H200Order; notes/h200/2026-12-01-sweep-swapped-run10[78].*), us:
+# E2M1H200Order; run 109: commit 1340e6c, GPU-a87e6d81; notes/h200/2026-12-01-sweep-swapped-run10[789].*), us:
 #   tokens/expert   plan before (streaming <= 32, wgmma 128-token tiles above)   swapped bn32   swapped bn64
 #   NVFP4   8       160.5                                                      249.1          298.8
 #          16       184.0                                                      249.3          300.1
@@ -1031,16 +1031,21 @@ WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 #   MXFP4  16       177.8                                                      235.4          289.2
 #          32       301.7                                                      236.0
 #          64       454.8                                                      460.5          290.2
+#          24       273.3 (streaming)                                          248.5
+#          28       282.4 (streaming)                                          247.7
+#   MXFP4  24       281.7 (streaming)                                          235.1                  (run 109)
 #   NVFP4 7168 x 2048, 32 x 32: 159.8 -> 138.2 (bn32).
 # A swapped tile's time is flat up to its width (the weight decode sets it), as the 128-token tile's is. With FP8
 # tokens it loses (32 x 32: W4A8 266.8 streaming against 381.4 at bn32; MXFP8 284.6 against 415.0): their B items
 # take one quarter each (``b_quarters``) and their 64-kappa sub-steps double the barriers. So FP4 x FP4 only:
-# - from ``SWAPPED_MIN_TOKENS_PER_EXPERT`` on average (the streaming kernel's time grows ~7 us per token there,
-#   the swapped bn32 tile's stays at ~250 / ~236 us: they cross at ~25.6 / ~23.4 tokens);
+# - from ``SWAPPED_MIN_TOKENS_PER_EXPERT`` on average: past 16 tokens the streaming kernel's tile widens to 32
+#   columns (``h200_stream.h200_plan``), 273.3 / 282.4 / 291.7 us at 24 / 28 / 32 tokens (~2.3 us per token: ~258
+#   at 17, extrapolated, not measured), against the swapped bn32 tile's flat ~249 (MXFP4 281.7 against 235.1 at
+#   24); at 16 tokens the streaming kernel's 16-column tile wins (184.0 against 249.3);
 # - the cheapest by ``estimated_tile_work`` with these costs per token x weight row, relative to the 128-token
 #   plan's (NVFP4 / MXFP4 at full waves: bn32 250.2 / 456.0 x 4 = 2.19, 236.0 / 454.8 x 4 = 2.08; bn64 300.8 / 456.0
 #   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
-SWAPPED_MIN_TOKENS_PER_EXPERT = 25
+SWAPPED_MIN_TOKENS_PER_EXPERT = 17
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 
 
