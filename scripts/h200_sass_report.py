@@ -46,16 +46,19 @@ def parse_spec(text: str):
                                       int(knobs[3]), b_layout=b_layout, small_n_warps=small_n_warps)
         return spec, h200_stream, "HMMA"
     tile_tokens = h200_wgmma.TILE_TOKENS[0]
+    swapped = kind == "wgmma" and bool(knobs) and knobs[-1] == "swap"
+    if swapped:
+        knobs.pop()
     if kind == "wgmma" and knobs and knobs[-1].startswith("t") and knobs[-1][1:].isdigit():
         tile_tokens = int(knobs.pop()[1:])
     if kind == "wgmma" and len(knobs) == 1:
-        config = h200_wgmma.WgmmaConfig(int(knobs[0]), tile_tokens=tile_tokens)
+        config = h200_wgmma.WgmmaConfig(int(knobs[0]), tile_tokens=tile_tokens, ab_swapped=swapped)
         stages = h200_wgmma.max_pipeline_stages(a_format, b_format, config)
         return (h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages, b_layout=b_layout,
-                                     tile_tokens=tile_tokens), h200_wgmma, "HGMMA")
-    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256] "
-                     f"(either may end in :{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, :t256 = "
-                     f"256-token tiles)")
+                                     tile_tokens=tile_tokens, ab_swapped=swapped), h200_wgmma, "HGMMA")
+    raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256][:swap] "
+                     f"(either may end in a layout, e.g. :{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, "
+                     f":t256 = 256-token tiles, :swap = weights on wgmma M)")
 
 
 def report(text: str) -> str:

@@ -7,8 +7,8 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
 or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
-``h200_stream.StreamConfig.small_n_warps``), ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256]`` for the
-wgmma prefill kernel (``h200_wgmma``; stages an int or ``auto``), or ``plan:backend:format:case`` for
+``h200_stream.StreamConfig.small_n_warps``), ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]`` for the
+wgmma kernel (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
@@ -55,15 +55,18 @@ def parse_case(text: str, point: str) -> bench.BenchCase:
 
 def parse_wgmma_point(text: str):
     parts = text.split(":")
+    swapped = parts[-1] == "swap"
+    if swapped:
+        parts.pop()
     tile_tokens = h200_wgmma.TILE_TOKENS[0]
     if parts[-1].startswith("t") and parts[-1][1:].isdigit():
         tile_tokens = int(parts.pop()[1:])
     operands = parts.pop() if parts[-1] in h200_wgmma.MMA_OPERANDS else "bf16"
     if len(parts) not in (5, 6):
-        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256]")
+        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]")
     _, fmt, case, bn, stages = parts[:5]
     config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages), operands,
-                                    tile_tokens)
+                                    tile_tokens, swapped)
     num_ctas = int(parts[5]) if len(parts) == 6 else None
     return SweepPoint(fmt, parse_case(case, text), config, num_ctas=num_ctas)
 

@@ -3,6 +3,7 @@
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt] [nvfp4 mxfp4 mxfp8 w4a8]
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py h200_wgmma swapped nvfp4   # swapped tiles only
 
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference. FP4 tokens
@@ -32,11 +33,13 @@ STREAM_CONFIGS = [((True, 8, 1, 2), 1, None, 4), ((True, 8, 1, 2), 1, 2, 4), ((T
                   ((True, 32, 1, 2), 1, None, 4), ((True, 64, 2, 3), 2, None, 4), ((False, 128, 1, 2), 1, None, 4),
                   ((True, 256, 1, 2), 1, None, 4), ((True, 16, 1, 2), 2, None, 8), ((True, 16, 1, 2), 1, 2, 8)]
 WGMMA_CONFIGS = ((128, 128), (256, 128), (128, 256))   # (mma_bn, tile_tokens): 256-token tiles too
+WGMMA_SWAPPED_MMA_BN = (32, 64)   # swapped tiles (weights on wgmma M): B items of 2 and 4 quarters (FP4 tokens)
 # groups past 128 tokens for 256-token tiles: tiles whose second m64 tiles hold tokens (140; 300 = 256 + 44)
 # besides tiles that skip them (every group above, and 300's last 44)
 TWO_M_GROUP_SIZES = [3, 0, 140, 1, 300]
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
+SWAPPED_ONLY = "swapped"
 
 
 def problem_for(fmt, seed, group_sizes=GROUP_SIZES, n=N):
@@ -47,9 +50,11 @@ def problem_for(fmt, seed, group_sizes=GROUP_SIZES, n=N):
 
 def main(argv=None) -> int:
     args = set(sys.argv[1:] if argv is None else argv)
-    unknown = args - set(KERNELS) - set(FORMATS)
+    unknown = args - set(KERNELS) - set(FORMATS) - {SWAPPED_ONLY}
     if unknown:
-        raise SystemExit(f"unknown arguments {sorted(unknown)}: give kernels {KERNELS} and / or formats {FORMATS}")
+        raise SystemExit(f"unknown arguments {sorted(unknown)}: give kernels {KERNELS} and / or formats {FORMATS} "
+                         f"(and {SWAPPED_ONLY!r}: the swapped wgmma tiles only)")
+    only_swapped = SWAPPED_ONLY in args
     kernels = (args & set(KERNELS)) or set(KERNELS)
     formats = (args & set(FORMATS)) or set(FORMATS)
     failures = 0
@@ -63,6 +68,8 @@ def main(argv=None) -> int:
                  for c, splits, ctas, warps in STREAM_CONFIGS]
         cases += [("h200_wgmma", (bn, tokens), p, lambda bn=bn, tokens=tokens: h200_wgmma.grouped_matmul_h200(
                       p, h200_wgmma.WgmmaConfig(bn, tile_tokens=tokens))) for bn, tokens in WGMMA_CONFIGS]
+        cases += [("h200_wgmma", (bn, "swapped"), p, lambda bn=bn: h200_wgmma.grouped_matmul_h200(
+                      p, h200_wgmma.WgmmaConfig(bn, ab_swapped=True))) for bn in WGMMA_SWAPPED_MMA_BN]
         if "h200_wgmma" in kernels:   # its own problem, built only when it runs
             wide = problem_for(fmt, seed, TWO_M_GROUP_SIZES)
             cases.append(("h200_wgmma", (128, 256, TWO_M_GROUP_SIZES), wide,
@@ -77,9 +84,11 @@ def main(argv=None) -> int:
             fused = boxed.with_b_layout(LAYOUT_E2M1_H200_FUSED)   # each box followed by its scale atoms
             cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_FUSED), fused,
                           lambda: h200_stream.grouped_matmul_h200(fused, StreamConfig(True, 8, 1, 2))))
-            if "h200_wgmma" in kernels:   # two boxes and two scale bands per stage
+            if "h200_wgmma" in kernels:   # two boxes and two scale bands per stage; swapped: the fused boxes on M
                 cases.append(("h200_wgmma", (256, 128, LAYOUT_E2M1_H200_FUSED), fused,
                               lambda: h200_wgmma.grouped_matmul_h200(fused, h200_wgmma.WgmmaConfig(256))))
+                cases.append(("h200_wgmma", (32, "swapped", LAYOUT_E2M1_H200_FUSED), fused,
+                              lambda: h200_wgmma.grouped_matmul_h200(fused, h200_wgmma.WgmmaConfig(32, ab_swapped=True))))
             if "h200_wgmma" in kernels:
                 wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,
@@ -89,7 +98,8 @@ def main(argv=None) -> int:
             e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
             cases.append(("h200_wgmma", (128, "e4m3"), p, lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
-        for name, knobs, problem, run in [case for case in cases if case[0] in kernels]:
+        for name, knobs, problem, run in [case for case in cases if case[0] in kernels
+                                          and (not only_swapped or "swapped" in case[1])]:
             verdict = check_acceptance(problem, run())
             failures += not verdict.passed
             print(f"{fmt:6} {name:12} {str(knobs):30} {verdict}", flush=True)

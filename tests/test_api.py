@@ -75,14 +75,19 @@ def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
     assert kernel is h200_wgmma and knobs == h200_wgmma.wgmma_plan(prefill)
     kernel, knobs = h200_kernel(decode)
     assert kernel is h200_stream and knobs == h200_stream.h200_plan(decode, dispatch_for(decode))
-    # 32 tokens per expert: the streaming kernel's 32-token tiles, every format (measured, runs 33-34)
+    # 32 tokens per expert: FP4 x FP4 on the wgmma kernel's swapped 32-token tiles (runs 107-108), FP8 tokens on
+    # the streaming kernel's 32-token tiles (runs 33-34, 108)
     for fmt in ("nvfp4", "mxfp4", "mxfp8", "w4a8"):
-        assert h200_kernel(BENCH_CASES["small_prefill_up"].problem(fmt))[0] is h200_stream, fmt
+        kernel, knobs = h200_kernel(BENCH_CASES["small_prefill_up"].problem(fmt))
+        if fmt in ("nvfp4", "mxfp4"):
+            assert kernel is h200_wgmma and (knobs.ab_swapped, knobs.mma_bn) == (True, 32), fmt
+        else:
+            assert kernel is h200_stream, fmt
     # a caller's config is honoured by the streaming kernel (all SM100 knobs), not re-routed
     kernel, _ = h200_kernel(prefill, dispatch_for(prefill))
     assert kernel is h200_stream
     # asking for the wgmma kernel with knobs it does not have says which
-    with pytest.raises(ValueError, match="ab_swapped=False"):
+    with pytest.raises(ValueError, match="mma_bn in"):
         h200_kernel(decode, dispatch_for(decode), "h200_wgmma")
     with pytest.raises(ValueError, match="not an H200 backend"):
         h200_kernel(decode, None, "simt")
@@ -103,7 +108,10 @@ def test_h200_auto_leaves_no_token_count_to_the_wide_streaming_tiles(fmt):
     limit = h200_stream.H200_SMALL_N_MAX_TOKENS
     assert kernel_at(limit + 1) is h200_wgmma and kernel_at(4 * limit) is h200_wgmma
     assert kernel_at(4) is h200_stream and kernel_at(limit // 2) is h200_stream
-    assert kernel_at(limit) is h200_stream, "32 tokens: one 32-token tile per expert wins (run 34)"
+    if fmt in ("nvfp4", "mxfp4"):   # the swapped 32-token tile from 17 tokens (runs 107-109)
+        assert kernel_at(limit) is h200_wgmma and kernel_at(h200_wgmma.SWAPPED_MIN_TOKENS_PER_EXPERT - 1) is h200_stream
+    else:
+        assert kernel_at(limit) is h200_stream, "32 FP8 tokens: one 32-token tile per expert wins (runs 34, 108)"
     assert h200_wgmma.min_tokens_per_expert(BenchCase("t", 256, 256, 4, 1).problem(fmt)) <= limit + 1
 
 

@@ -35,6 +35,8 @@ def sweep():
     ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66),
     ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132),
     ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None),
+    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None),
+    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", h200_wgmma.WgmmaConfig(64, 6, ab_swapped=True), 132),
 ])
 def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas):
     parsed = sweep.parse_point(point)
@@ -53,6 +55,7 @@ def test_sweep_parses_stream_and_plan_points(sweep):
 
 
 @pytest.mark.parametrize("point", ["wgmma:mxfp8:large_prefill_up:256:auto:e4m3", "wgmma:mxfp8:x:128:auto",
+                                   "wgmma:nvfp4:small_prefill_up:128:auto:swap",
                                    "nvfp4:decode_up:Y:8:1:2:1", "plan:simt:nvfp4:decode_up"])
 def test_sweep_refuses_bad_points(sweep, point):
     with pytest.raises(ValueError):
@@ -94,21 +97,26 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
 def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeypatch, capsys):
     """The wgmma cases on one format: every config on the small groups, and 256-token tiles also on groups
     whose tiles hold more than 128 tokens (their second m64 tiles run), with packed FP4 operands and with both
-    in the H200 order, and mma_bn 256 on fused weights (two scale bands per stage), each checked against its own
-    problem."""
+    in the H200 order, mma_bn 256 on fused weights (two scale bands per stage), and the swapped tiles (32 and 64
+    tokens, and 32 on fused weights), each checked against its own problem."""
     sanitize = load_script("sanitize_small")
     from gbs.reference import reference_grouped_matmul
 
     calls = []
     monkeypatch.setattr(sanitize.h200_wgmma, "grouped_matmul_h200",
-                        lambda p, config: calls.append((p.total_tokens, config.tile_tokens, p.a_layout)) or
-                        reference_grouped_matmul(p))
+                        lambda p, config: calls.append((p.total_tokens, config.tile_tokens, p.a_layout,
+                                                        config.ab_swapped)) or reference_grouped_matmul(p))
     assert sanitize.main(["h200_wgmma", "nvfp4"]) == 0
     small, wide = sum(sanitize.GROUP_SIZES), sum(sanitize.TWO_M_GROUP_SIZES)
     assert max(sanitize.TWO_M_GROUP_SIZES) > 128
-    assert sorted(calls) == sorted([(small, tokens, "packed") for _, tokens in sanitize.WGMMA_CONFIGS]
-                                   + [(wide, 256, "packed"), (wide, 256, "e2m1_h200"), (small, 128, "packed")])
+    assert sorted(calls) == sorted([(small, tokens, "packed", False) for _, tokens in sanitize.WGMMA_CONFIGS]
+                                   + [(wide, 256, "packed", False), (wide, 256, "e2m1_h200", False),
+                                      (small, 128, "packed", False)]
+                                   + [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 1))
     assert capsys.readouterr().out.strip().endswith("0 failed")
+    calls.clear()
+    assert sanitize.main(["h200_wgmma", "nvfp4", "swapped"]) == 0
+    assert sorted(calls) == [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 1)
 
 
 def test_sweep_trace_summary_is_per_launch_and_skips_unlaunched_copies(sweep):

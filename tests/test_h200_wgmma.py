@@ -26,13 +26,16 @@ from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
 FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN]
+# (format, mma_bn, ab_swapped): every tile of both orientations
+ORIENTED = [(fmt, bn, False) for fmt, bn in FITTING] + [(fmt, bn, True) for fmt in FORMATS for bn in hw.SWAPPED_MMA_BN]
 
 
-def spec_of(fmt: str, mma_bn: int, stages: int | None = None, tile_tokens: int = 128) -> hw.WgmmaSpec:
+def spec_of(fmt: str, mma_bn: int, stages: int | None = None, tile_tokens: int = 128,
+            ab_swapped: bool = False) -> hw.WgmmaSpec:
     a, b = PROBLEM_FORMATS[fmt]
     if stages is None:
-        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn, tile_tokens=tile_tokens))
-    return hw.WgmmaSpec(a, b, mma_bn, stages, tile_tokens=tile_tokens)
+        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn, tile_tokens=tile_tokens, ab_swapped=ab_swapped))
+    return hw.WgmmaSpec(a, b, mma_bn, stages, tile_tokens=tile_tokens, ab_swapped=ab_swapped)
 
 
 def sub_step_group(spec: hw.WgmmaSpec, sub: int, step: int, q: int) -> int:
@@ -63,16 +66,16 @@ def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -
     return kappa, real_k(spec, sub, step, q, j, hi)
 
 
-@pytest.mark.parametrize("fmt, bn", FITTING)
-def test_b_operand_k_is_a_permutation_of_the_slice(fmt, bn):
-    spec = spec_of(fmt, bn)
+@pytest.mark.parametrize("fmt, bn, swapped", ORIENTED)
+def test_b_operand_k_is_a_permutation_of_the_slice(fmt, bn, swapped):
+    spec = spec_of(fmt, bn, ab_swapped=swapped)
     seen = [hw.b_operand_k(spec, sub, kappa) for sub in range(spec.subs_per_slice) for kappa in range(spec.sub_k)]
     assert sorted(seen) == list(range(spec.k_slice))
 
 
-@pytest.mark.parametrize("fmt, bn", FITTING)
-def test_weight_writer_puts_every_element_at_its_kappa(fmt, bn):
-    spec = spec_of(fmt, bn)
+@pytest.mark.parametrize("fmt, bn, swapped", ORIENTED)
+def test_b_writer_puts_every_element_at_its_kappa(fmt, bn, swapped):
+    spec = spec_of(fmt, bn, ab_swapped=swapped)
     for sub in range(spec.subs_per_slice):
         for step in range(spec.groups_per_sub):
             for q in range(hs.QUAD):
@@ -82,12 +85,17 @@ def test_weight_writer_puts_every_element_at_its_kappa(fmt, bn):
                         assert hw.b_operand_k(spec, sub, kappa) == real
 
 
-@pytest.mark.parametrize("fmt, bn", FITTING)
-def test_weight_items_cover_every_row_and_step_once(fmt, bn):
-    spec = spec_of(fmt, bn)
-    items = [hw.weight_item_row(spec, t, it) for t in range(hw.CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
-             for it in range(spec.weight_items)]
-    assert sorted(items) == [(r, s) for r in range(bn) for s in range(spec.groups_per_sub)]
+@pytest.mark.parametrize("fmt, bn, swapped", ORIENTED)
+def test_b_items_cover_every_row_step_and_quarter_once(fmt, bn, swapped):
+    """Each (B row, group step, quarter) of a sub-step is decoded by exactly one consumer thread; where a
+    thread takes fewer than 4 quarters (the swapped 32- and 64-token buffers), the chunk words it writes
+    (4 bytes per quarter, at the quarter's word) are its own."""
+    spec = spec_of(fmt, bn, ab_swapped=swapped)
+    items = [hw.b_item_row(spec, t, it) for t in range(hw.CONSUMER_THREADS) for it in range(spec.b_items)]
+    quarters = [(row, step, first + qq) for row, step, first in items for qq in range(spec.b_quarters)]
+    assert sorted(quarters) == [(r, s, q) for r in range(bn) for s in range(spec.groups_per_sub)
+                                for q in range(hs.QUAD)]
+    assert all(first % spec.b_quarters == 0 for _, _, first in items), "8- / 4-byte aligned chunk words"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -98,11 +106,11 @@ def test_weight_loads_of_a_warp_hit_distinct_banks(fmt):
     side = spec.ring.n_side
     worst = 1
     for warp in range(8):
-        for item in range(spec.weight_items):
+        for item in range(spec.b_items):
             for q in range(hs.QUAD):
                 banks = collections.Counter()
                 for lane in range(hs.WARP_SIZE):
-                    row, step = hw.weight_item_row(spec, hs.WARP_SIZE * warp + lane, item)
+                    row, step, _ = hw.b_item_row(spec, hs.WARP_SIZE * warp + lane, item)
                     gl = int(hs.rotated_group(step, q))   # sub-step 0 (other runs XOR whole runs)
                     col = int(hs.group_column(q, gl, side.thread_bytes, side.group_bytes,
                                               hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)))
@@ -114,13 +122,13 @@ def test_weight_loads_of_a_warp_hit_distinct_banks(fmt):
     assert worst <= (1 if spec.lanes_per_group_step == 8 else 2)
 
 
-@pytest.mark.parametrize("fmt, bn", FITTING)
-def test_a_fragments_carry_the_elements_b_operand_k_expects(fmt, bn):
+@pytest.mark.parametrize("fmt, bn, swapped", ORIENTED)
+def test_a_fragments_carry_the_elements_b_operand_k_expects(fmt, bn, swapped):
     """The kernel stores register j of group step p and row half i at ``a_fragment_index(p, j, i)``: A
     register ``index % 4`` of k16 step ``index // 4``. wgmma reads that register as (row g + 8 i, k, k + 1)
     (``wgmma_a_register_position``); kappa ``16 (index // 4) + k`` must carry the real k that the
-    thread decoded there, for the same permutation the weight writer uses."""
-    spec = spec_of(fmt, bn)
+    thread decoded there, for the same permutation the B writer uses."""
+    spec = spec_of(fmt, bn, ab_swapped=swapped)
     for sub in range(spec.subs_per_slice):
         for thread in range(0, hp.WGMMA_THREADS, 5):   # every quad lane and row, in a few warps
             lane = thread % 32
@@ -136,13 +144,30 @@ def test_a_fragments_carry_the_elements_b_operand_k_expects(fmt, bn):
                             assert hw.b_operand_k(spec, sub, hw.WGMMA_K * kb + k) == real_k(spec, sub, p, q, j, hi)
 
 
+@pytest.mark.parametrize("bn", hw.SWAPPED_MMA_BN)
+def test_swapped_epilogue_stores_each_weight_row_and_token_once(bn):
+    """The swapped epilogue's (weight row, token) of every consumer thread's accumulator is the transpose of
+    ``wgmma_accumulator_position`` and covers the 128 x ``mma_bn`` tile once."""
+    seen = collections.Counter()
+    for cw in range(hw.CONSUMER_WARPGROUPS * hw.WARPGROUP_WARPS):
+        warpgroup, warp = divmod(cw, hw.WARPGROUP_WARPS)
+        for lane in range(hs.WARP_SIZE):
+            m_row = warpgroup * hw.TOKENS_PER_WARPGROUP + warp * hw.ROWS_PER_WARP + lane // 4
+            for i in range(bn // 2):
+                row, token = hw.swapped_accumulator_position(m_row, lane % 4, i)
+                mma_row, mma_col = hp.wgmma_accumulator_position(hs.WARP_SIZE * warp + lane, i)
+                assert (row, token) == (warpgroup * hw.TOKENS_PER_WARPGROUP + mma_row, mma_col)
+                seen[row, token] += 1
+    assert sorted(seen) == [(r, t) for r in range(128) for t in range(bn)] and set(seen.values()) == {1}
+
+
 def test_a_fragment_indices_fill_one_set():
     indices = sorted(hw.a_fragment_index(p, j, i) for p in range(4) for j in range(4) for i in range(2))
     assert indices == list(range(32))
 
 
 def test_b_buffer_offset_is_the_canonical_sw128_layout():
-    for bn in hw.WGMMA_MMA_BN:
+    for bn in hw.WGMMA_MMA_BN + hw.SWAPPED_MMA_BN:
         for row in range(16):
             for kb in range(8):
                 for h in range(2):
@@ -151,22 +176,40 @@ def test_b_buffer_offset_is_the_canonical_sw128_layout():
                         row, 32 * (kb % 4) + 16 * h)
 
 
-@pytest.mark.parametrize("fmt, bn", FITTING)
-def test_ring_and_buffers_fit_and_one_more_stage_does_not(fmt, bn):
-    spec = spec_of(fmt, bn)
+@pytest.mark.parametrize("fmt, bn, swapped", ORIENTED)
+def test_ring_and_buffers_fit_and_one_more_stage_does_not(fmt, bn, swapped):
+    spec = spec_of(fmt, bn, ab_swapped=swapped)
     assert spec.stages >= 2
     assert spec.smem.total_bytes <= H200_SMEM_PER_SM
     assert spec.buffers_offset % hw.SW128_ATOM_BYTES == 0 and spec.buffer_bytes % hw.SW128_ATOM_BYTES == 0
     assert spec.buffers_offset >= spec.ring.smem.dynamic_bytes
-    deeper = hw.WgmmaSpec(spec.a_format, spec.b_format, bn, spec.stages + 1)
+    deeper = dataclasses.replace(spec, stages=spec.stages + 1)
     assert deeper.smem.total_bytes > H200_SMEM_PER_SM
+    # a producer warpgroup and two consumer warpgroups at every tile width (the 32-token ring too)
+    assert spec.ring.producer_warps == hw.WARPGROUP_WARPS and spec.ring.consumer_warps == 2 * hw.WARPGROUP_WARPS
+    assert spec.threads == 384 and not spec.ring.predecoded_tokens
 
 
-@pytest.mark.parametrize("fmt, bn, items, sub_k", [("nvfp4", 128, 2, 128), ("nvfp4", 256, 2, 64), ("mxfp8", 256, 2, 64),
-                                                   ("mxfp8", 128, 1, 64), ("w4a8", 256, 2, 64)])
-def test_sub_step_shape(fmt, bn, items, sub_k):
-    spec = spec_of(fmt, bn)
-    assert spec.weight_items == items and spec.sub_k == sub_k and spec.threads == 384
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swapped_ring_puts_weights_on_m_and_tokens_on_n(fmt):
+    """``ab_swapped``: the ring's 128-row M side is the weights (A fragments), its ``mma_bn``-row N side the
+    tokens (the bf16 B buffer), in one scale band (a token tile starts at a multiple of ``mma_bn`` inside its
+    group, and ``mma_bn`` divides 128)."""
+    for bn in hw.SWAPPED_MMA_BN:
+        ring = spec_of(fmt, bn, ab_swapped=True).ring
+        assert ring.m_side.role == "weights" and ring.m_side.rows == 128
+        assert ring.n_side.role == "tokens" and ring.n_side.rows == bn and ring.n_side.scale_bands == 1
+        assert ring.tile_shape.tokens == bn and ring.tile_shape.weight_rows == 128
+        assert hs.SF_ATOM_ROWS % bn == 0
+
+
+@pytest.mark.parametrize("fmt, bn, swapped, items, quarters, sub_k", [
+    ("nvfp4", 128, False, 2, 4, 128), ("nvfp4", 256, False, 2, 4, 64), ("mxfp8", 256, False, 2, 4, 64),
+    ("mxfp8", 128, False, 1, 4, 64), ("w4a8", 256, False, 2, 4, 64), ("nvfp4", 64, True, 1, 4, 128),
+    ("nvfp4", 32, True, 1, 2, 128), ("mxfp8", 64, True, 1, 2, 64), ("w4a8", 32, True, 1, 1, 64)])
+def test_sub_step_shape(fmt, bn, swapped, items, quarters, sub_k):
+    spec = spec_of(fmt, bn, ab_swapped=swapped)
+    assert spec.b_items == items and spec.b_quarters == quarters and spec.sub_k == sub_k and spec.threads == 384
     assert spec.k_steps * hw.WGMMA_K == sub_k and spec.column_blocks * hw.SW128_KAPPA == sub_k
 
 
@@ -198,7 +241,8 @@ def test_256_token_tiles_cover_each_token_row_once():
 
 
 @pytest.mark.parametrize("config, error, match", [
-    (hs.StreamConfig(True, 128, 1), ValueError, "ab_swapped=False"),
+    (hs.StreamConfig(True, 128, 1), ValueError, "mma_bn in \\(32, 64\\) with ab_swapped=True"),
+    (hs.StreamConfig(True, 8, 1), ValueError, "mma_bn in \\(32, 64\\) with ab_swapped=True"),
     (types.SimpleNamespace(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group=1"),
     (hw.WgmmaConfig(128, 9), ValueError, "do not fit"),
     (object(), TypeError, "mma_bn"),
@@ -221,6 +265,13 @@ def test_wgmma_config_checks_its_knobs():
         hw.WgmmaConfig(256, tile_tokens=256)   # 2 x 128 accumulators per thread
     with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
         hw.WgmmaConfig(128, mma_operands="e4m3", tile_tokens=256)
+    assert hw.WgmmaConfig.of(hs.StreamConfig(True, 32, 1, 4)) == hw.WgmmaConfig(32, 4, ab_swapped=True)
+    with pytest.raises(ValueError, match="mma_operands 'bf16'"):
+        hw.WgmmaConfig(64, mma_operands="e4m3", ab_swapped=True)
+    with pytest.raises(ValueError, match="ab_swapped False"):
+        hw.WgmmaConfig(32, tile_tokens=256, ab_swapped=True)
+    with pytest.raises(TypeError, match="ab_swapped must be a bool"):
+        hw.WgmmaConfig(32, ab_swapped=1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -236,7 +287,7 @@ def test_256_token_tiles_share_one_weight_decode(fmt):
     assert 2 <= spec.stages and spec.smem.total_bytes <= H200_SMEM_PER_SM
     assert spec.buffer_bytes == hw.WIDE_SUB_K * 128 * 2, "a sub-step's 128 weight rows of bf16"
     # each item: one weight row's group step in all 4 quarters (32 elements)
-    assert spec.weight_items * narrow.sub_k == narrow.weight_items * spec.sub_k, "weight work per kappa unchanged"
+    assert spec.b_items * narrow.sub_k == narrow.b_items * spec.sub_k, "weight work per kappa unchanged"
 
 
 def test_k_not_a_multiple_of_the_slice_is_refused():
@@ -252,18 +303,21 @@ def test_k_not_a_multiple_of_the_slice_is_refused():
 # the first to the last HGMMA since the K loop re-reads the lane (ptxas had hoisted and spilled the token
 # columns / selectors: 17 reloads per sub-step pair for NVFP4, whose L1 misses made 3 stages 10 % slower, ncu
 # run 67); 104-130 in all, ~75 of them the producer's at 24 registers.
-LOCAL_IN_K_LOOP = {(128, 128): 0, (256, 128): 8, (128, 256): 0}
-LOCAL_TOTAL = {(128, 128): 64, (256, 128): 256, (128, 256): 160}
+# Swapped 32- / 64-token tiles (16 / 32 accumulators): as 128 x 128 (NVFP4 bn32, packed operands: 38 outside the loop).
+LOCAL_IN_K_LOOP = {(128, 128): 0, (256, 128): 8, (128, 256): 0, (32, 128): 0, (64, 128): 0}
+LOCAL_TOTAL = {(128, 128): 64, (256, 128): 256, (128, 256): 160, (32, 128): 64, (64, 128): 64}
 
 
-@pytest.mark.parametrize("fmt, bn, tile_tokens", [("nvfp4", 128, 128), ("mxfp8", 128, 128), ("w4a8", 128, 128),
-                                                  ("mxfp8", 256, 128), ("w4a8", 256, 128), ("nvfp4", 128, 256),
-                                                  ("mxfp4", 128, 256)])
-def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens):
+@pytest.mark.parametrize("fmt, bn, tile_tokens, swapped", [
+    ("nvfp4", 128, 128, False), ("mxfp8", 128, 128, False), ("w4a8", 128, 128, False), ("mxfp8", 256, 128, False),
+    ("w4a8", 256, 128, False), ("nvfp4", 128, 256, False), ("mxfp4", 128, 256, False), ("nvfp4", 32, 128, True),
+    ("w4a8", 64, 128, True)])
+def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens, swapped):
     """Offline (ptxas 13.5, sm_90a): the consumers issue HGMMA with A from registers (two register
     sets, so the wgmma pipeline is not serialized: at most one wait per sub-step), and local memory
-    stays within the budgets above."""
-    spec = spec_of(fmt, bn, tile_tokens=tile_tokens)
+    stays within the budgets above. A B item of two quarters (swapped NVFP4 at 32 tokens, W4A8 at 64) writes
+    its half of each chunk with one STS.64."""
+    spec = spec_of(fmt, bn, tile_tokens=tile_tokens, ab_swapped=swapped)
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
@@ -274,6 +328,8 @@ def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens):
     assert len(waits) <= len(hgmma) // (spec.m_tiles * spec.k_steps), "no wait between the wgmmas of one sub-step"
     assert len([op for i, op in local if hgmma[0] <= i <= hgmma[-1]]) <= LOCAL_IN_K_LOOP[bn, tile_tokens]
     assert len(local) <= LOCAL_TOTAL[bn, tile_tokens], local
+    if spec.b_quarters == 2:
+        assert any(ins.startswith("STS.64") for ins in instructions[hgmma[0] - 400:hgmma[-1]])
 
 
 def test_h200_token_layout_shortens_the_256_token_k_loop():
@@ -334,7 +390,7 @@ def _metadata(fmt, n, slots, tokens_per_expert):
     ("mxfp4", 4096, 16, 384, 128),          # the second tile of every expert half empty
     ("mxfp8", 4096, 8, 1024, 256), ("mxfp8", 7168, 8, 1024, 256), ("mxfp8", 4096, 32, 256, 256),
     ("nvfp4", 4096, 8, 1024, 256), ("nvfp4", 7168, 8, 1024, 256), ("w4a8", 4096, 8, 1024, 128),
-    ("mxfp4", 4096, 1, 256, 128),           # 32 wide tiles on 132 SMs: one wave either way, twice as long
+    ("w4a8", 4096, 1, 256, 128),            # 32 wide tiles on 132 SMs: one wave either way, twice as long
 ])
 def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slots, tokens, want_tokens):
     problem = _metadata(fmt, n, slots, tokens)
@@ -342,6 +398,21 @@ def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slot
     assert plan.tile_tokens == want_tokens
     assert plan.mma_bn == (128 if want_tokens == 256 or hw._both_fp4(problem) else 256)
     assert plan.num_pipeline_stages == AUTO_STAGES
+
+
+# what sweep runs 107-108 measured fastest at 32 experts, 4096 x 7168 (notes/h200 "Session 24"): (mma_bn, ab_swapped)
+@pytest.mark.parametrize("fmt, n, slots, tokens, want", [
+    ("nvfp4", 4096, 32, 32, (32, True)), ("nvfp4", 4096, 32, 48, (64, True)), ("nvfp4", 4096, 32, 64, (64, True)),
+    ("nvfp4", 4096, 32, 128, (128, False)), ("mxfp4", 4096, 32, 32, (32, True)), ("mxfp4", 4096, 32, 64, (64, True)),
+    ("nvfp4", 7168, 32, 32, (32, True)),
+    ("mxfp4", 4096, 1, 256, (64, True)),    # one wave either way: the shorter tile (modelled, not measured)
+    ("mxfp8", 4096, 32, 48, (256, False)), ("w4a8", 4096, 32, 64, (256, False)),   # FP8 tokens: never swapped
+])
+def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots, tokens, want):
+    plan = hw.wgmma_plan(_metadata(fmt, n, slots, tokens))
+    assert (plan.mma_bn, plan.ab_swapped) == want and plan.num_pipeline_stages == AUTO_STAGES
+    if plan.ab_swapped:
+        assert plan.tile_tokens == 128
 
 
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
@@ -407,6 +478,44 @@ def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
     out = hw.grouped_matmul_h200(problem, config)   # poisoned output: skipped rows keep it
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+
+
+# swapped tiles (weights on M, tokens on N): every way the B decode splits (4, 2 and 1 quarters per item)
+SWAPPED_GPU_CASES = [("nvfp4", 32), ("nvfp4", 64), ("mxfp4", 32), ("mxfp8", 32), ("w4a8", 32), ("w4a8", 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bn", SWAPPED_GPU_CASES)
+def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
+    """Weights on wgmma M, ``mma_bn`` tokens on N: ragged groups (empty, a -1 slot, 1 token, groups of several
+    token tiles and a partial last one), N not a multiple of the 128-row weight tile; poisoned output (skipped
+    rows keep the poison: ``check_acceptance``)."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = synthetic_problem(fmt, n=1024 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
+                                num_experts=8, seed=zlib.crc32(f"wgmma-swapped/{fmt}/{bn}".encode()))
+    config = hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)
+    out = hw.grouped_matmul_h200(problem, config)
+    result = check_acceptance(problem, out, reference_grouped_matmul(problem))
+    assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_swapped_tiles_read_the_h200_layouts_to_the_same_bits(fmt):
+    """Swapped, FP4 weights fused with their scales (read on the M side) and FP4 tokens in ``E2M1H200Order``
+    (decoded into the B buffer): bit-identical to packed operands."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = synthetic_problem(fmt, n=1024 + 128, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
+                                num_experts=8, seed=zlib.crc32(f"wgmma-swapped-layouts/{fmt}".encode()))
+    config = hw.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True)
+    packed = hw.grouped_matmul_h200(problem, config)
+    assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
+    relaid = problem.with_a_layout("e2m1_h200").with_b_layout("e2m1_h200_fused")
+    spec = hw.check_can_implement(relaid, config)
+    assert spec.ring.weight_side == spec.ring.m_side and spec.ring.weight_side.layout == "e2m1_h200_fused"
+    np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
 
 
 @pytest.mark.gpu
@@ -502,6 +611,28 @@ def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
     kernel, plan = h200_kernel(problem)
     assert kernel is hw and plan.tile_tokens == 256
     out = gbs.grouped_matmul(problem)
+    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, sizes, want_bn", [("nvfp4", [32, 30, 1, 32, 32, 31], 32),
+                                                 ("mxfp4", [64, 0, 50, 1, 60, 64], 64)])
+def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want_bn):
+    """Tens of FP4 tokens per expert (a -1 slot, a 1-token group; MXFP4 an empty group and groups of 50-64 tokens):
+    ``gbs.grouped_matmul`` runs the swapped tile the plan picks, on weights fused with their scales and tokens
+    in the H200 order, within the acceptance; rows of the -1 slot keep the poison."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    import gbs
+    from gbs.api import h200_kernel, h200_weight_layout
+
+    problem = synthetic_problem(fmt, n=4096 + 128, k=1024, group_sizes=sizes, expert_ids=[2, 0, -1, 3, 1, 4],
+                                num_experts=5, seed=zlib.crc32(f"auto-swapped/{fmt}".encode()))
+    relaid = problem.with_b_layout(h200_weight_layout(problem.b_format, problem.n, problem.k)).with_a_layout(
+        "e2m1_h200")
+    kernel, plan = h200_kernel(relaid)
+    assert kernel is hw and (plan.ab_swapped, plan.mma_bn) == (True, want_bn)
+    out = gbs.grouped_matmul(relaid)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
 

@@ -487,6 +487,9 @@ class StreamSpec:
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
     small_n_warps: int = CONSUMER_WARPS_SMALL_N   # consumer warps of a small-N tile (``SMALL_N_WARP_CHOICES``)
     m_rows: int = TILE_M_ROWS   # rows of the ring's M side (``RING_M_ROWS``; 256: the wgmma kernel's ring only)
+    # the wgmma kernel's ring: a producer warpgroup and two consumer warpgroups at every mma_bn (its swapped
+    # 32-token tile too), never the small-N grid
+    warpgroup_consumers: bool = False
 
     def __post_init__(self):
         pair = (get_format(self.a_format).name, get_format(self.b_format).name)
@@ -572,10 +575,12 @@ class StreamSpec:
     @property
     def small_n(self) -> bool:
         """The small-N consumer grid (one column of warps, each on all ``mma_bn`` columns)."""
-        return self.mma_bn <= SMALL_N_MAX_MMA_BN
+        return self.mma_bn <= SMALL_N_MAX_MMA_BN and not self.warpgroup_consumers
 
     @property
     def warp_grid(self) -> tuple[int, int]:
+        if self.warpgroup_consumers:
+            return 2 * WARPGROUP_WARPS, 1
         return consumer_warp_grid(self.mma_bn, self.small_n_warps)
 
     @property
@@ -1400,8 +1405,9 @@ def make_kernel_function(spec: StreamSpec):
     """The kernel as a Python function (closure over ``spec``), for ``cuda.jit`` or an offline
     compile; built fresh on every call (fresh device functions, see ``schedule.device_functions``). Its
     consumers take their work from the producer's records."""
-    if spec.m_rows != TILE_M_ROWS:
-        raise ValueError(f"this kernel's consumers take {TILE_M_ROWS} M rows (m_rows={spec.m_rows} is the wgmma ring's)")
+    if spec.m_rows != TILE_M_ROWS or spec.warpgroup_consumers:
+        raise ValueError(f"this kernel's consumers take {TILE_M_ROWS} M rows on their own warp grid (m_rows="
+                         f"{spec.m_rows}, warpgroup_consumers={spec.warpgroup_consumers}: the wgmma kernel's ring)")
     ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
     copy_routing, cta_position, read_work_record = ring.copy_routing, ring.cta_position, ring.read_work_record
     block_sync, produce, cta_output_rows = ring.block_sync, ring.produce, ring.cta_output_rows

@@ -111,7 +111,7 @@ from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
-from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v4_u32
+from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
 from gbs.quant import LAYOUT_PACKED, BF16, SF_ATOM_ROWS, get_format
 from gbs.reference import poison_output
 
@@ -120,7 +120,12 @@ from gbs.reference import poison_output
 # ----------------------------------------------------------------------------------------------
 KERNEL_NAME = "h200_wgmma"
 WGMMA_MMA_BN = (128, 256)     # weight rows per tile: wgmma N
+# ``ab_swapped``: weights on wgmma M (the ring's 128-row side, decoded into A fragments) and ``mma_bn`` tokens on
+# wgmma N (decoded into the bf16 B buffer): the small-prefill tile (tens of tokens per expert), where the tokens
+# would fill little of an m64 tile and the weights are decoded once per tile either way.
+SWAPPED_MMA_BN = (32, 64)
 CONSUMER_WARPGROUPS = 2
+CONSUMER_THREADS = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
 WARPGROUP_WARPS = hs.WARPGROUP_WARPS
 ROWS_PER_WARP = TOKENS_PER_WARPGROUP // WARPGROUP_WARPS   # 16 token rows of a warpgroup's 64 per warp
@@ -191,18 +196,28 @@ class WgmmaConfig:
     num_pipeline_stages: int = AUTO_STAGES
     mma_operands: str = "bf16"
     tile_tokens: int = TILE_TOKENS[0]
+    ab_swapped: bool = False   # weights on wgmma M, ``mma_bn`` tokens on N (``SWAPPED_MMA_BN``)
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
         tokens = require_int("tile_tokens", self.tile_tokens, 1)
+        if not isinstance(self.ab_swapped, (bool, np.bool_)):
+            raise TypeError(f"ab_swapped must be a bool, got {self.ab_swapped!r}")
+        object.__setattr__(self, "ab_swapped", bool(self.ab_swapped))
         if tokens not in TILE_TOKENS:
             raise ValueError(f"the wgmma kernel takes tile_tokens in {TILE_TOKENS}, got {tokens}")
-        if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.mma_operands != "bf16"):
-            raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN} and mma_operands 'bf16' "
-                             f"(two m64 accumulator tiles per warpgroup), got mma_bn={bn}, {self.mma_operands!r}")
+        if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.mma_operands != "bf16"
+                                         or self.ab_swapped):
+            raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN}, mma_operands 'bf16' and "
+                             f"ab_swapped False (two m64 token tiles per warpgroup), got mma_bn={bn}, "
+                             f"{self.mma_operands!r}, ab_swapped={self.ab_swapped}")
         object.__setattr__(self, "tile_tokens", int(tokens))
-        if bn not in WGMMA_MMA_BN:
-            raise ValueError(f"the wgmma kernel takes mma_bn in {WGMMA_MMA_BN}, got {bn}")
+        legal_bn = SWAPPED_MMA_BN if self.ab_swapped else WGMMA_MMA_BN
+        if bn not in legal_bn:
+            raise ValueError(f"the wgmma kernel takes mma_bn in {legal_bn} with ab_swapped={self.ab_swapped}, got {bn}")
+        if self.ab_swapped and self.mma_operands != "bf16":
+            raise ValueError(f"ab_swapped=True decodes both operands to bf16: mma_operands 'bf16', "
+                             f"got {self.mma_operands!r}")
         if self.mma_operands not in MMA_OPERANDS:
             raise ValueError(f"mma_operands must be one of {MMA_OPERANDS}, got {self.mma_operands!r}")
         if self.mma_operands == "e4m3" and bn not in E4M3_MMA_BN:
@@ -219,18 +234,17 @@ class WgmmaConfig:
     @classmethod
     def of(cls, config) -> "WgmmaConfig":
         """From a ``WgmmaConfig``, or any config with ``mma_bn`` (``KernelConfig``, ``StreamConfig``,
-        ``TileConfig``) that is not swapped and has ``cta_group`` 1; its stage count if it has one."""
+        ``TileConfig``) that has ``cta_group`` 1; its orientation and stage count if it has them."""
         if isinstance(config, cls):
             return config
-        for knob, legal in (("ab_swapped", (False,)), ("cta_group", (1,))):
-            value = getattr(config, knob, legal[0])
-            if value not in legal:
-                raise ValueError(f"the wgmma kernel runs {knob}={legal[0]} only (tokens on wgmma M, one CTA "
-                                 f"per tile), got {value!r}")
+        cta_group = getattr(config, "cta_group", 1)
+        if cta_group != 1:
+            raise ValueError(f"the wgmma kernel runs cta_group=1 only (one CTA per tile), got {cta_group!r}")
         if not hasattr(config, "mma_bn"):
             raise TypeError(f"config must have mma_bn, got {type(config).__name__}")
         return cls(config.mma_bn, getattr(config, "num_pipeline_stages", AUTO_STAGES),
-                   getattr(config, "mma_operands", "bf16"), getattr(config, "tile_tokens", TILE_TOKENS[0]))
+                   getattr(config, "mma_operands", "bf16"), getattr(config, "tile_tokens", TILE_TOKENS[0]),
+                   getattr(config, "ab_swapped", False))
 
 
 @dataclass(frozen=True)
@@ -245,9 +259,10 @@ class WgmmaSpec:
     mma_operands: str = "bf16"
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
     tile_tokens: int = TILE_TOKENS[0]
+    ab_swapped: bool = False
 
     def __post_init__(self):
-        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens)
+        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens, self.ab_swapped)
         ring = self.ring   # format pair, layout and stage checks
         if self.mma_operands == "e4m3":
             for side in (ring.token_side, ring.weight_side):
@@ -258,10 +273,11 @@ class WgmmaSpec:
 
     @property
     def ring(self) -> hs.StreamSpec:
-        """The TMA ring's spec: ``h200_stream``'s not-swapped tile with 8 consumer warps (its weight
-        reader also decodes for this kernel, in the weights' layout)."""
-        return hs.StreamSpec(self.a_format, self.b_format, False, self.mma_bn, 1, self.stages,
-                             b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout)
+        """The TMA ring's spec: ``h200_stream``'s tile in this orientation with a producer warpgroup and 8
+        consumer warps (its readers also decode for this kernel, in the operands' layouts)."""
+        return hs.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
+                             b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
+                             warpgroup_consumers=True)
 
     @property
     def cta_group(self) -> int:
@@ -311,9 +327,22 @@ class WgmmaSpec:
         return self.sub_k // SW128_KAPPA
 
     @property
-    def weight_items(self) -> int:
-        """Weight rows each consumer thread decodes per sub-step (one group step each)."""
-        return self.groups_per_sub * self.mma_bn // (CONSUMER_WARPGROUPS * hp.WGMMA_THREADS)
+    def b_items(self) -> int:
+        """B rows (weights; tokens when swapped) each consumer thread decodes per sub-step, one group step each
+        (at least one: ``b_quarters``)."""
+        return max(1, self.groups_per_sub * self.mma_bn // CONSUMER_THREADS)
+
+    @property
+    def b_quarters(self) -> int:
+        """Quad lanes' quarters (of the K slice) of its row that one B item decodes: 4, or 2 or 1 where the B
+        buffer has fewer (row, group step) pairs than there are consumer threads (the swapped 32- and 64-token
+        tiles): the consumer warps then form ``b_quarter_parts`` groups, each taking its share of the quarters
+        and writing its 8 or 4 bytes of every 16-byte chunk."""
+        return min(hs.QUAD, self.groups_per_sub * self.mma_bn * hs.QUAD // CONSUMER_THREADS)
+
+    @property
+    def b_quarter_parts(self) -> int:
+        return hs.QUAD // self.b_quarters
 
     @property
     def lanes_per_group_step(self) -> int:
@@ -437,11 +466,13 @@ def a_fragment_index(p: int, j: int, i: int) -> int:
     return 4 * (2 * p + j // 2) + 2 * (j % 2) + i
 
 
-def weight_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int]:
-    """(weight row, group step within the sub-step) of a consumer thread's ``item``."""
+def b_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int, int]:
+    """(B row, group step within the sub-step, first of its ``b_quarters`` quarters) of a consumer thread's
+    ``item``."""
     warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
+    part, warp = divmod(warp, CONSUMER_WARPGROUPS * WARPGROUP_WARPS // spec.b_quarter_parts)
     lanes = spec.lanes_per_group_step
-    return lanes * (spec.weight_items * warp + item) + lane % lanes, lane // lanes
+    return lanes * (spec.b_items * warp + item) + lane % lanes, lane // lanes, part * spec.b_quarters
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,11 +539,14 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
     atoms = m_side.sf_atoms_per_slice
     mma_bn = spec.mma_bn
-    groups_per_sub, k_steps, items = spec.groups_per_sub, spec.k_steps, spec.weight_items
+    groups_per_sub, k_steps, items = spec.groups_per_sub, spec.k_steps, spec.b_items
+    b_quarters, b_parts = spec.b_quarters, spec.b_quarter_parts
+    warps_per_part = CONSUMER_WARPGROUPS * WARPGROUP_WARPS // b_parts
+    swapped = spec.ab_swapped
     lanes_per_step = spec.lanes_per_group_step
     block_bytes = mma_bn * BF16_ROW_BYTES
     buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
-    consumer_threads = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
+    consumer_threads = CONSUMER_THREADS
     num_acc = mma_bn // 2
     epilogue_scale = np.float32(2.0 ** ring_spec.epilogue_log2)
     m_load, m_decode, m_load_scales, m_selector, m_group_scale = hs._make_side_reader(m_side, ring_spec.pairing)
@@ -536,7 +570,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     a_index = _device(a_fragment_index)
     advance = _device(hp.wgmma_descriptor_advance)
     buffer_units = buffer_bytes // hp.DESCRIPTOR_UNIT_BYTES
-    store_tile = _make_store_tile(num_acc)
+    store_tile = _make_store_tile(num_acc, swapped)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     m_tiles = spec.m_tiles
@@ -561,8 +595,14 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         m_xor = np.uint32(swizzle(m_row, m_row_bytes, m_mask))
         m_row_addr = np.uint32(m_data_off + m_row * m_row_bytes)
         m_col = word_column(q, m_blocks)
-        # B side: weight rows w_row0 + lanes_per_step * it, group step w_step of each sub-step
-        w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
+        # B side: weight rows (tokens when swapped) w_row0 + lanes_per_step * it, group step w_step of each
+        # sub-step, quarters q_base .. q_base + b_quarters - 1
+        if b_parts == 1:
+            w_row0 = lanes_per_step * items * cw + lane % lanes_per_step
+            q_base = 0
+        else:
+            w_row0 = lanes_per_step * items * (cw % warps_per_part) + lane % lanes_per_step
+            q_base = (cw // warps_per_part) * b_quarters
         w_step = lane // lanes_per_step
         buffers = np.uint32(base + buffers_off)
         # buffer 0's descriptor; each wgmma's is this one advanced (one 32-bit add, not a rebuild)
@@ -593,8 +633,12 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
             if expert < 0:
                 break
-            m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
-            n_sf_row0 = r0 % SF_ATOM_ROWS
+            if swapped:   # weights on M (the tile starts on a 128-row band), tokens on N
+                m_sf_row0 = r0 % SF_ATOM_ROWS
+                n_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+            else:
+                m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+                n_sf_row0 = r0 % SF_ATOM_ROWS
             acc = zero_acc()
             if two_m_tiles:
                 acc_hi = zero_acc()
@@ -612,10 +656,12 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                             np.uint32(m_sf_row0 + m_row + m_tile_rows + 8 * i), m_col, atoms))
                         m_sc[4 + 2 * i], m_sc[4 + 2 * i + 1] = m_load_scales(address, q)
                 for it in range(items):
-                    for qq in range(QUAD):
+                    for qq in range(b_quarters):
+                        quarter = q_base + qq
                         address = np.uint32(st + n_sf_off + sf_offset(
-                            np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(qq, n_blocks), atoms))
-                        w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, qq)
+                            np.uint32(n_sf_row0 + w_row0 + lanes_per_step * it), word_column(quarter, n_blocks),
+                            atoms))
+                        w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1] = n_load_scales(address, quarter)
                 st_m = np.uint32(st + m_row_addr)
                 if two_m_tiles:   # 128 rows further: the same swizzle (it repeats every 8 rows)
                     st_m_hi = np.uint32(st_m + m_tile_rows * m_row_bytes)
@@ -638,9 +684,11 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                             w_row = w_row0 + lanes_per_step * it
                             st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
                             w_xor = np.uint32(swizzle(w_row, n_row_bytes, n_mask))
-                            for qq in range(QUAD):
-                                gl = rotated(c_w, qq)
-                                w0, w1 = n_load(st_w | (column(qq, gl, n_thread_bytes, n_group_bytes, w_xor) ^ n_run))
+                            for qq in range(b_quarters):
+                                quarter = q_base + qq
+                                gl = rotated(c_w, quarter)
+                                w0, w1 = n_load(st_w | (column(quarter, gl, n_thread_bytes, n_group_bytes, w_xor)
+                                                        ^ n_run))
                                 scale = n_group_scale(w_sc[8 * it + 2 * qq], w_sc[8 * it + 2 * qq + 1],
                                                       np.uint32(n_selector(gl) + n_sel_run), run)
                                 for j in range(4):
@@ -648,8 +696,14 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                             for kbl in range(2):
                                 for h in range(2):
                                     j = 2 * kbl + h
-                                    st_shared_v4_u32(b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h),
-                                                     w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
+                                    # word q of the chunk is quarter q's register j
+                                    chunk = b_addr + chunk_offset(mma_bn, w_row, 2 * w_step + kbl, h)
+                                    if b_quarters == QUAD:
+                                        st_shared_v4_u32(chunk, w_dec[j], w_dec[4 + j], w_dec[8 + j], w_dec[12 + j])
+                                    elif b_quarters == 2:
+                                        st_shared_v2_u32(chunk + 4 * q_base, w_dec[j], w_dec[4 + j])
+                                    else:
+                                        st_shared_u32(chunk + 4 * q_base, w_dec[j])
                         cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
                         # 2. this warpgroup's MMAs of two sub-steps ago (reading this A set and the
                         # buffer written next) are done
@@ -863,11 +917,31 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
     return _device(consume)
 
 
-def _make_store_tile(num_acc: int):
+def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:
+    """(weight row, token) inside a swapped tile of accumulator ``i`` of the consumer thread whose first M row
+    is ``m_row`` (warpgroup row base + warp row base + g) and quad lane ``q``: ``wgmma_accumulator_position``'s
+    (row, column) with rows = weights and columns = tokens. Host and device."""
+    return m_row + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * q + (i & 1)
+
+
+def _make_store_tile(num_acc: int, swapped: bool = False):
     """Device function ``store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale)``: the epilogue
     of both consumers, ``C[token, row] = bf16(acc * out_scale)`` for a thread's ``num_acc`` accumulators
     (copied to ``acc_out``) with paired 4-byte stores where both columns are in range and 4-byte aligned;
-    tokens past ``t1`` and rows past ``r1`` are not written."""
+    tokens past ``t1`` and rows past ``r1`` are not written. ``swapped``: the accumulator's rows are weight
+    rows and its columns tokens, so a thread's two columns are two output rows: one 2-byte store each."""
+    swapped_position = _device(swapped_accumulator_position)
+
+    def store_tile_swapped(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale):
+        out_address = np.int64(cm.generic_address(out))
+        for i in range(num_acc):
+            row_in_tile, token_in_tile = swapped_position(m_row, q, i)
+            row, token = r0 + row_in_tile, t0 + token_in_tile
+            cm.store_global_u16_if(out_address + (token * n + row) * 2, f32_to_bf16_bits(acc_out[i] * out_scale),
+                                   np.uint32((token < t1) & (row < r1)))
+
+    if swapped:
+        return _device(store_tile_swapped)
 
     def store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale):
         out_address = np.int64(cm.generic_address(out))
@@ -892,7 +966,7 @@ def _make_store_tile(num_acc: int):
 # ----------------------------------------------------------------------------------------------
 def _spec_for(formats: tuple[str, str], config: WgmmaConfig, stages: int) -> WgmmaSpec:
     return WgmmaSpec(formats[0], formats[1], config.mma_bn, stages, mma_operands=config.mma_operands,
-                     tile_tokens=config.tile_tokens)
+                     tile_tokens=config.tile_tokens, ab_swapped=config.ab_swapped)
 
 
 def max_pipeline_stages(a_format: str, b_format: str, config, smem_limit: int = H200_SMEM_PER_SM) -> int:
@@ -909,7 +983,7 @@ def check_can_implement(problem, config) -> WgmmaSpec:
     """Static checks before any device work (the ring's, plus this kernel's knobs and bytes);
     returns the resolved ``WgmmaSpec``. TypeError / ValueError saying what is wrong."""
     wgmma_config = WgmmaConfig.of(config)
-    ring_config = hs.StreamConfig(False, wgmma_config.mma_bn, 1, 1)
+    ring_config = hs.StreamConfig(wgmma_config.ab_swapped, wgmma_config.mma_bn, 1, 1)
     hs.check_can_implement(problem, ring_config)   # problem, formats, K slice, TMA rows, sizes
     formats = hs._problem_formats(problem)
     hs.check_config_formats(formats, config)   # a KernelConfig decided for these formats
@@ -944,6 +1018,35 @@ def check_can_implement(problem, config) -> WgmmaSpec:
 # since its token decode takes whole rotation runs per item (runs 33-34; it tied at 32 before: 534 vs
 # 539), and its token tiles past it lose (48 tokens: 2 tiles of 16) up to 2.4-5x (64-128).
 WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
+# Swapped tiles (``ab_swapped``: weights on wgmma M, 32 or 64 tokens on N), measured (sweep runs 107-108,
+# 2026-12-01, commit 977904c, GPU-a9362624, 32 experts, 4096 x 7168, weights fused with their scales, FP4 tokens in
+# E2M1H200Order; run 109: commit 1340e6c, GPU-a87e6d81; notes/h200/2026-12-01-sweep-swapped-run10[789].*), us:
+#   tokens/expert   plan before (streaming <= 32, wgmma 128-token tiles above)   swapped bn32   swapped bn64
+#   NVFP4   8       160.5                                                      249.1          298.8
+#          16       184.0                                                      249.3          300.1
+#          32       291.7                                                      250.2          299.7
+#          48       456.2                                                      486.9          300.8
+#          64       456.0                                                      488.0          300.8
+#         128       461.2                                                      964.8          589.6
+#   MXFP4  16       177.8                                                      235.4          289.2
+#          32       301.7                                                      236.0
+#          64       454.8                                                      460.5          290.2
+#          24       273.3 (streaming)                                          248.5
+#          28       282.4 (streaming)                                          247.7
+#   MXFP4  24       281.7 (streaming)                                          235.1                  (run 109)
+#   NVFP4 7168 x 2048, 32 x 32: 159.8 -> 138.2 (bn32).
+# A swapped tile's time is flat up to its width (the weight decode sets it), as the 128-token tile's is. With FP8
+# tokens it loses (32 x 32: W4A8 266.8 streaming against 381.4 at bn32; MXFP8 284.6 against 415.0): their B items
+# take one quarter each (``b_quarters``) and their 64-kappa sub-steps double the barriers. So FP4 x FP4 only:
+# - from ``SWAPPED_MIN_TOKENS_PER_EXPERT`` on average: past 16 tokens the streaming kernel's tile widens to 32
+#   columns (``h200_stream.h200_plan``), 273.3 / 282.4 / 291.7 us at 24 / 28 / 32 tokens (~2.3 us per token: ~258
+#   at 17, extrapolated, not measured), against the swapped bn32 tile's flat ~249 (MXFP4 281.7 against 235.1 at
+#   24); at 16 tokens the streaming kernel's 16-column tile wins (184.0 against 249.3);
+# - the cheapest by ``estimated_tile_work`` with these costs per token x weight row, relative to the 128-token
+#   plan's (NVFP4 / MXFP4 at full waves: bn32 250.2 / 456.0 x 4 = 2.19, 236.0 / 454.8 x 4 = 2.08; bn64 300.8 / 456.0
+#   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
+SWAPPED_MIN_TOKENS_PER_EXPERT = 17
+SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 
 
 def _both_fp4(problem) -> bool:
@@ -953,9 +1056,9 @@ def _both_fp4(problem) -> bool:
 
 
 def min_tokens_per_expert(problem) -> int:
-    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem`` (every format
-    pair: the measurements above)."""
-    return WGMMA_MIN_TOKENS_PER_EXPERT
+    """Average tokens per expert from which ``"auto"`` runs this kernel for ``problem``: the swapped tiles' from
+    FP4 x FP4, else the 128-token tiles' (the measurements above)."""
+    return SWAPPED_MIN_TOKENS_PER_EXPERT if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
 def prefers(problem) -> bool:
@@ -1031,14 +1134,22 @@ def wgmma_tile_tokens(problem, mma_bn: int) -> int:
 
 def wgmma_plan(problem) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the measured tile
-    width for the format pair and its token tile (above), and the deepest ring that fits. The SM100
-    decision does not carry over (its tiles are for tcgen05; this kernel's tile is 128 or 256 tokens
-    by ``mma_bn`` weight rows, one CTA per SM)."""
+    width for the format pair and its token tile (above), a swapped tile where it is cheaper (FP4 x FP4,
+    ``SWAPPED_ROW_COST``), and the deepest ring that fits. The SM100 decision does not carry over (its
+    tiles are for tcgen05; this kernel's tile is 128 or 256 tokens by ``mma_bn`` weight rows, or 128 weight
+    rows by 32 or 64 tokens, one CTA per SM)."""
     mma_bn = WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8
     tile_tokens = wgmma_tile_tokens(problem, mma_bn)
     if tile_tokens != TILE_TOKENS[0]:
         mma_bn = TWO_M_TILES_MMA_BN[0]
-    return WgmmaConfig(mma_bn, AUTO_STAGES, tile_tokens=tile_tokens)
+    plan = WgmmaConfig(mma_bn, AUTO_STAGES, tile_tokens=tile_tokens)
+    if not _both_fp4(problem):
+        return plan
+    row_cost = TWO_M_TILES_ROW_COST.get(hs._problem_formats(problem), 1.0) if tile_tokens != TILE_TOKENS[0] else 1.0
+    work = {plan: estimated_tile_work(problem, tile_tokens, mma_bn, row_cost)}
+    for bn, cost in SWAPPED_ROW_COST.items():   # a swapped tile: bn tokens by 128 weight rows
+        work[WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)] = estimated_tile_work(problem, bn, hs.TILE_M_ROWS, cost)
+    return min(work, key=work.get)
 
 
 def can_implement(problem, config) -> tuple[bool, str]:

@@ -1,5 +1,5 @@
 """Explicit shared-memory loads and stores: ``ld.shared`` of 1, 2 or 4 32-bit words (and of one f32),
-``st.shared`` of 1 or 4.
+``st.shared`` of 1, 2 or 4.
 
 Why not index a ``cuda.shared.array``: a kernel that addresses one dynamic shared buffer with
 computed byte offsets (swizzled tiles, decoded-operand slots, scale atoms) holds 32-bit
@@ -62,6 +62,10 @@ ld_shared_v4_u32 = _ld_shared_u32_vector(4)
 st_shared_u32 = ptx_intrinsic(
     "st_shared_u32", "st.shared.u32 [$0], $1;", [("smem", "u32"), ("word", "u32")],
     doc="Store one 32-bit word at the 4-byte aligned shared-window address ``smem``.")
+
+st_shared_v2_u32 = ptx_intrinsic(
+    "st_shared_v2_u32", "st.shared.v2.u32 [$0], {$1, $2};", [("smem", "u32"), ("w0", "u32"), ("w1", "u32")],
+    doc="Store two 32-bit words at the 8-byte aligned shared-window address ``smem``.")
 
 st_shared_v4_u32 = ptx_intrinsic(
     "st_shared_v4_u32", "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
