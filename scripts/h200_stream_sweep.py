@@ -7,8 +7,9 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
 or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
-``h200_stream.StreamConfig.small_n_warps``), ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]`` for the
-wgmma kernel (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M), or ``plan:backend:format:case`` for
+``h200_stream.StreamConfig.small_n_warps``),
+``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]`` for the wgmma kernel (``h200_wgmma``;
+stages an int or ``auto``; ``:swap`` = weights on wgmma M), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the

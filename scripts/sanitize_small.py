@@ -87,8 +87,9 @@ def main(argv=None) -> int:
             if "h200_wgmma" in kernels:   # two boxes and two scale bands per stage; swapped: the fused boxes on M
                 cases.append(("h200_wgmma", (256, 128, LAYOUT_E2M1_H200_FUSED), fused,
                               lambda: h200_wgmma.grouped_matmul_h200(fused, h200_wgmma.WgmmaConfig(256))))
+                swapped_32 = h200_wgmma.WgmmaConfig(32, ab_swapped=True)
                 cases.append(("h200_wgmma", (32, "swapped", LAYOUT_E2M1_H200_FUSED), fused,
-                              lambda: h200_wgmma.grouped_matmul_h200(fused, h200_wgmma.WgmmaConfig(32, ab_swapped=True))))
+                              lambda: h200_wgmma.grouped_matmul_h200(fused, swapped_32)))
             if "h200_wgmma" in kernels:
                 wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,

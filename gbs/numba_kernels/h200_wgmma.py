@@ -1,4 +1,5 @@
-"""The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA).
+"""The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA), for large
+prefill (tokens on wgmma M) and, swapped, for FP4 small prefill (weights on wgmma M).
 
 Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 for prefill: ``prefers``),
 ``gbs.grouped_matmul(problem, backend="h200_wgmma")``, or directly::
@@ -55,6 +56,19 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   arithmetic is 32-bit (an int64 loop counter made the rotation run's floor division ~14 uniform instructions):
   575 -> 539 (MXFP4 530 -> 486); run 81: NVFP4 857.3 -> 847.8 us, MXFP4 826.8 -> 822.7, ragged 1226.3 -> 1215.3.
 
+* Swapped tiles (``WgmmaConfig(32 or 64, ab_swapped=True)``, FP4 small prefill): the ring is the streaming
+  kernel's swapped one (``StreamSpec.warpgroup_consumers``: a producer warpgroup and two consumer warpgroups even
+  at 32 columns), so its M side is 128 weight rows and its N side ``mma_bn`` tokens. The same consumer then
+  decodes each warpgroup's 64 weight rows into A fragments (the weights are decoded once per tile, as the
+  streaming kernel does) and the tile's tokens into the bf16 B buffer; where the buffer has fewer (row, group
+  step) pairs than the 256 consumer threads, each takes 2 (or 1) of the 4 quarters of one (``b_quarters``) and
+  writes 8 (or 4) bytes of each 16-byte chunk. The epilogue stores the transposed accumulator
+  (``swapped_accumulator_position``). One ``wgmma m64n32k16`` per 64 x 16 weights replaces the streaming
+  kernel's 4 x 4 ``mma.sync`` and their B-fragment loads. Measured (runs 107-109, 32 experts, 4096 x 7168,
+  fused weights): 32 tokens per expert NVFP4 291.7 -> 250.2 us, MXFP4 301.7 -> 236.0; 48-64 tokens (bn64) 456 ->
+  301 / 455 -> 290. ``wgmma_plan`` picks them for FP4 x FP4 (``SWAPPED_ROW_COST``); FP8 tokens stay on the
+  streaming kernel (W4A8 266.8 against 381.4).
+
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
 decode's own time plus 54-82 % of the MMA time, whatever the arrangement (A in registers or shared memory,
@@ -86,8 +100,9 @@ so even at 100 % issue with nothing else this route tops out at 4096 FLOP per cl
 With two consumer warps per scheduler (the 192 accumulator and partial registers per thread allow no more)
 it reaches ~55 % issue.
 
-Constraints (``check_can_implement``, ``prepare``): ``ab_swapped`` False, ``cta_group`` 1, ``mma_bn``
-128 or 256 (``mma_operands="e4m3"``: 128, MXFP8 E4M3 x E4M3); K a multiple of the K slice (256 elements
+Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256
+(``mma_operands="e4m3"``: 128, MXFP8 E4M3 x E4M3), or with ``ab_swapped`` 32 or 64 (bf16 operands, 128-row
+tiles); K a multiple of the K slice (256 elements
 when both operands are FP4, else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA)
 and a 4-byte aligned output (paired bf16 stores); the ring plus the bf16 buffers (or the scale tables)
 within the H200's 227 KiB per block.
@@ -1225,6 +1240,6 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
     return out
 
 
-__all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "can_implement", "check_can_implement", "prepare",
-           "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "wgmma_plan",
+__all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
+           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "wgmma_plan",
            "wgmma_tile_tokens"]
