@@ -466,13 +466,19 @@ GPU_CASES = ([(fmt, 128, 128) for fmt in FORMATS] + [("nvfp4", 256, 128), ("mxfp
              + [(fmt, 128, 256) for fmt in FORMATS])
 
 
+def ragged_gpu_problem(fmt: str, n: int, seed_tag: str):
+    """The GPU tests' ragged routing (``GPU_SIZES`` / ``GPU_IDS``) at K 2048, seeded by ``seed_tag``; skips without
+    an sm_90 GPU."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    return synthetic_problem(fmt, n=n, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS), num_experts=8,
+                             seed=zlib.crc32(seed_tag.encode()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, bn, tile_tokens", GPU_CASES)
 def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem(fmt, n=4096 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=zlib.crc32(f"wgmma/{fmt}".encode()))
+    problem = ragged_gpu_problem(fmt, 4096 + 64, f"wgmma/{fmt}")
     ref = reference_grouped_matmul(problem)
     config = hw.WgmmaConfig(bn, AUTO_STAGES, tile_tokens=tile_tokens)
     out = hw.grouped_matmul_h200(problem, config)   # poisoned output: skipped rows keep it
@@ -490,10 +496,7 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
     """Weights on wgmma M, ``mma_bn`` tokens on N: ragged groups (empty, a -1 slot, 1 token, groups of several
     token tiles and a partial last one), N not a multiple of the 128-row weight tile; poisoned output (skipped
     rows keep the poison: ``check_acceptance``)."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem(fmt, n=1024 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=zlib.crc32(f"wgmma-swapped/{fmt}/{bn}".encode()))
+    problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped/{fmt}/{bn}")
     config = hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)
     out = hw.grouped_matmul_h200(problem, config)
     result = check_acceptance(problem, out, reference_grouped_matmul(problem))
@@ -505,10 +508,7 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
 def test_gpu_swapped_tiles_read_the_h200_layouts_to_the_same_bits(fmt):
     """Swapped, FP4 weights fused with their scales (read on the M side) and FP4 tokens in ``E2M1H200Order``
     (decoded into the B buffer): bit-identical to packed operands."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem(fmt, n=1024 + 128, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=zlib.crc32(f"wgmma-swapped-layouts/{fmt}".encode()))
+    problem = ragged_gpu_problem(fmt, 1024 + 128, f"wgmma-swapped-layouts/{fmt}")
     config = hw.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True)
     packed = hw.grouped_matmul_h200(problem, config)
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
@@ -527,11 +527,8 @@ def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn, layout):
     and half its atoms with W4A8's 64-byte K slices) give bit-identical output. N is not a multiple of 128
     where the layout allows it, and not of 256 with tiled weights: the last 256-row tile's second box lies
     past N (it reads the next expert's first box; never stored)."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     n = 1024 + (64 if layout == "e2m1_h200" else 128)
-    problem = synthetic_problem(fmt, n=n, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=zlib.crc32(f"wgmma-layout/{fmt}".encode()))
+    problem = ragged_gpu_problem(fmt, n, f"wgmma-layout/{fmt}")
     config = hw.WgmmaConfig(bn, AUTO_STAGES)
     packed = hw.grouped_matmul_h200(problem, config)
     relaid = problem.with_b_layout(layout)
@@ -545,10 +542,7 @@ def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn, layout):
 def test_gpu_h200_token_layout_gives_the_same_bits(fmt, bn, tile_tokens):
     """FP4 tokens in ``E2M1H200Order`` (``a_layout``) decode to the same A fragments: bit-identical output,
     weights packed or re-laid too."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem(fmt, n=1024 + 64, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=zlib.crc32(f"wgmma-token-layout/{fmt}/{tile_tokens}".encode()))
+    problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-token-layout/{fmt}/{tile_tokens}")
     config = hw.WgmmaConfig(bn, AUTO_STAGES, tile_tokens=tile_tokens)
     packed = hw.grouped_matmul_h200(problem, config)
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
