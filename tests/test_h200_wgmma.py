@@ -415,6 +415,16 @@ def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots,
         assert plan.tile_tokens == 128
 
 
+def test_auto_keeps_few_swapped_tiles_on_the_streaming_kernel():
+    """Below the 128-token tiles' threshold the swapped tiles need a wave of them (``prefers``): Kimi's N 512 with 8
+    experts x 32 tokens makes 32, so the streaming kernel's split-K runs take it; 32 experts x 32 tokens at N 4096
+    make 1024. From 33 tokens the rule is the measured average alone, as before."""
+    assert not hw.prefers(_metadata("nvfp4", 512, 8, 32)) and not hw.prefers(_metadata("mxfp4", 512, 8, 24))
+    assert hw.prefers(_metadata("nvfp4", 4096, 32, 32)) and hw.prefers(_metadata("mxfp4", 7168, 32, 17))
+    assert hw.prefers(_metadata("nvfp4", 512, 8, 48)) and hw.prefers(_metadata("mxfp8", 512, 8, 48))
+    assert not hw.prefers(_metadata("nvfp4", 4096, 32, 16))
+
+
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
     problem = _metadata("mxfp4", 4096, 16, 384)   # 3 tiles of 128 or 2 of 256 per expert, 32 columns
     assert hw.estimated_tile_work(problem, 128, 128, 1.0) == pytest.approx(16 * 3 * 32 / 132 * 128 * 128)

@@ -1077,8 +1077,17 @@ def min_tokens_per_expert(problem) -> int:
 
 
 def prefers(problem) -> bool:
-    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only)."""
-    return hs.average_tokens_per_expert(problem) >= min_tokens_per_expert(problem)
+    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only). Below the 128-token tiles' threshold
+    (FP4 x FP4, swapped tiles only) it also needs at least a wave of swapped 32-token tiles: with fewer, the
+    streaming kernel cuts K into runs across the idle SMs (split-K, which this kernel does not have; Kimi's 8
+    experts x 32 tokens would be 32 tiles on 132 SMs). Modelled from the two kernels' designs, not measured."""
+    tokens = hs.average_tokens_per_expert(problem)
+    if tokens < min_tokens_per_expert(problem):
+        return False
+    if tokens < WGMMA_MIN_TOKENS_PER_EXPERT:
+        bn = SWAPPED_MMA_BN[0]
+        return tile_token_rows(problem, bn) // bn * -(-problem.n // hs.TILE_M_ROWS) >= hs.H200_SM_COUNT
+    return True
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
