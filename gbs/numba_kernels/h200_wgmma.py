@@ -357,7 +357,12 @@ class WgmmaSpec:
 
     @property
     def b_quarter_parts(self) -> int:
+        """Groups of consumer warps that split each B row's quarters (1, 2 or 4)."""
         return hs.QUAD // self.b_quarters
+
+    @property
+    def warps_per_b_part(self) -> int:
+        return CONSUMER_WARPGROUPS * WARPGROUP_WARPS // self.b_quarter_parts
 
     @property
     def lanes_per_group_step(self) -> int:
@@ -485,7 +490,7 @@ def b_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, i
     """(B row, group step within the sub-step, first of its ``b_quarters`` quarters) of a consumer thread's
     ``item``."""
     warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
-    part, warp = divmod(warp, CONSUMER_WARPGROUPS * WARPGROUP_WARPS // spec.b_quarter_parts)
+    part, warp = divmod(warp, spec.warps_per_b_part)
     lanes = spec.lanes_per_group_step
     return lanes * (spec.b_items * warp + item) + lane % lanes, lane // lanes, part * spec.b_quarters
 
@@ -556,7 +561,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     mma_bn = spec.mma_bn
     groups_per_sub, k_steps, items = spec.groups_per_sub, spec.k_steps, spec.b_items
     b_quarters, b_parts = spec.b_quarters, spec.b_quarter_parts
-    warps_per_part = CONSUMER_WARPGROUPS * WARPGROUP_WARPS // b_parts
+    warps_per_part = spec.warps_per_b_part
     swapped = spec.ab_swapped
     lanes_per_step = spec.lanes_per_group_step
     block_bytes = mma_bn * BF16_ROW_BYTES
@@ -1039,16 +1044,16 @@ WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 #   tokens/expert   plan before (streaming <= 32, wgmma 128-token tiles above)   swapped bn32   swapped bn64
 #   NVFP4   8       160.5                                                      249.1          298.8
 #          16       184.0                                                      249.3          300.1
+#          24       273.3                                                      248.5                  (run 109)
+#          28       282.4                                                      247.7                  (run 109)
 #          32       291.7                                                      250.2          299.7
 #          48       456.2                                                      486.9          300.8
 #          64       456.0                                                      488.0          300.8
 #         128       461.2                                                      964.8          589.6
 #   MXFP4  16       177.8                                                      235.4          289.2
+#          24       281.7                                                      235.1                  (run 109)
 #          32       301.7                                                      236.0
 #          64       454.8                                                      460.5          290.2
-#          24       273.3 (streaming)                                          248.5
-#          28       282.4 (streaming)                                          247.7
-#   MXFP4  24       281.7 (streaming)                                          235.1                  (run 109)
 #   NVFP4 7168 x 2048, 32 x 32: 159.8 -> 138.2 (bn32).
 # A swapped tile's time is flat up to its width (the weight decode sets it), as the 128-token tile's is. With FP8
 # tokens it loses (32 x 32: W4A8 266.8 streaming against 381.4 at bn32; MXFP8 284.6 against 415.0): their B items
