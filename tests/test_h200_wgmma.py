@@ -376,10 +376,10 @@ def test_three_buffers_are_the_fewest_the_sub_step_order_allows():
     assert hw.BF16_BUFFERS == 3 and reuse_is_safe(3) and not reuse_is_safe(2)
 
 
-def _metadata(fmt, n, slots, tokens_per_expert):
+def _metadata(fmt, n, slots, tokens_per_expert, k=7168):
     """Host metadata of a balanced problem: all ``wgmma_plan`` reads."""
     a_format, b_format = (get_format(name) for name in PROBLEM_FORMATS[fmt])
-    return types.SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=7168,
+    return types.SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=k,
                                  num_active_experts=slots, estimated_total_m=slots * tokens_per_expert)
 
 
@@ -415,14 +415,25 @@ def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots,
         assert plan.tile_tokens == 128
 
 
-def test_auto_keeps_few_swapped_tiles_on_the_streaming_kernel():
-    """Below the 128-token tiles' threshold the swapped tiles need a wave of them (``prefers``): Kimi's N 512 with 8
-    experts x 32 tokens makes 32, so the streaming kernel's split-K runs take it; 32 experts x 32 tokens at N 4096
-    make 1024. From 33 tokens the rule is the measured average alone, as before."""
-    assert not hw.prefers(_metadata("nvfp4", 512, 8, 32)) and not hw.prefers(_metadata("mxfp4", 512, 8, 24))
-    assert hw.prefers(_metadata("nvfp4", 4096, 32, 32)) and hw.prefers(_metadata("mxfp4", 7168, 32, 17))
-    assert hw.prefers(_metadata("nvfp4", 512, 8, 48)) and hw.prefers(_metadata("mxfp8", 512, 8, 48))
-    assert not hw.prefers(_metadata("nvfp4", 4096, 32, 16))
+@pytest.mark.parametrize("fmt, n, slots, tokens, k, want", [
+    ("nvfp4", 512, 8, 32, 7168, False), ("mxfp4", 512, 8, 24, 7168, False),  # 32 tiles (Kimi): 26.9 vs 36.6 us
+    ("nvfp4", 4096, 2, 32, 7168, False), ("nvfp4", 4096, 2, 24, 7168, False),  # 64: 37.0 vs 38.6, 34.2 vs 38.5
+    ("nvfp4", 2048, 5, 32, 7168, True), ("nvfp4", 512, 24, 32, 7168, True),  # 80, 96: 48.5 vs 39.1, 49.4 vs 40.7
+    ("nvfp4", 4096, 4, 32, 7168, True), ("nvfp4", 4096, 32, 32, 7168, True), ("mxfp4", 7168, 32, 17, 7168, True),
+    ("nvfp4", 7168, 1, 32, 2048, True), ("nvfp4", 512, 8, 32, 2048, True),  # K too short to split: 17.5 vs 19.5
+    ("nvfp4", 512, 8, 32, 3072, False),                                       # 12 slices: two runs of 6
+    ("nvfp4", 512, 8, 48, 7168, True), ("mxfp8", 512, 8, 48, 7168, True),     # from 33 tokens: the average alone
+    ("nvfp4", 4096, 32, 16, 7168, False),
+])
+def test_auto_keeps_few_swapped_tiles_on_the_streaming_kernel(fmt, n, slots, tokens, k, want):
+    """Below the 128-token tiles' threshold the swapped tiles need ``SWAPPED_MIN_TILES`` (half a wave) of them where
+    the streaming kernel can split K (``prefers``; sweeps runs 115-116: its split-K runs win up to 64 tiles, the
+    swapped tiles from 80, and at K 2048, where it cannot split, from 56). From 33 tokens the rule is the measured
+    average alone."""
+    assert hw.SWAPPED_MIN_TILES == hs.H200_SM_COUNT // 2
+    splits = hw.streaming_splits_k(_metadata(fmt, n, slots, tokens, k))
+    assert splits is (k >= 3072) is (hs.choose_k_splits(1, k // 256, 4 * hs.H200_SM_COUNT)[0] > 1)
+    assert hw.prefers(_metadata(fmt, n, slots, tokens, k)) is want
 
 
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():

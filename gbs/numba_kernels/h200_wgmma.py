@@ -1066,6 +1066,18 @@ WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 #   plan's (NVFP4 / MXFP4 at full waves: bn32 250.2 / 456.0 x 4 = 2.19, 236.0 / 454.8 x 4 = 2.08; bn64 300.8 / 456.0
 #   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
 SWAPPED_MIN_TOKENS_PER_EXPERT = 17
+# Few swapped tiles (below 33 tokens per expert), measured (sweeps runs 115-116, 2026-12-01, commit ea065fe,
+# GPU-f851c549, fused weights, H200-order tokens; notes/h200/2026-12-01-wave-rule-run115-116.*), NVFP4 32 tokens per
+# expert, the streaming plan (its split-K runs) against swapped bn32, us, by swapped tiles:
+#   K 7168: 32 tiles (N 4096 x 1 expert; N 512 x 8: Kimi) 26.9 / 27.0 vs 36.7 / 36.6 (split 4); 64 (4096 x 2,
+#   512 x 16) 37.0 / 37.1 vs 38.6 / 39.0 (split 2; MXFP4 37.1 vs 37.0; 24 tokens 34.2 vs 38.5); 80 (2048 x 5)
+#   48.5 vs 39.1; 96 (4096 x 3, 512 x 24) 49.3 / 49.4 vs 40.0 / 40.7; 128 (1024 x 16, 4096 x 4, 2048 x 8) 51.2 /
+#   50.7 / 50.7 vs 42.0 / 41.3 / 41.2 (no split: the streaming kernel's plan has too many tiles for it).
+#   K 2048: 56 tiles (7168 x 1) 19.5 vs 17.5, 112 (7168 x 2) 22.3 vs 19.5 (no split: 8 slices are too few).
+# A swapped tile takes its K alone (~37-42 us at K 7168, flat up to a wave); the streaming kernel wins only while
+# it splits each tile's K in 2+ runs (``streaming_splits_k``). Half a wave sits between the last measured loss (64)
+# and win (80).
+SWAPPED_MIN_TILES = hs.H200_SM_COUNT // 2
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 
 
@@ -1083,16 +1095,24 @@ def min_tokens_per_expert(problem) -> int:
 
 def prefers(problem) -> bool:
     """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only). Below the 128-token tiles' threshold
-    (FP4 x FP4, swapped tiles only) it also needs at least a wave of swapped 32-token tiles: with fewer, the
-    streaming kernel cuts K into runs across the idle SMs (split-K, which this kernel does not have; Kimi's 8
-    experts x 32 tokens would be 32 tiles on 132 SMs). Modelled from the two kernels' designs, not measured."""
+    (FP4 x FP4, swapped tiles only) it also needs ``SWAPPED_MIN_TILES`` swapped 32-token tiles where the streaming
+    kernel can cut K into runs across the idle SMs (split-K, which this kernel does not have): with fewer, those
+    runs win; where K is too short to split, the swapped tiles win at any count."""
     tokens = hs.average_tokens_per_expert(problem)
     if tokens < min_tokens_per_expert(problem):
         return False
     if tokens < WGMMA_MIN_TOKENS_PER_EXPERT:
         bn = SWAPPED_MMA_BN[0]
-        return tile_token_rows(problem, bn) // bn * -(-problem.n // hs.TILE_M_ROWS) >= hs.H200_SM_COUNT
+        tiles = tile_token_rows(problem, bn) // bn * -(-problem.n // hs.TILE_M_ROWS)
+        return tiles >= SWAPPED_MIN_TILES or not streaming_splits_k(problem)
     return True
+
+
+def streaming_splits_k(problem) -> bool:
+    """Whether the streaming kernel's plan can cut a tile's K into split-K runs (``h200_stream.choose_k_splits``:
+    runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256 elements): K of 3072 and more."""
+    k_slices = problem.k // (2 * hs.K_SLICE_BYTES)
+    return k_slices >= 2 * hs.MIN_SLICES_PER_SPLIT
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -1255,5 +1275,5 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
-           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "wgmma_plan",
+           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "streaming_splits_k", "wgmma_plan",
            "wgmma_tile_tokens"]
