@@ -1067,17 +1067,24 @@ WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 #   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
 SWAPPED_MIN_TOKENS_PER_EXPERT = 17
 # Few swapped tiles (below 33 tokens per expert), measured (sweeps runs 115-116, 2026-12-01, commit ea065fe,
-# GPU-f851c549, fused weights, H200-order tokens; notes/h200/2026-12-01-wave-rule-run115-116.*), NVFP4 32 tokens per
+# GPU-f851c549, fused weights, H200-order tokens; notes/h200/2026-12-01-wave-rule-run115-117.csv), NVFP4 32 tokens per
 # expert, the streaming plan (its split-K runs) against swapped bn32, us, by swapped tiles:
 #   K 7168: 32 tiles (N 4096 x 1 expert; N 512 x 8: Kimi) 26.9 / 27.0 vs 36.7 / 36.6 (split 4); 64 (4096 x 2,
 #   512 x 16) 37.0 / 37.1 vs 38.6 / 39.0 (split 2; MXFP4 37.1 vs 37.0; 24 tokens 34.2 vs 38.5); 80 (2048 x 5)
 #   48.5 vs 39.1; 96 (4096 x 3, 512 x 24) 49.3 / 49.4 vs 40.0 / 40.7; 128 (1024 x 16, 4096 x 4, 2048 x 8) 51.2 /
 #   50.7 / 50.7 vs 42.0 / 41.3 / 41.2 (no split: the streaming kernel's plan has too many tiles for it).
 #   K 2048: 56 tiles (7168 x 1) 19.5 vs 17.5, 112 (7168 x 2) 22.3 vs 19.5 (no split: 8 slices are too few).
-# A swapped tile takes its K alone (~37-42 us at K 7168, flat up to a wave); the streaming kernel wins only while
-# it splits each tile's K in 2+ runs (``streaming_splits_k``). Half a wave sits between the last measured loss (64)
-# and win (80).
+# Run 117 (GPU-68d4d467, commit fd721cf), 32 tokens, by K and swapped tiles (the streaming plan's split-K runs):
+#   K 2048: 32 tiles 18.8 vs 16.2 (MXFP4 19.4 vs 15.6), 128 tiles 22.4 vs 20.1 (1 run);
+#   K 3072: 32 tiles 22.4 vs 20.3, 64 tiles 25.6 vs 21.9 (2 runs); K 4096: 32 tiles 25.2 vs 24.4, 64 tiles 28.5 vs
+#   26.1 (2 runs), 96 tiles 32.4 vs 27.5 (1 run); K 5120: 32 tiles 25.5 vs 28.6 (3 runs), 64 tiles 31.3 vs 30.5 (2).
+# A swapped tile takes its K alone (~8 us + 4.1 us per 1024 of K, flat up to a wave); the streaming kernel wins
+# only while it cuts each tile's K in 3+ runs (2 runs at K 4096 take 25.2 us where 1 run of the same length at K
+# 2048 takes 18.8: the split-K fix-up eats the gain), and at K 7168 with 2 runs at 64 tiles it still edges ahead
+# (37.0 vs 38.6; 34.2 vs 38.5 at 24 tokens). Half a wave sits between the last measured loss (64) and win (80).
+# One measured miss of the rule: K 5120 at 64 tiles (2 runs) stays streaming, 31.3 against 30.5 us.
 SWAPPED_MIN_TILES = hs.H200_SM_COUNT // 2
+STREAMING_MIN_SPLITS = 3
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 
 
@@ -1096,23 +1103,24 @@ def min_tokens_per_expert(problem) -> int:
 def prefers(problem) -> bool:
     """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only). Below the 128-token tiles' threshold
     (FP4 x FP4, swapped tiles only) it also needs ``SWAPPED_MIN_TILES`` swapped 32-token tiles where the streaming
-    kernel can cut K into runs across the idle SMs (split-K, which this kernel does not have): with fewer, those
-    runs win; where K is too short to split, the swapped tiles win at any count."""
+    kernel can cut K into ``STREAMING_MIN_SPLITS`` runs across the idle SMs (split-K, which this kernel does not
+    have): with fewer tiles, those runs win; where K is too short for them, the swapped tiles win at any count."""
     tokens = hs.average_tokens_per_expert(problem)
     if tokens < min_tokens_per_expert(problem):
         return False
     if tokens < WGMMA_MIN_TOKENS_PER_EXPERT:
         bn = SWAPPED_MMA_BN[0]
         tiles = tile_token_rows(problem, bn) // bn * -(-problem.n // hs.TILE_M_ROWS)
-        return tiles >= SWAPPED_MIN_TILES or not streaming_splits_k(problem)
+        return tiles >= SWAPPED_MIN_TILES or not streaming_split_k_pays(problem)
     return True
 
 
-def streaming_splits_k(problem) -> bool:
-    """Whether the streaming kernel's plan can cut a tile's K into split-K runs (``h200_stream.choose_k_splits``:
-    runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256 elements): K of 3072 and more."""
+def streaming_split_k_pays(problem) -> bool:
+    """Whether the streaming kernel's plan can cut a tile's K into ``STREAMING_MIN_SPLITS`` split-K runs or more
+    (``h200_stream.choose_k_splits``: runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256
+    elements): K of 4608 and more."""
     k_slices = problem.k // (2 * hs.K_SLICE_BYTES)
-    return k_slices >= 2 * hs.MIN_SLICES_PER_SPLIT
+    return k_slices >= STREAMING_MIN_SPLITS * hs.MIN_SLICES_PER_SPLIT
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -1275,5 +1283,5 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
-           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "streaming_splits_k", "wgmma_plan",
+           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "streaming_split_k_pays", "wgmma_plan",
            "wgmma_tile_tokens"]
