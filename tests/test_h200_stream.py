@@ -636,6 +636,26 @@ def test_split_spec_is_its_own_kernel():
     assert hs.split_spec(spec, 2) != spec and hash(hs.split_spec(spec, 2)) != hash(spec)
 
 
+
+def test_split_k_epilogue_reads_every_sum_before_it_stores():
+    """The split-K build's last run reads its sums with plain L2 loads (``ld.global.cg``), every one issued before
+    the first output store, so their latencies overlap; no ``atom.exch`` per word, which waited for each in turn.
+    The build without split-K has neither."""
+    spec = spec_of("nvfp4", CONFIGS["decode"], stages=2, small_n_warps=8)
+    for split in (False, True):
+        build = hs.split_spec(spec, 2 if split else 1)
+        cubin = offline.compile_cubin(hs.make_kernel_function(build), hs.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(build.threads, build.min_ctas_per_sm))
+        instructions = offline.sass_instructions(offline.disassemble(cubin))
+        reads = [i for i, ins in enumerate(instructions) if ins.startswith("LDG.E.STRONG.GPU")]
+        zeroes = [i for i, ins in enumerate(instructions) if ins.startswith("STG.E.STRONG.GPU")]
+        outputs = [i for i, ins in enumerate(instructions) if ins.startswith("STG.E.U16")]
+        assert not [ins for ins in instructions if ins.startswith("ATOMG") and "EXCH" in ins]
+        assert bool(reads) == bool(zeroes) == split
+        if split:
+            assert len(reads) == len(zeroes) >= 4, "one read and one zero per accumulator word"
+            assert max(reads) < min(i for i in outputs if i > min(reads)), "every read before the first store"
+
 # =============================================================================================
 # Scale atoms after a TMA box: the kernel's addressing against the 128x4 layouts
 # =============================================================================================

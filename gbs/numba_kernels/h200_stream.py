@@ -42,8 +42,8 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
 * Split-K (``choose_k_splits``, its own ``StreamSpec.split_k`` build): with fewer tiles than resident
   CTAs, each tile's K slices are cut into runs taken by different CTAs; runs add fp32 partial tiles
   into a zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the
-  last run of a tile (a counter) takes the sums back with ``atom.exch`` of 0, rounds and stores, and
-  resets the counter: the workspace is zero again after every launch. The dynamic item counter lives
+  last run of a tile (a counter) reads the sums back (all its loads in flight at once), rounds and stores,
+  zeroes the words it read and resets the counter: the workspace is zero again after every launch. The dynamic item counter lives
   in the last two words of the same counter array and is zeroed by the last producer to finish.
 * The routing (a_offsets, expert_ids; up to ``ROUTING_SMEM_SLOTS`` slots) is copied into shared memory
   at launch, so the tile walk does not pay one dependent global load per slot it steps over.
@@ -241,8 +241,9 @@ CONSUMER_BARRIER = 1           # named barrier id of the consumer warps (0 is __
 # Split-K (``choose_k_splits``): a tile's K slices are cut into ``k_splits`` runs taken by different
 # CTAs when there are too few tiles to fill the GPU (Kimi decode: 32 tiles for 132 SMs). Each run
 # adds its fp32 partial tile into a zeroed workspace (``red.global.add.f32``) and bumps the tile's
-# counter; the last one takes the sums back with ``atom.exch`` of 0 (leaving the workspace zeroed
-# for the next launch), rounds to bf16, stores C and resets the counter.
+# counter; the last one reads the sums back with plain L2 loads (``load_global_cg_f32_if``, all issued
+# before the first is used: ``atom.exch`` per word waited for each in turn, ~6 us of a 2-run Kimi-size launch,
+# run 117), rounds to bf16, stores C, zeroes the words for the next launch and resets the counter.
 # The routing (a_offsets, expert_ids) is copied into shared memory at launch when it has at most
 # this many slots: the tile walk then reads shared memory instead of one dependent global load per
 # slot it steps over (ncu on Kimi: long-scoreboard stalls first; the producer's first walk alone
@@ -1767,16 +1768,22 @@ def make_kernel_function(spec: StreamSpec):
                         runs_done = cuda.atomic.add(split_counters, tile * cta_group + rank, np.uint32(1))
                         bars[num_barriers] = np.uint64(runs_done == k_splits - 1)
                     cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                    if bars[num_barriers] != 0:   # every run's sums are in: take, round, store
-                        cuda.threadfence()
+                    if bars[num_barriers] != 0:   # every run's sums are in: read them all, then round and
+                        cuda.threadfence()        # store, leaving zeros (the reads' latencies overlap)
+                        for mi in range(m_tiles):
+                            for nj in range(n_tiles):
+                                for i in range(4):
+                                    token, row = acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo)
+                                    acc[4 * (mi * n_tiles + nj) + i] = cm.load_global_cg_f32_if(
+                                        sums_address + (token * n + row) * 4, np.uint32((token < t1) & (row < row_hi)))
                         for mi in range(m_tiles):
                             for nj in range(n_tiles):
                                 for i in range(4):
                                     token, row = acc_position(m_row_base, n_col_base, mi, nj, i, t0, r0, row_lo)
                                     valid = np.uint32((token < t1) & (row < row_hi))
-                                    total = cm.take_f32_if(sums_address + (token * n + row) * 4, valid)
                                     cm.store_global_u16_if(out_address + (token * n + row) * 2,
-                                                           f32_to_bf16_bits(total), valid)
+                                                           f32_to_bf16_bits(acc[4 * (mi * n_tiles + nj) + i]), valid)
+                                    cm.store_global_cg_zero_u32_if(sums_address + (token * n + row) * 4, valid)
                         if consumer_tid == 0:
                             split_counters[tile * cta_group + rank] = np.uint32(0)
                 item += 1

@@ -268,14 +268,21 @@ red_add_f32_if = ptx_intrinsic(
     [("address", "u64"), ("value", "f32"), ("predicate", "u32")],
     doc="Atomically add ``value`` to the f32 at global ``address`` (no result) if ``predicate`` is nonzero.")
 
-take_f32_if = ptx_intrinsic(
-    "take_f32_if",
-    "{\n .reg .pred p;\n .reg .b32 old;\n setp.ne.u32 p, $2, 0;\n mov.b32 old, 0;\n"
-    " @p atom.global.exch.b32 old, [$1], 0;\n mov.b32 $0, old;\n}",
+load_global_cg_f32_if = ptx_intrinsic(
+    "load_global_cg_f32_if",
+    "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n mov.b32 $0, 0;\n @p ld.global.cg.f32 $0, [$1];\n}",
     [("address", "u64"), ("predicate", "u32")], result="f32",
-    doc="""If ``predicate`` is nonzero, atomically replace the f32 at global ``address`` by +0 and return
-its old value (read at L2: sees every earlier ``red`` once ordered by a fence); else return +0.""")
+    doc="""If ``predicate`` is nonzero, the f32 at global ``address`` read from L2 (``.cg``: never a stale L1 line);
+else +0. A plain load: the caller orders it after the writers' reductions (their fences, an atomic counter, a
+fence before this). Loads issued back to back overlap their latencies, where an ``atom.exch`` per word, each
+used at once, waits in turn.""")
 
+store_global_cg_zero_u32_if = ptx_intrinsic(
+    "store_global_cg_zero_u32_if",
+    "{\n .reg .pred p;\n .reg .b32 z;\n setp.ne.u32 p, $1, 0;\n mov.b32 z, 0;\n"
+    " @p st.global.cg.b32 [$0], z;\n}",
+    [("address", "u64"), ("predicate", "u32")],
+    doc="If ``predicate`` is nonzero, store +0 (all 32 bits clear) at global ``address``, cached in L2 only.")
 
 # ---------------------------------------------------------------------------------------------
 # Run-time checks
