@@ -111,9 +111,9 @@ def test_h200_auto_leaves_no_token_count_to_the_wide_streaming_tiles(fmt):
     if fmt in ("nvfp4", "mxfp4"):   # the swapped 32-token tile from 17 tokens (runs 107-109), half a wave of them
         wave = h200_kernel(BenchCase("t", 4096, 256, 32, limit).problem(fmt))[0]
         assert wave is h200_wgmma and kernel_at(h200_wgmma.SWAPPED_MIN_TOKENS_PER_EXPERT - 1) is h200_stream
-        few_long = h200_kernel(BenchCase("t", 256, 4608, 4, limit).problem(fmt))[0]
-        assert few_long is h200_stream, "8 tiles on 132 SMs, K 4608: the streaming kernel's 3 split-K runs"
-        assert kernel_at(limit) is h200_wgmma, "K 256 cannot be split: the swapped tiles at any count (runs 115-117)"
+        few_long = h200_kernel(BenchCase("t", 256, 3072, 4, limit).problem(fmt))[0]
+        assert few_long is h200_stream, "8 tiles on 132 SMs, K 3072: the streaming kernel's split-K runs"
+        assert kernel_at(limit) is h200_wgmma, "K 256 cannot be split: the swapped tiles at any count (runs 115-118)"
     else:
         assert kernel_at(limit) is h200_stream, "32 FP8 tokens: one 32-token tile per expert wins (runs 34, 108)"
     assert h200_wgmma.min_tokens_per_expert(BenchCase("t", 256, 256, 4, 1).problem(fmt)) <= limit + 1

@@ -421,21 +421,21 @@ def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots,
     ("nvfp4", 2048, 5, 32, 7168, True), ("nvfp4", 512, 24, 32, 7168, True),  # 80, 96: 48.5 vs 39.1, 49.4 vs 40.7
     ("nvfp4", 4096, 4, 32, 7168, True), ("nvfp4", 4096, 32, 32, 7168, True), ("mxfp4", 7168, 32, 17, 7168, True),
     ("nvfp4", 7168, 1, 32, 2048, True), ("nvfp4", 512, 8, 32, 2048, True),  # no split: 17.5 vs 19.5, 16.2 vs 18.8
-    ("nvfp4", 512, 8, 32, 3072, True), ("nvfp4", 512, 8, 32, 4096, True),    # 2 runs: 20.3 vs 22.4, 24.4 vs 25.2
-    ("nvfp4", 1024, 8, 32, 4096, True),                                       # 64 tiles, 2 runs: 26.1 vs 28.5
-    ("nvfp4", 512, 8, 32, 5120, False),                                       # 3 runs: 25.5 vs 28.6
+    ("nvfp4", 512, 8, 32, 4096, False),   # 2 runs: 22.2 us (run 118's split-K take) vs 24.4 swapped
+    ("nvfp4", 512, 8, 32, 3072, False), ("nvfp4", 512, 8, 32, 5120, False),   # 2 and 3 runs
+    ("nvfp4", 4096, 3, 32, 4096, True),                                       # 96 tiles, 1 run: 27.5 vs 32.4
     ("nvfp4", 512, 8, 48, 7168, True), ("mxfp8", 512, 8, 48, 7168, True),     # from 33 tokens: the average alone
     ("nvfp4", 4096, 32, 16, 7168, False),
 ])
 def test_auto_keeps_few_swapped_tiles_on_the_streaming_kernel(fmt, n, slots, tokens, k, want):
     """Below the 128-token tiles' threshold the swapped tiles need ``SWAPPED_MIN_TILES`` (half a wave) of them where
-    the streaming kernel can cut K into 3+ runs (``prefers``; sweeps runs 115-117: its split-K runs win up to 64
-    tiles, the swapped tiles from 80, and at K up to 4096, where it makes 2 runs at most, at any count). From 33
-    tokens the rule is the measured average alone."""
+    the streaming kernel can cut K into 2+ runs (``prefers``; sweeps runs 115-118: its split-K runs win up to 64
+    tiles, the swapped tiles from 80, and at K 2048, where it cannot split, at any count). From 33 tokens the rule
+    is the measured average alone."""
     assert hw.SWAPPED_MIN_TILES == hs.H200_SM_COUNT // 2
     pays = hw.streaming_split_k_pays(_metadata(fmt, n, slots, tokens, k))
     most_runs = hs.choose_k_splits(1, k // 256, 4 * hs.H200_SM_COUNT)[0]
-    assert pays is (k >= 4608) is (most_runs >= hw.STREAMING_MIN_SPLITS)
+    assert pays is (k >= 3072) is (most_runs >= hw.STREAMING_MIN_SPLITS)
     assert hw.prefers(_metadata(fmt, n, slots, tokens, k)) is want
 
 

@@ -1078,13 +1078,16 @@ SWAPPED_MIN_TOKENS_PER_EXPERT = 17
 #   K 2048: 32 tiles 18.8 vs 16.2 (MXFP4 19.4 vs 15.6), 128 tiles 22.4 vs 20.1 (1 run);
 #   K 3072: 32 tiles 22.4 vs 20.3, 64 tiles 25.6 vs 21.9 (2 runs); K 4096: 32 tiles 25.2 vs 24.4, 64 tiles 28.5 vs
 #   26.1 (2 runs), 96 tiles 32.4 vs 27.5 (1 run); K 5120: 32 tiles 25.5 vs 28.6 (3 runs), 64 tiles 31.3 vs 30.5 (2).
-# A swapped tile takes its K alone (~8 us + 4.1 us per 1024 of K, flat up to a wave); the streaming kernel wins
-# only while it cuts each tile's K in 3+ runs (2 runs at K 4096 take 25.2 us where 1 run of the same length at K
-# 2048 takes 18.8: the split-K fix-up eats the gain), and at K 7168 with 2 runs at 64 tiles it still edges ahead
-# (37.0 vs 38.6; 34.2 vs 38.5 at 24 tokens). Half a wave sits between the last measured loss (64) and win (80).
-# One measured miss of the rule: K 5120 at 64 tiles (2 runs) stays streaming, 31.3 against 30.5 us.
+# A swapped tile takes its K alone (~8 us + 4.1 us per 1024 of K, flat up to a wave). In runs 115-117 two split-K
+# runs did not pay below K 7168 (K 4096 in 2 runs of 2048: 25.2 us, K 2048 in 1 run: 18.8): the last run took the
+# sums back with an ``atom.exch`` per word, each waited for in turn. With plain loads all in flight (run 118,
+# GPU-e5f6ff23, commit d1d61e8, against e352c26) split-K launches take 3.4 us less: 512 x 4096 x 8 x 32 (2 runs)
+# 25.6 -> 22.2 (swapped: 24.4), 512 x 7168 x 8 x 32 (4 runs) 27.3 -> 24.0, 4096 x 7168 x 1 x 32 27.3 -> 23.7. So
+# 2 runs pay again: the streaming kernel wins wherever its plan splits K and the swapped tiles are fewer than half
+# a wave, between the last measured loss (64 tiles) and win (80: no split left). K 3072 (2 runs of 6 slices:
+# 22.4 vs 20.3 with the old take) is inferred from the 3.4 us, not measured again.
 SWAPPED_MIN_TILES = hs.H200_SM_COUNT // 2
-STREAMING_MIN_SPLITS = 3
+STREAMING_MIN_SPLITS = 2
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 
 
@@ -1118,7 +1121,7 @@ def prefers(problem) -> bool:
 def streaming_split_k_pays(problem) -> bool:
     """Whether the streaming kernel's plan can cut a tile's K into ``STREAMING_MIN_SPLITS`` split-K runs or more
     (``h200_stream.choose_k_splits``: runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256
-    elements): K of 4608 and more."""
+    elements): K of 3072 and more."""
     k_slices = problem.k // (2 * hs.K_SLICE_BYTES)
     return k_slices >= STREAMING_MIN_SPLITS * hs.MIN_SLICES_PER_SPLIT
 
