@@ -43,8 +43,8 @@ Structure (persistent: as many CTAs as fit, ``resident_ctas_per_sm`` per SM):
   CTAs, each tile's K slices are cut into runs taken by different CTAs; runs add fp32 partial tiles
   into a zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the
   last run of a tile (a counter) reads the sums back (all its loads in flight at once), rounds and stores,
-  zeroes the words it read and resets the counter: the workspace is zero again after every launch. The dynamic item counter lives
-  in the last two words of the same counter array and is zeroed by the last producer to finish.
+  zeroes the words it read and resets the counter: the workspace is zero again after every launch. The dynamic
+  item counter lives in the last two words of the same counter array and is zeroed by the last producer to finish.
 * The routing (a_offsets, expert_ids; up to ``ROUTING_SMEM_SLOTS`` slots) is copied into shared memory
   at launch, so the tile walk does not pay one dependent global load per slot it steps over.
 * ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile.

@@ -1286,5 +1286,5 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
-           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers", "streaming_split_k_pays", "wgmma_plan",
-           "wgmma_tile_tokens"]
+           "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers",
+           "streaming_split_k_pays", "wgmma_plan", "wgmma_tile_tokens"]
