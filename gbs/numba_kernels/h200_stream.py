@@ -524,9 +524,8 @@ class StreamSpec:
     # -- formats and the K slice --------------------------------------------------------------
     @property
     def k_slice(self) -> int:
-        """K elements per stage: 256 when both operands are FP4 (128 bytes each), else 128."""
-        both_fp4 = get_format(self.a_format).packed and get_format(self.b_format).packed
-        return 2 * K_SLICE_BYTES if both_fp4 else K_SLICE_BYTES
+        """K elements per stage (``k_slice_elements``)."""
+        return k_slice_elements(self.a_format, self.b_format)
 
     @property
     def pairing(self) -> str:
@@ -1944,6 +1943,13 @@ H200_SMALL_N_MMA_BN = (8, 16, 32)   # token tile widths the small-N mapping choo
 H200_SMALL_N_STAGES = 2
 H200_EIGHT_WARP_MMA_BN = 32   # the small-N tile width that runs on 8 warps whatever the tile count
 H200_SM_COUNT = 132   # fewer tiles than this (``estimated_small_n_tiles``): split-K runs, 8 warps
+
+
+def k_slice_elements(a_format, b_format) -> int:
+    """K elements per stage of a format pair (names or ``BlockFormat``): 256 when both operands are FP4 (128 bytes
+    each), else 128."""
+    both_fp4 = get_format(a_format).packed and get_format(b_format).packed
+    return 2 * K_SLICE_BYTES if both_fp4 else K_SLICE_BYTES
 
 
 def average_tokens_per_expert(problem) -> int:

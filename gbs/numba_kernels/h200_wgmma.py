@@ -1122,7 +1122,7 @@ def streaming_split_k_pays(problem) -> bool:
     """Whether the streaming kernel's plan can cut a tile's K into ``STREAMING_MIN_SPLITS`` split-K runs or more
     (``h200_stream.choose_k_splits``: runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256
     elements): K of 3072 and more."""
-    k_slices = problem.k // (2 * hs.K_SLICE_BYTES)
+    k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
     return k_slices >= STREAMING_MIN_SPLITS * hs.MIN_SLICES_PER_SPLIT
 
 
