@@ -415,6 +415,32 @@ def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots,
         assert plan.tile_tokens == 128
 
 
+def test_swapped_split_k_build_reads_every_sum_before_it_stores():
+    """``WgmmaSpec.split_k`` (swapped tiles only): the K loop keeps the plain swapped build's shape (no local
+    memory); the epilogue adds the partials (``red.global.add.f32``) and the last run reads every sum with a plain
+    L2 load before its first output store (no ``atom.exch``)."""
+    with pytest.raises(ValueError, match="ab_swapped must be True"):
+        dataclasses.replace(spec_of("nvfp4", 128), split_k=True)
+    plain = spec_of("nvfp4", 32, ab_swapped=True)
+    loops = {}
+    for spec in (plain, dataclasses.replace(plain, split_k=True)):
+        assert spec.ring.split_k == spec.split_k
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+        sass = offline.disassemble(cubin)
+        instructions = offline.sass_instructions(sass)
+        loops[spec.split_k] = [(loop.size, loop.count("LDL") + loop.count("STL"))
+                               for loop in offline.sass_loops(sass) if loop.count("HGMMA")][0]
+        reads = [i for i, ins in enumerate(instructions) if ins.startswith("LDG.E.STRONG.GPU")]
+        reds = [ins for ins in instructions if ins.startswith("REDG") and "F32" in ins]
+        assert bool(reads) == bool(reds) == spec.split_k
+        assert not [ins for ins in instructions if ins.startswith("ATOMG") and "EXCH" in ins]
+        if spec.split_k:
+            first_store = min(i for i, ins in enumerate(instructions) if ins.startswith("STG.E.U16") and i > reads[0])
+            assert max(reads) < first_store, "every read before the first store"
+    assert loops[True] == loops[False] and loops[True][1] == 0, loops
+
+
 @pytest.mark.parametrize("fmt, n, slots, tokens, k, want", [
     ("nvfp4", 512, 8, 32, 7168, False), ("mxfp4", 512, 8, 24, 7168, False),  # 32 tiles (Kimi): 26.9 vs 36.6 us
     ("nvfp4", 4096, 2, 32, 7168, False), ("nvfp4", 4096, 2, 24, 7168, False),  # 64: 37.0 vs 38.6, 34.2 vs 38.5
@@ -525,6 +551,37 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
     out = hw.grouped_matmul_h200(problem, config)
     result = check_acceptance(problem, out, reference_grouped_matmul(problem))
     assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+
+
+SWAPPED_SPLIT_GPU_CASES = [("nvfp4", 32, 2), ("mxfp4", 32, 4), ("nvfp4", 64, 3), ("w4a8", 32, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bn, k_splits", SWAPPED_SPLIT_GPU_CASES)
+def test_gpu_swapped_split_k_matches_the_reference_and_cleans_up(fmt, bn, k_splits):
+    """Swapped tiles in split-K runs (``prepare(k_splits=...)``): every run adds its partial, the tile's last run
+    reads the sums back and stores; one prepared launch run three times over a sentinel: rows of skipped slots
+    keep it, every run passes, and the workspace and counters are zero again after each."""
+    from numba import cuda
+
+    problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped-split/{fmt}/{bn}")
+    ref = reference_grouped_matmul(problem)
+    sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
+    device_out = cuda.to_device(sentinel)
+    prepared = hw.prepare(launch.to_device(problem), hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True), device_out,
+                          k_splits=k_splits)
+    assert prepared.k_splits > 1 and prepared.spec.split_k
+    skipped = ~problem.written_rows()
+    for _ in range(3):
+        device_out.copy_to_device(sentinel)
+        prepared()
+        bits = device_out.copy_to_host()
+        assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
+        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
+        result = check_acceptance(problem, merged, ref)
+        assert result.passed, f"{prepared.k_splits} runs: {result}"
+        assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
+        assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
 
 
 @pytest.mark.gpu

@@ -68,6 +68,12 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   fused weights): 32 tokens per expert NVFP4 291.7 -> 250.2 us, MXFP4 301.7 -> 236.0; 48-64 tokens (bn64) 456 ->
   301 / 455 -> 290. ``wgmma_plan`` picks them for FP4 x FP4 (``SWAPPED_ROW_COST``); FP8 tokens stay on the
   streaming kernel (W4A8 266.8 against 381.4).
+* Split-K runs of swapped tiles (``prepare(..., k_splits=...)``, its own ``WgmmaSpec.split_k`` build; not
+  GPU-run yet, not in the plan): where the swapped tiles are few (Kimi's N 512 x 8 experts x 32 tokens: 32 tiles
+  on 132 SMs), the ring's producers hand out runs of a tile's K slices (the streaming kernel's split-K walk), and
+  the epilogue is the streaming kernel's split-K protocol: each run adds its scaled partial to a zeroed fp32
+  workspace (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back with plain
+  L2 loads before it stores the bf16 outputs and zeroes the words.
 
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
@@ -115,6 +121,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32
+from numba.cuda.cudadrv.driver import device_memset
 
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
 from gbs.numba_kernels import h200_stream as hs
@@ -275,9 +282,13 @@ class WgmmaSpec:
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
     tile_tokens: int = TILE_TOKENS[0]
     ab_swapped: bool = False
+    split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
 
     def __post_init__(self):
         WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens, self.ab_swapped)
+        if self.split_k and not self.ab_swapped:
+            raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
+                             "ab_swapped must be True")
         ring = self.ring   # format pair, layout and stage checks
         if self.mma_operands == "e4m3":
             for side in (ring.token_side, ring.weight_side):
@@ -292,7 +303,7 @@ class WgmmaSpec:
         consumer warps (its readers also decode for this kernel, in the operands' layouts)."""
         return hs.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
-                             warpgroup_consumers=True)
+                             warpgroup_consumers=True, split_k=self.split_k)
 
     @property
     def cta_group(self) -> int:
@@ -544,7 +555,8 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
         else:
             consumer_regs()
             block_sync()   # the mbarriers are initialised
-            consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles)
+            consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles, split_sums,
+                    split_counters, k_splits, slices_per_split)
 
     return grouped_matmul_h200_wgmma
 
@@ -591,6 +603,9 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     advance = _device(hp.wgmma_descriptor_advance)
     buffer_units = buffer_bytes // hp.DESCRIPTOR_UNIT_BYTES
     store_tile = _make_store_tile(num_acc, swapped)
+    split_k = spec.split_k
+    add_partial, take_store = _make_split_epilogue(num_acc)
+    split_flag = 2 * stages   # the ring's shared flag word after the mbarriers (h200_stream.SPLIT_FLAG_WORDS)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     m_tiles = spec.m_tiles
@@ -604,7 +619,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     DESCRIPTOR_UNIT_BYTES = hp.DESCRIPTOR_UNIT_BYTES
     ROTATION_RUN = hs.ROTATION_RUN
 
-    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
         lane = cm.laneid()
         base = np.int64(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
@@ -650,7 +666,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         item = np.int64(0)
         while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
             if expert < 0:
                 break
             if swapped:   # weights on M (the tile starts on a 128-row band), tokens on N
@@ -662,7 +678,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             acc = zero_acc()
             if two_m_tiles:
                 acc_hi = zero_acc()
-            for _ in range(k_slices):
+            slices = k_slices
+            if split_k:   # this run's K slices of the tile (the last run may be shorter)
+                slices = min(np.int64(slices_per_split), k_slices - np.int64(s_begin))
+            for _ in range(slices):
                 full = bar0 + MBARRIER_BYTES * stage
                 CONSUMER_WAIT(full, phase)
                 st = np.uint32(base + stage * stage_bytes)
@@ -790,7 +809,24 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             hp.wgmma_wait_group_0()
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
-            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
+            if split_k:   # h200_stream's split-K protocol: add this run's partial; the tile's last run stores
+                sums_address = np.int64(cm.generic_address(split_sums))
+                add_partial(acc_out, sums_address, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
+                cuda.threadfence()
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                if cw == 0 and lane == 0:
+                    runs_done = cuda.atomic.add(split_counters, tile, np.uint32(1))
+                    bars[split_flag] = np.uint64(np.int64(runs_done) == k_splits - 1)
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                if bars[split_flag] != 0:   # every run's sums are in
+                    cuda.threadfence()
+                    take_store(acc_out, out, sums_address, n, t0, t1, r0, r1, m_row, q)
+                    if cw == 0 and lane == 0:
+                        split_counters[tile] = np.uint32(0)
+                # every consumer has read the flag before the next tile's thread 0 writes it
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+            else:
+                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
             if two_m_tiles:
                 acc_hi = hp.wgmma_fence_accumulators(acc_hi)
                 hp.accumulators_to_array(acc_hi, acc_out)
@@ -862,7 +898,8 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
 
     issue, promote = _device(issue), _device(promote)
 
-    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
         lane = cm.laneid()
         base = np.int64(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
@@ -942,6 +979,40 @@ def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:
     is ``m_row`` (warpgroup row base + warp row base + g) and quad lane ``q``: ``wgmma_accumulator_position``'s
     (row, column) with rows = weights and columns = tokens. Host and device."""
     return m_row + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * q + (i & 1)
+
+
+def _make_split_epilogue(num_acc: int):
+    """Device functions of the swapped tiles' split-K epilogue (``WgmmaSpec.split_k``): ``add_partial(acc_out,
+    sums_address, n, t0, t1, r0, r1, m_row, q, out_scale)`` adds a thread's scaled accumulators to the fp32
+    workspace (``red.global.add.f32``; a thread's two columns are two tokens, one output row apart, so no pairs);
+    ``take_store(acc_out, out, sums_address, n, t0, t1, r0, r1, m_row, q)`` reads every sum of the thread into
+    ``acc_out`` first (plain L2 loads, their latencies overlapping), then stores them as bf16 and zeroes the words
+    for the next launch. Outputs past ``t1`` / ``r1`` are left alone."""
+    swapped_position = _device(swapped_accumulator_position)
+
+    def element(n, t0, t1, r0, r1, m_row, q, i):
+        row_in_tile, token_in_tile = swapped_position(m_row, q, i)
+        row, token = r0 + row_in_tile, t0 + token_in_tile
+        return token * n + row, np.uint32((token < t1) & (row < r1))
+
+    element = _device(element)
+
+    def add_partial(acc_out, sums_address, n, t0, t1, r0, r1, m_row, q, out_scale):
+        for i in range(num_acc):
+            word, valid = element(n, t0, t1, r0, r1, m_row, q, i)
+            cm.red_add_f32_if(sums_address + word * 4, acc_out[i] * out_scale, valid)
+
+    def take_store(acc_out, out, sums_address, n, t0, t1, r0, r1, m_row, q):
+        out_address = np.int64(cm.generic_address(out))
+        for i in range(num_acc):
+            word, valid = element(n, t0, t1, r0, r1, m_row, q, i)
+            acc_out[i] = cm.load_global_cg_f32_if(sums_address + word * 4, valid)
+        for i in range(num_acc):
+            word, valid = element(n, t0, t1, r0, r1, m_row, q, i)
+            cm.store_global_u16_if(out_address + word * 2, f32_to_bf16_bits(acc_out[i]), valid)
+            cm.store_global_cg_zero_u32_if(sums_address + word * 4, valid)
+
+    return _device(add_partial), _device(take_store)
 
 
 def _make_store_tile(num_acc: int, swapped: bool = False):
@@ -1228,11 +1299,12 @@ def compiled_kernel(spec: WgmmaSpec) -> launch.CompiledKernel:
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            stream=0) -> hs.StreamLaunch:
+            k_splits: int | None = 1, stream=0) -> hs.StreamLaunch:
     """Compile (cached), build the tensor maps, marshal the arguments; returns a launch object
     (``h200_stream.StreamLaunch``) that enqueues with no host copies or syncs. ``out`` and
     ``num_ctas`` as in ``h200_stream.prepare`` (one CTA per SM by default: 227 KiB each); ``out`` must
-    be 4-byte aligned (the epilogue stores bf16 pairs), as every allocation is."""
+    be 4-byte aligned (the epilogue stores bf16 pairs), as every allocation is. ``k_splits``: split-K runs per
+    tile, swapped tiles only (``None``: ``h200_stream.choose_k_splits`` for the grid; 1: no split)."""
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
@@ -1248,28 +1320,44 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
         if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
     kernel = compiled_kernel(spec)
-    if num_ctas is None:
-        num_ctas = hs.default_num_ctas(spec, max_tiles, kernel.registers)
     k_slices = problem_device.k // spec.k_slice
-    no_split_sums, item_counter = cuda.device_array((1, 1), np.float32), hs.zeroed_counters(0, stream)
+    if k_splits is None:
+        k_splits, slices_per_split = hs.choose_k_splits(max_tiles, k_slices, hs.resident_pairs(spec, kernel.registers))
+    else:
+        k_splits, slices_per_split = hs.split_runs(k_slices, require_int("k_splits", k_splits, 1))
+    if k_splits > 1 and not spec.ab_swapped:
+        raise ValueError(f"k_splits={k_splits}: split-K runs are the swapped tiles' (ab_swapped=True); this config "
+                         f"takes k_splits=1")
+    if k_splits > 1:
+        spec = dataclasses.replace(spec, split_k=True)
+        kernel = compiled_kernel(spec)
+    if num_ctas is None:   # the runs are the work items
+        num_ctas = hs.default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
+    item_counter = hs.zeroed_counters(max_tiles if k_splits > 1 else 0, stream)   # tile counters, then the items
+    if k_splits > 1:
+        split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32, stream=stream)
+        device_memset(split_sums, 0, split_sums.nbytes, stream=stream)
+    else:
+        split_sums = cuda.device_array((1, 1), np.float32)
     arrays = problem_device.arrays()
     map_args = hs.tensor_map_args(spec.ring, {k: tuple(v.shape) for k, v in arrays.items()},
                                   {k: launch.device_address(v) for k, v in arrays.items()})
     maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
-            np.int64(k_slices), np.int64(max_tiles), no_split_sums, item_counter, np.int64(1),
-            np.int64(k_slices))
+            np.int64(k_slices), np.int64(max_tiles), split_sums, item_counter, np.int64(k_splits),
+            np.int64(slices_per_split))
     prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream,
-                                     keepalive=(maps, problem_device, item_counter))
-    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, split_counters=item_counter,
-                           kernel=KERNEL_NAME)
+                                     keepalive=(maps, problem_device, item_counter, split_sums))
+    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, k_splits, split_sums,
+                           split_counters=item_counter, kernel=KERNEL_NAME)
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None) -> np.ndarray:
+                        num_ctas: int | None = None, k_splits: int | None = 1) -> np.ndarray:
     """Run the wgmma kernel on a host problem (``config=None``: ``wgmma_plan``'s knobs); returns ``C``
-    (bf16, (total_tokens, N)); ``out`` as in ``h200_stream.grouped_matmul_h200``. Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
+    (bf16, (total_tokens, N)); ``out`` as in ``h200_stream.grouped_matmul_h200``, ``k_splits`` as in ``prepare``.
+    Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
     config = wgmma_plan(problem) if config is None else config
     check_can_implement(problem, config)
@@ -1280,7 +1368,7 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
         raise ValueError(f"out must be a C-contiguous bfloat16 numpy array of shape {shape}")
     bits = out.view(np.uint16)
     device_out = cuda.to_device(bits)
-    prepare(launch.to_device(problem), config, device_out, num_ctas=num_ctas)()
+    prepare(launch.to_device(problem), config, device_out, num_ctas=num_ctas, k_splits=k_splits)()
     device_out.copy_to_host(bits)
     return out
 
