@@ -10,7 +10,7 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 ``h200_stream.StreamConfig.small_n_warps``),
 ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
-tile, ``:kauto`` = ``choose_k_splits``), or ``plan:backend:format:case`` for
+tile, ``:kauto`` = ``h200_wgmma.swapped_k_splits``), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
@@ -57,7 +57,7 @@ def parse_case(text: str, point: str) -> bench.BenchCase:
 
 def parse_wgmma_point(text: str):
     parts = text.split(":")
-    k_splits = 1   # split-K runs (swapped tiles): a last ":k<runs>" or ":kauto" (h200_stream.choose_k_splits)
+    k_splits = 1   # split-K runs (swapped tiles): a last ":k<runs>" or ":kauto" (h200_wgmma.swapped_k_splits)
     if parts[-1] == "kauto" or (parts[-1].startswith("k") and parts[-1][1:].isdigit()):
         runs = parts.pop()[1:]
         k_splits = None if runs == "auto" else int(runs)

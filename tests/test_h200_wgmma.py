@@ -401,6 +401,29 @@ def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slot
 
 
 # what sweep runs 107-108 measured fastest at 32 experts, 4096 x 7168 (notes/h200 "Session 24"): (mma_bn, ab_swapped)
+@pytest.mark.parametrize("tiles, k_slices, want", [
+    (32, 28, (4, 7)),    # 512 x 7168 x 8 x 32: 4 runs 22.2 us (2: 27.5, 7: 24.7; run 120)
+    (32, 16, (4, 4)),    # 512 x 4096 x 8 x 32: runs of 4 slices 17.6 (2 runs: 21.3)
+    (64, 28, (2, 14)),   # 4096 x 7168 x 2 x 32: 29.0 (1 run: 38.6)
+    (96, 28, (1, 28)), (132, 28, (1, 28)),   # a wave of tiles or more: no split
+    (8, 28, (7, 4)),     # few tiles: the slice floor bounds the runs
+    (32, 8, (2, 4)), (32, 3, (1, 3)),
+    (30, 14, (3, 5)),    # 14 slices: 3 runs (of 5, 5, 4), none shorter than 4 slices
+])
+def test_swapped_k_splits_fill_one_wave_with_runs_of_at_least_four_slices(tiles, k_slices, want):
+    assert hw.swapped_k_splits(tiles, k_slices, hs.H200_SM_COUNT) == want
+    runs, per_run = want
+    assert (runs - 1) * per_run < k_slices <= runs * per_run
+
+
+def test_swapped_k_splits_refuses_bad_counts():
+    for bad in ((0, 28, 132), (32, 0, 132), (32, 28, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            hw.swapped_k_splits(*bad)
+    with pytest.raises(TypeError, match="must be an int"):
+        hw.swapped_k_splits(32.0, 28, 132)
+
+
 @pytest.mark.parametrize("fmt, n, slots, tokens, want", [
     ("nvfp4", 4096, 32, 32, (32, True)), ("nvfp4", 4096, 32, 48, (64, True)), ("nvfp4", 4096, 32, 64, (64, True)),
     ("nvfp4", 4096, 32, 128, (128, False)), ("mxfp4", 4096, 32, 32, (32, True)), ("mxfp4", 4096, 32, 64, (64, True)),
@@ -556,20 +579,16 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
 SWAPPED_SPLIT_GPU_CASES = [("nvfp4", 32, 2), ("mxfp4", 32, 4), ("nvfp4", 64, 3), ("w4a8", 32, 5)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt, bn, k_splits", SWAPPED_SPLIT_GPU_CASES)
-def test_gpu_swapped_split_k_matches_the_reference_and_cleans_up(fmt, bn, k_splits):
-    """Swapped tiles in split-K runs (``prepare(k_splits=...)``): every run adds its partial, the tile's last run
-    reads the sums back and stores; one prepared launch run three times over a sentinel: rows of skipped slots
-    keep it, every run passes, and the workspace and counters are zero again after each."""
+def run_split_launch_three_times(problem, config, k_splits):
+    """``prepare(k_splits=...)`` once, the launch run three times over a sentinel: rows of skipped slots keep it,
+    every run passes the acceptance, and the workspace and counters are zero again after each. Returns the
+    prepared launch."""
     from numba import cuda
 
-    problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped-split/{fmt}/{bn}")
     ref = reference_grouped_matmul(problem)
     sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
     device_out = cuda.to_device(sentinel)
-    prepared = hw.prepare(launch.to_device(problem), hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True), device_out,
-                          k_splits=k_splits)
+    prepared = hw.prepare(launch.to_device(problem), config, device_out, k_splits=k_splits)
     assert prepared.k_splits > 1 and prepared.spec.split_k
     skipped = ~problem.written_rows()
     for _ in range(3):
@@ -582,6 +601,34 @@ def test_gpu_swapped_split_k_matches_the_reference_and_cleans_up(fmt, bn, k_spli
         assert result.passed, f"{prepared.k_splits} runs: {result}"
         assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
         assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
+    return prepared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bn, k_splits", SWAPPED_SPLIT_GPU_CASES)
+def test_gpu_swapped_split_k_matches_the_reference_and_cleans_up(fmt, bn, k_splits):
+    """Swapped tiles in split-K runs (``prepare(k_splits=...)``): every run adds its partial, the tile's last run
+    reads the sums back and stores."""
+    problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped-split/{fmt}/{bn}")
+    run_split_launch_three_times(problem, hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True), k_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
+    """A Kimi-like problem (N 512 + 64: 5 weight bands, the last one partial; 8 slots of up to 32 tokens with a -1
+    slot, an empty group and a 1-token group; K 4096): ~30 swapped tiles, so ``prepare``'s default cuts each into
+    ``swapped_k_splits`` runs (4 runs of 4 slices on 132 SMs), counting the groups' own tiles."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = synthetic_problem(fmt, n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
+                                expert_ids=[3, 0, 5, 1, -1, 2, 4, 6], num_experts=7,
+                                seed=zlib.crc32(f"wgmma-swapped-default-split/{fmt}".encode()))
+    config = hw.wgmma_plan(problem)
+    assert (config.ab_swapped, config.mma_bn) == (True, 32)
+    prepared = run_split_launch_three_times(problem, config, None)
+    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hs.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
+    assert prepared.k_splits == want == 4
 
 
 @pytest.mark.gpu

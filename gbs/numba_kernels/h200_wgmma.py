@@ -1160,6 +1160,25 @@ SWAPPED_MIN_TOKENS_PER_EXPERT = 17
 SWAPPED_MIN_TILES = hs.H200_SM_COUNT // 2
 STREAMING_MIN_SPLITS = 2
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
+# Split-K runs of swapped tiles (``swapped_k_splits``), measured (runs 119-120, 2026-12-01, commit 1524f4f,
+# GPU-ec40594c / GPU-d3d9d25d, fused weights, H200-order tokens; notes/h200/2026-12-01-swapped-split-run119-121.*),
+# NVFP4 bn32, 32 tokens per expert, us, against the streaming plan (its own split-K runs) in the same process:
+#   512 x 7168 x 8 experts (32 tiles, 28 slices): 1 run 36.6 (run 115), 2 runs 27.5, 4 runs 22.2, 7 runs 24.7;
+#       streaming 23.6-24.0. MXFP4: 7 runs 24.0 vs 24.5.
+#   512 x 4096 x 8 (32 tiles, 16 slices): 2 runs 21.3, 4 runs (of 4 slices) 17.6; streaming 21.9-22.3.
+#   4096 x 7168 x 2 (64 tiles): 1 run 38.6, 2 runs 29.0; streaming 33.4-33.6.
+# About one wave of runs: 4 runs on 32 tiles (128 runs on 132 SMs) beat 7 (224 runs: a second, partial wave);
+# runs of 4 slices still pay (K 4096), so the floor is lower than the streaming kernel's MIN_SLICES_PER_SPLIT.
+SWAPPED_MIN_SLICES_PER_SPLIT = 4
+
+
+def swapped_k_splits(tiles: int, k_slices: int, resident_ctas: int) -> tuple[int, int]:
+    """(k_splits, slices_per_split) for ``tiles`` swapped tiles on ``resident_ctas`` CTAs: as many runs per tile as
+    fit in one wave of CTAs, each at least ``SWAPPED_MIN_SLICES_PER_SPLIT`` K slices long (none empty); one run
+    (no split) from a wave of tiles."""
+    for name, value in (("tiles", tiles), ("k_slices", k_slices), ("resident_ctas", resident_ctas)):
+        require_int(name, value, 1)
+    return hs.split_runs(k_slices, max(1, min(resident_ctas // tiles, k_slices // SWAPPED_MIN_SLICES_PER_SPLIT)))
 
 
 def _both_fp4(problem) -> bool:
@@ -1183,8 +1202,7 @@ def prefers(problem) -> bool:
     if tokens < min_tokens_per_expert(problem):
         return False
     if tokens < WGMMA_MIN_TOKENS_PER_EXPERT:
-        bn = SWAPPED_MMA_BN[0]
-        tiles = tile_token_rows(problem, bn) // bn * -(-problem.n // hs.TILE_M_ROWS)
+        tiles = estimated_tiles(problem, SWAPPED_MMA_BN[0], hs.TILE_M_ROWS)
         return tiles >= SWAPPED_MIN_TILES or not streaming_split_k_pays(problem)
     return True
 
@@ -1244,11 +1262,17 @@ def tile_token_rows(problem, tile_tokens: int) -> int:
     return problem.num_active_experts * -(-hs.average_tokens_per_expert(problem) // tile_tokens) * tile_tokens
 
 
+def estimated_tiles(problem, tile_tokens: int, weight_rows: int) -> int:
+    """Tiles of ``tile_tokens`` tokens x ``weight_rows`` weight rows the walk visits (``tile_token_rows``: host
+    metadata only, each group's own where the routing is on the host)."""
+    return tile_token_rows(problem, tile_tokens) // tile_tokens * -(-problem.n // weight_rows)
+
+
 def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
     """A launch's estimated time, in token x weight-row products at the 128-token plan's cost (host
     metadata only): the tiles of ``tile_tokens`` x ``mma_bn`` (``tile_token_rows``) in waves of
     ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
-    tiles = tile_token_rows(problem, tile_tokens) // tile_tokens * -(-problem.n // mma_bn)
+    tiles = estimated_tiles(problem, tile_tokens, mma_bn)
     return max(1.0, tiles / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost
 
 
@@ -1299,12 +1323,13 @@ def compiled_kernel(spec: WgmmaSpec) -> launch.CompiledKernel:
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            k_splits: int | None = 1, stream=0) -> hs.StreamLaunch:
+            k_splits: int | None = None, stream=0) -> hs.StreamLaunch:
     """Compile (cached), build the tensor maps, marshal the arguments; returns a launch object
     (``h200_stream.StreamLaunch``) that enqueues with no host copies or syncs. ``out`` and
     ``num_ctas`` as in ``h200_stream.prepare`` (one CTA per SM by default: 227 KiB each); ``out`` must
     be 4-byte aligned (the epilogue stores bf16 pairs), as every allocation is. ``k_splits``: split-K runs per
-    tile, swapped tiles only (``None``: ``h200_stream.choose_k_splits`` for the grid; 1: no split)."""
+    tile, swapped tiles only (``None``: ``swapped_k_splits`` for the swapped tiles, none for the others; 1: no
+    split)."""
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
@@ -1321,8 +1346,11 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
     kernel = compiled_kernel(spec)
     k_slices = problem_device.k // spec.k_slice
-    if k_splits is None:
-        k_splits, slices_per_split = hs.choose_k_splits(max_tiles, k_slices, hs.resident_pairs(spec, kernel.registers))
+    if k_splits is None and spec.ab_swapped:
+        tiles = max(1, estimated_tiles(problem_device, spec.mma_bn, hs.TILE_M_ROWS))   # 0: every slot -1
+        k_splits, slices_per_split = swapped_k_splits(tiles, k_slices, hs.resident_pairs(spec, kernel.registers))
+    elif k_splits is None:
+        k_splits, slices_per_split = 1, k_slices
     else:
         k_splits, slices_per_split = hs.split_runs(k_slices, require_int("k_splits", k_splits, 1))
     if k_splits > 1 and not spec.ab_swapped:
@@ -1354,7 +1382,7 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None, k_splits: int | None = 1) -> np.ndarray:
+                        num_ctas: int | None = None, k_splits: int | None = None) -> np.ndarray:
     """Run the wgmma kernel on a host problem (``config=None``: ``wgmma_plan``'s knobs); returns ``C``
     (bf16, (total_tokens, N)); ``out`` as in ``h200_stream.grouped_matmul_h200``, ``k_splits`` as in ``prepare``.
     Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
@@ -1375,4 +1403,4 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
            "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers",
-           "streaming_split_k_pays", "wgmma_plan", "wgmma_tile_tokens"]
+           "streaming_split_k_pays", "swapped_k_splits", "estimated_tiles", "wgmma_plan", "wgmma_tile_tokens"]
