@@ -68,12 +68,14 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   fused weights): 32 tokens per expert NVFP4 291.7 -> 250.2 us, MXFP4 301.7 -> 236.0; 48-64 tokens (bn64) 456 ->
   301 / 455 -> 290. ``wgmma_plan`` picks them for FP4 x FP4 (``SWAPPED_ROW_COST``); FP8 tokens stay on the
   streaming kernel (W4A8 266.8 against 381.4).
-* Split-K runs of swapped tiles (``prepare(..., k_splits=...)``, its own ``WgmmaSpec.split_k`` build; not
-  GPU-run yet, not in the plan): where the swapped tiles are few (Kimi's N 512 x 8 experts x 32 tokens: 32 tiles
-  on 132 SMs), the ring's producers hand out runs of a tile's K slices (the streaming kernel's split-K walk), and
-  the epilogue is the streaming kernel's split-K protocol: each run adds its scaled partial to a zeroed fp32
-  workspace (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back with plain
-  L2 loads before it stores the bf16 outputs and zeroes the words.
+* Split-K runs of swapped tiles (``prepare(..., k_splits=None)``, the default: ``swapped_k_splits``; its own
+  ``WgmmaSpec.split_k`` build): where the swapped tiles are fewer than a wave (Kimi's N 512 x 8 experts x 32
+  tokens: 32 tiles on 132 SMs), the ring's producers hand out runs of a tile's K slices (the streaming kernel's
+  split-K walk), and the epilogue is the streaming kernel's split-K protocol: each run adds its scaled partial to a
+  zeroed fp32 workspace (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back
+  with plain L2 loads before it stores the bf16 outputs and zeroes the words. Measured (runs 119-121): Kimi's 32
+  tiles 36.6 -> 22.0 us in 4 runs (the streaming kernel's split-K: 23.9), 8 tiles 14.6 (19.9), 64 tiles 38.6 ->
+  29.7 (33.7); so ``prefers`` takes the swapped tiles from 17 FP4 tokens per expert at any tile count.
 
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
@@ -1137,47 +1139,38 @@ WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 #   plan's (NVFP4 / MXFP4 at full waves: bn32 250.2 / 456.0 x 4 = 2.19, 236.0 / 454.8 x 4 = 2.08; bn64 300.8 / 456.0
 #   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
 SWAPPED_MIN_TOKENS_PER_EXPERT = 17
-# Few swapped tiles (below 33 tokens per expert), measured (sweeps runs 115-116, 2026-12-01, commit ea065fe,
-# GPU-f851c549, fused weights, H200-order tokens; notes/h200/2026-12-01-wave-rule-run115-117.csv), NVFP4 32 tokens per
-# expert, the streaming plan (its split-K runs) against swapped bn32, us, by swapped tiles:
-#   K 7168: 32 tiles (N 4096 x 1 expert; N 512 x 8: Kimi) 26.9 / 27.0 vs 36.7 / 36.6 (split 4); 64 (4096 x 2,
-#   512 x 16) 37.0 / 37.1 vs 38.6 / 39.0 (split 2; MXFP4 37.1 vs 37.0; 24 tokens 34.2 vs 38.5); 80 (2048 x 5)
-#   48.5 vs 39.1; 96 (4096 x 3, 512 x 24) 49.3 / 49.4 vs 40.0 / 40.7; 128 (1024 x 16, 4096 x 4, 2048 x 8) 51.2 /
-#   50.7 / 50.7 vs 42.0 / 41.3 / 41.2 (no split: the streaming kernel's plan has too many tiles for it).
-#   K 2048: 56 tiles (7168 x 1) 19.5 vs 17.5, 112 (7168 x 2) 22.3 vs 19.5 (no split: 8 slices are too few).
-# Run 117 (GPU-68d4d467, commit fd721cf), 32 tokens, by K and swapped tiles (the streaming plan's split-K runs):
-#   K 2048: 32 tiles 18.8 vs 16.2 (MXFP4 19.4 vs 15.6), 128 tiles 22.4 vs 20.1 (1 run);
-#   K 3072: 32 tiles 22.4 vs 20.3, 64 tiles 25.6 vs 21.9 (2 runs); K 4096: 32 tiles 25.2 vs 24.4, 64 tiles 28.5 vs
-#   26.1 (2 runs), 96 tiles 32.4 vs 27.5 (1 run); K 5120: 32 tiles 25.5 vs 28.6 (3 runs), 64 tiles 31.3 vs 30.5 (2).
-# A swapped tile takes its K alone (~8 us + 4.1 us per 1024 of K, flat up to a wave). In runs 115-117 two split-K
-# runs did not pay below K 7168 (K 4096 in 2 runs of 2048: 25.2 us, K 2048 in 1 run: 18.8): the last run took the
-# sums back with an ``atom.exch`` per word, each waited for in turn. With plain loads all in flight (run 118,
-# GPU-e5f6ff23, commit d1d61e8, against e352c26) split-K launches take 3.4 us less: 512 x 4096 x 8 x 32 (2 runs)
-# 25.6 -> 22.2 (swapped: 24.4), 512 x 7168 x 8 x 32 (4 runs) 27.3 -> 24.0, 4096 x 7168 x 1 x 32 27.3 -> 23.7. So
-# 2 runs pay again: the streaming kernel wins wherever its plan splits K and the swapped tiles are fewer than half
-# a wave, between the last measured loss (64 tiles) and win (80: no split left). K 3072 (2 runs of 6 slices:
-# 22.4 vs 20.3 with the old take) is inferred from the 3.4 us, not measured again.
-SWAPPED_MIN_TILES = hs.H200_SM_COUNT // 2
-STREAMING_MIN_SPLITS = 2
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
-# Split-K runs of swapped tiles (``swapped_k_splits``), measured (runs 119-120, 2026-12-01, commit 1524f4f,
-# GPU-ec40594c / GPU-d3d9d25d, fused weights, H200-order tokens; notes/h200/2026-12-01-swapped-split-run119-121.*),
-# NVFP4 bn32, 32 tokens per expert, us, against the streaming plan (its own split-K runs) in the same process:
-#   512 x 7168 x 8 experts (32 tiles, 28 slices): 1 run 36.6 (run 115), 2 runs 27.5, 4 runs 22.2, 7 runs 24.7;
-#       streaming 23.6-24.0. MXFP4: 7 runs 24.0 vs 24.5.
-#   512 x 4096 x 8 (32 tiles, 16 slices): 2 runs 21.3, 4 runs (of 4 slices) 17.6; streaming 21.9-22.3.
-#   4096 x 7168 x 2 (64 tiles): 1 run 38.6, 2 runs 29.0; streaming 33.4-33.6.
-# About one wave of runs: 4 runs on 32 tiles (128 runs on 132 SMs) beat 7 (224 runs: a second, partial wave);
-# runs of 4 slices still pay (K 4096), so the floor is lower than the streaming kernel's MIN_SLICES_PER_SPLIT.
-SWAPPED_MIN_SLICES_PER_SPLIT = 4
+# Few swapped tiles (below a wave) take their K in split-K runs (``swapped_k_splits``): one swapped tile alone
+# takes ~8 us + 4.1 us per 1024 of K (runs 115-117: 36.6 us at K 7168, flat up to a wave), so before the split
+# the streaming kernel's split-K runs won below half a wave of tiles (32 tiles, 512 x 7168 x 8 x 32: 27.0 vs 36.6;
+# 64 tiles 37.0 vs 38.6) and the swapped tiles from 80 (48.5 vs 39.1).
+# Measured with the split (runs 119-121, 2026-12-01, commits 1524f4f / e387f54, GPU-ec40594c / GPU-d3d9d25d /
+# GPU-3b8ed78a, fused weights, H200-order tokens; notes/h200/2026-12-01-swapped-split-run119-121.*), us, NVFP4 bn32
+# at 32 tokens per expert unless named, swapped runs against the streaming plan (its own split-K) in one process:
+#   K 7168 (28 slices): 8 tiles (512 x 2 experts) 7 runs 16.2, 14 runs (of 2 slices) 14.6 vs 19.9; 16 tiles 7 runs
+#     17.3 vs 20.5; 32 tiles (512 x 8: Kimi; 4096 x 1) 2 runs 27.5, 3 runs 23.4, 4 runs 22.0-22.2, 7 runs 24.7
+#     vs 23.6-24.0 (4096 x 1: 21.7 vs 23.6; 24 tokens 21.5 vs 22.0; 17 tokens 20.8 vs 20.9); 64 tiles (4096 x 2)
+#     2 runs 29.0-29.7 vs 33.4-33.7. MXFP4: 32 tiles 4 runs 21.5 vs 24.5; 64 tiles 2 runs 28.8 vs 34.8.
+#   K 4096 (16 slices), 32 tiles: 2 runs 21.3, 4 runs 17.6 vs 21.9-22.3 (MXFP4 17.1 vs 22.9).
+#   K 3072 (12 slices), 32 tiles: 3 runs of 4 slices 17.0, 4 runs of 3 16.2 vs 19.1.
+#   K 2048 (8 slices): 32 tiles 1 run 16.1, 2 runs 16.7 vs 18.7; 56 tiles (7168 x 1) 1 run 17.4, 2 runs 17.3 vs
+#     19.6: a split saves too few slices to pay for its fix-up (the sums' round trip through L2, ~3 us).
+#   bn64, 512 x 7168 x 8 x 64 (32 tiles): 1 run 43.7, 4 runs 25.9 (the streaming plan 107.3).
+# So: about one wave of runs (4 runs on 32 tiles, 128 on 132 SMs, beat 7: a second, partial wave; 14 on 8 tiles),
+# runs as short as 2 slices, and no split below 12 slices (K 3072 for FP4 x FP4). With the split the swapped tiles
+# beat the streaming kernel at every count measured, so ``prefers`` no longer counts them.
+SWAPPED_MIN_SLICES_PER_SPLIT = 2
+SWAPPED_SPLIT_MIN_K_SLICES = 12
 
 
 def swapped_k_splits(tiles: int, k_slices: int, resident_ctas: int) -> tuple[int, int]:
     """(k_splits, slices_per_split) for ``tiles`` swapped tiles on ``resident_ctas`` CTAs: as many runs per tile as
     fit in one wave of CTAs, each at least ``SWAPPED_MIN_SLICES_PER_SPLIT`` K slices long (none empty); one run
-    (no split) from a wave of tiles."""
+    (no split) from a wave of tiles, or for fewer than ``SWAPPED_SPLIT_MIN_K_SLICES`` K slices."""
     for name, value in (("tiles", tiles), ("k_slices", k_slices), ("resident_ctas", resident_ctas)):
         require_int(name, value, 1)
+    if k_slices < SWAPPED_SPLIT_MIN_K_SLICES:
+        return 1, k_slices
     return hs.split_runs(k_slices, max(1, min(resident_ctas // tiles, k_slices // SWAPPED_MIN_SLICES_PER_SPLIT)))
 
 
@@ -1194,25 +1187,9 @@ def min_tokens_per_expert(problem) -> int:
 
 
 def prefers(problem) -> bool:
-    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only). Below the 128-token tiles' threshold
-    (FP4 x FP4, swapped tiles only) it also needs ``SWAPPED_MIN_TILES`` swapped 32-token tiles where the streaming
-    kernel can cut K into ``STREAMING_MIN_SPLITS`` runs across the idle SMs (split-K, which this kernel does not
-    have): with fewer tiles, those runs win; where K is too short for them, the swapped tiles win at any count."""
-    tokens = hs.average_tokens_per_expert(problem)
-    if tokens < min_tokens_per_expert(problem):
-        return False
-    if tokens < WGMMA_MIN_TOKENS_PER_EXPERT:
-        tiles = estimated_tiles(problem, SWAPPED_MMA_BN[0], hs.TILE_M_ROWS)
-        return tiles >= SWAPPED_MIN_TILES or not streaming_split_k_pays(problem)
-    return True
-
-
-def streaming_split_k_pays(problem) -> bool:
-    """Whether the streaming kernel's plan can cut a tile's K into ``STREAMING_MIN_SPLITS`` split-K runs or more
-    (``h200_stream.choose_k_splits``: runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256
-    elements): K of 3072 and more."""
-    k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
-    return k_slices >= STREAMING_MIN_SPLITS * hs.MIN_SLICES_PER_SPLIT
+    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only): from ``min_tokens_per_expert``
+    (the swapped tiles', in split-K runs where they are few: ``swapped_k_splits``, for FP4 x FP4)."""
+    return hs.average_tokens_per_expert(problem) >= min_tokens_per_expert(problem)
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -1403,4 +1380,4 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
            "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers",
-           "streaming_split_k_pays", "swapped_k_splits", "estimated_tiles", "wgmma_plan", "wgmma_tile_tokens"]
+           "swapped_k_splits", "estimated_tiles", "wgmma_plan", "wgmma_tile_tokens"]
