@@ -409,6 +409,7 @@ BENCH_CASES: dict[str, BenchCase] = {c.name: c for c in (
     BenchCase("decode_down", 7168, 2048, 64, 4),          # DeepSeek-V3 down-projection, decode
     BenchCase("kimi_decode", 512, 7168, 8, 1),            # Kimi K2.5 TP-8 up-projection, one token each
     BenchCase("small_prefill_up", 4096, 7168, 32, 32),
+    BenchCase("kimi_small_prefill", 512, 7168, 8, 32),    # Kimi TP-8 up-projection, 32 tokens each: 32 swapped tiles
     BenchCase("large_prefill_up", 4096, 7168, 8, 1024),
     BenchCase("large_prefill_down", 7168, 2048, 8, 1024),
     # the same 8192 tokens over 32 experts as a router spreads them: 0-1694 each, four empty (workloads.md:

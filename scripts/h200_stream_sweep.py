@@ -8,8 +8,9 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
 or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
 ``h200_stream.StreamConfig.small_n_warps``),
-``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]`` for the wgmma kernel (``h200_wgmma``;
-stages an int or ``auto``; ``:swap`` = weights on wgmma M), or ``plan:backend:format:case`` for
+``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
+(``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
+tile, ``:kauto`` = ``h200_wgmma.swapped_k_splits``), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
@@ -56,6 +57,10 @@ def parse_case(text: str, point: str) -> bench.BenchCase:
 
 def parse_wgmma_point(text: str):
     parts = text.split(":")
+    k_splits = 1   # split-K runs (swapped tiles): a last ":k<runs>" or ":kauto" (h200_wgmma.swapped_k_splits)
+    if parts[-1] == "kauto" or (parts[-1].startswith("k") and parts[-1][1:].isdigit()):
+        runs = parts.pop()[1:]
+        k_splits = None if runs == "auto" else int(runs)
     swapped = parts[-1] == "swap"
     if swapped:
         parts.pop()
@@ -64,12 +69,13 @@ def parse_wgmma_point(text: str):
         tile_tokens = int(parts.pop()[1:])
     operands = parts.pop() if parts[-1] in h200_wgmma.MMA_OPERANDS else "bf16"
     if len(parts) not in (5, 6):
-        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]")
+        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]"
+                         f"[:k<runs>|:kauto]")
     _, fmt, case, bn, stages = parts[:5]
     config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages), operands,
                                     tile_tokens, swapped)
     num_ctas = int(parts[5]) if len(parts) == 6 else None
-    return SweepPoint(fmt, parse_case(case, text), config, num_ctas=num_ctas)
+    return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas=num_ctas)
 
 
 def parse_plan_point(text: str):
@@ -185,7 +191,8 @@ def main(argv=None) -> int:
                 kernel, knobs = h200_kernel(problem, None, config)
                 launches = [kernel.prepare(to_device(problem), knobs) for _ in range(copies)]
             elif isinstance(config, h200_wgmma.WgmmaConfig):
-                launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas) for _ in range(copies)]
+                launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
+                            for _ in range(copies)]
             else:
                 launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
                             for _ in range(copies)]

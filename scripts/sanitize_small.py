@@ -70,6 +70,8 @@ def main(argv=None) -> int:
                       p, h200_wgmma.WgmmaConfig(bn, tile_tokens=tokens))) for bn, tokens in WGMMA_CONFIGS]
         cases += [("h200_wgmma", (bn, "swapped"), p, lambda bn=bn: h200_wgmma.grouped_matmul_h200(
                       p, h200_wgmma.WgmmaConfig(bn, ab_swapped=True))) for bn in WGMMA_SWAPPED_MMA_BN]
+        cases.append(("h200_wgmma", (32, "swapped", "2 split-K runs"), p, lambda: h200_wgmma.grouped_matmul_h200(
+                      p, h200_wgmma.WgmmaConfig(32, ab_swapped=True), k_splits=2)))
         if "h200_wgmma" in kernels:   # its own problem, built only when it runs
             wide = problem_for(fmt, seed, TWO_M_GROUP_SIZES)
             cases.append(("h200_wgmma", (128, 256, TWO_M_GROUP_SIZES), wide,

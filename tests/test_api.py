@@ -108,12 +108,12 @@ def test_h200_auto_leaves_no_token_count_to_the_wide_streaming_tiles(fmt):
     limit = h200_stream.H200_SMALL_N_MAX_TOKENS
     assert kernel_at(limit + 1) is h200_wgmma and kernel_at(4 * limit) is h200_wgmma
     assert kernel_at(4) is h200_stream and kernel_at(limit // 2) is h200_stream
-    if fmt in ("nvfp4", "mxfp4"):   # the swapped 32-token tile from 17 tokens (runs 107-109), half a wave of them
+    if fmt in ("nvfp4", "mxfp4"):   # the swapped 32-token tile from 17 tokens (runs 107-109) at any tile count
         wave = h200_kernel(BenchCase("t", 4096, 256, 32, limit).problem(fmt))[0]
         assert wave is h200_wgmma and kernel_at(h200_wgmma.SWAPPED_MIN_TOKENS_PER_EXPERT - 1) is h200_stream
         few_long = h200_kernel(BenchCase("t", 256, 3072, 4, limit).problem(fmt))[0]
-        assert few_long is h200_stream, "8 tiles on 132 SMs, K 3072: the streaming kernel's split-K runs"
-        assert kernel_at(limit) is h200_wgmma, "K 256 cannot be split: the swapped tiles at any count (runs 115-118)"
+        assert few_long is h200_wgmma, "8 tiles on 132 SMs, K 3072: the swapped tiles' split-K runs (runs 119-121)"
+        assert kernel_at(limit) is h200_wgmma
     else:
         assert kernel_at(limit) is h200_stream, "32 FP8 tokens: one 32-token tile per expert wins (runs 34, 108)"
     assert h200_wgmma.min_tokens_per_expert(BenchCase("t", 256, 256, 4, 1).problem(fmt)) <= limit + 1

@@ -29,18 +29,22 @@ def sweep():
     return load_script("h200_stream_sweep")
 
 
-@pytest.mark.parametrize("point, config, num_ctas", [
-    ("wgmma:mxfp8:large_prefill_up:256:auto", h200_wgmma.WgmmaConfig(256, AUTO_STAGES), None),
-    ("wgmma:mxfp8:large_prefill_up:128:4:e4m3", h200_wgmma.WgmmaConfig(128, 4, "e4m3"), None),
-    ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66),
-    ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132),
-    ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None),
-    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None),
-    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", h200_wgmma.WgmmaConfig(64, 6, ab_swapped=True), 132),
+@pytest.mark.parametrize("point, config, num_ctas, k_splits", [
+    ("wgmma:mxfp8:large_prefill_up:256:auto", h200_wgmma.WgmmaConfig(256, AUTO_STAGES), None, 1),
+    ("wgmma:mxfp8:large_prefill_up:128:4:e4m3", h200_wgmma.WgmmaConfig(128, 4, "e4m3"), None, 1),
+    ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66, 1),
+    ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132, 1),
+    ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None,
+     1),
+    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None, 1),
+    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", h200_wgmma.WgmmaConfig(64, 6, ab_swapped=True), 132, 1),
+    ("wgmma:nvfp4:kimi_decode:32:auto:swap:k4", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None, 4),
+    ("wgmma:nvfp4:kimi_decode:32:auto:swap:kauto", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None,
+     None),
 ])
-def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas):
+def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas, k_splits):
     parsed = sweep.parse_point(point)
-    assert parsed.config == config and parsed.num_ctas == num_ctas and parsed.k_splits is None
+    assert parsed.config == config and parsed.num_ctas == num_ctas and parsed.k_splits == k_splits
     assert parsed.fmt == point.split(":")[1]
 
 
@@ -98,25 +102,25 @@ def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeyp
     """The wgmma cases on one format: every config on the small groups, and 256-token tiles also on groups
     whose tiles hold more than 128 tokens (their second m64 tiles run), with packed FP4 operands and with both
     in the H200 order, mma_bn 256 on fused weights (two scale bands per stage), and the swapped tiles (32 and 64
-    tokens, and 32 on fused weights), each checked against its own problem."""
+    tokens, 32 in 2 split-K runs, and 32 on fused weights), each checked against its own problem."""
     sanitize = load_script("sanitize_small")
     from gbs.reference import reference_grouped_matmul
 
     calls = []
     monkeypatch.setattr(sanitize.h200_wgmma, "grouped_matmul_h200",
-                        lambda p, config: calls.append((p.total_tokens, config.tile_tokens, p.a_layout,
-                                                        config.ab_swapped)) or reference_grouped_matmul(p))
+                        lambda p, config, k_splits=1: calls.append((p.total_tokens, config.tile_tokens, p.a_layout,
+                                                                    config.ab_swapped)) or reference_grouped_matmul(p))
     assert sanitize.main(["h200_wgmma", "nvfp4"]) == 0
     small, wide = sum(sanitize.GROUP_SIZES), sum(sanitize.TWO_M_GROUP_SIZES)
     assert max(sanitize.TWO_M_GROUP_SIZES) > 128
     assert sorted(calls) == sorted([(small, tokens, "packed", False) for _, tokens in sanitize.WGMMA_CONFIGS]
                                    + [(wide, 256, "packed", False), (wide, 256, "e2m1_h200", False),
                                       (small, 128, "packed", False)]
-                                   + [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 1))
+                                   + [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 2))
     assert capsys.readouterr().out.strip().endswith("0 failed")
     calls.clear()
     assert sanitize.main(["h200_wgmma", "nvfp4", "swapped"]) == 0
-    assert sorted(calls) == [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 1)
+    assert sorted(calls) == [(small, 128, "packed", True)] * (len(sanitize.WGMMA_SWAPPED_MMA_BN) + 2)
 
 
 def test_sweep_trace_summary_is_per_launch_and_skips_unlaunched_copies(sweep):

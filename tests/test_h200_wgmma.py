@@ -401,6 +401,31 @@ def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slot
 
 
 # what sweep runs 107-108 measured fastest at 32 experts, 4096 x 7168 (notes/h200 "Session 24"): (mma_bn, ab_swapped)
+@pytest.mark.parametrize("tiles, k_slices, want", [
+    (32, 28, (4, 7)),    # 512 x 7168 x 8 x 32: 4 runs 22.0-22.2 us (2: 27.5, 3: 23.4, 7: 24.7; runs 120-121)
+    (32, 16, (4, 4)),    # 512 x 4096 x 8 x 32: 17.6 (2 runs: 21.3)
+    (32, 12, (4, 3)),    # K 3072: 4 runs of 3 slices 16.2 (3 of 4: 17.0)
+    (64, 28, (2, 14)),   # 4096 x 7168 x 2 x 32: 29.0-29.7 (1 run: 38.6)
+    (96, 28, (1, 28)), (132, 28, (1, 28)),   # a wave of tiles or more: no split
+    (8, 28, (14, 2)),    # 512 x 7168 x 2 x 32: 14 runs of 2 slices 14.6 (7 of 4: 16.2)
+    (16, 28, (7, 4)),    # 8 runs wanted: 28 slices go in 7 runs of 4 (17.3)
+    (32, 8, (1, 8)), (56, 8, (1, 8)),   # K 2048: 1 run 16.1 / 17.4 (2 runs 16.7 / 17.3)
+    (1, 11, (1, 11)), (30, 14, (4, 4)),   # below 12 slices never; 14 slices in 4 runs (4, 4, 4, 2)
+])
+def test_swapped_k_splits_fill_one_wave_with_runs_of_at_least_two_slices(tiles, k_slices, want):
+    assert hw.swapped_k_splits(tiles, k_slices, hs.H200_SM_COUNT) == want
+    runs, per_run = want
+    assert (runs - 1) * per_run < k_slices <= runs * per_run
+
+
+def test_swapped_k_splits_refuses_bad_counts():
+    for bad in ((0, 28, 132), (32, 0, 132), (32, 28, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            hw.swapped_k_splits(*bad)
+    with pytest.raises(TypeError, match="must be an int"):
+        hw.swapped_k_splits(32.0, 28, 132)
+
+
 @pytest.mark.parametrize("fmt, n, slots, tokens, want", [
     ("nvfp4", 4096, 32, 32, (32, True)), ("nvfp4", 4096, 32, 48, (64, True)), ("nvfp4", 4096, 32, 64, (64, True)),
     ("nvfp4", 4096, 32, 128, (128, False)), ("mxfp4", 4096, 32, 32, (32, True)), ("mxfp4", 4096, 32, 64, (64, True)),
@@ -415,27 +440,48 @@ def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots,
         assert plan.tile_tokens == 128
 
 
+def test_swapped_split_k_build_reads_every_sum_before_it_stores():
+    """``WgmmaSpec.split_k`` (swapped tiles only): the K loop keeps the plain swapped build's shape (no local
+    memory); the epilogue adds the partials (``red.global.add.f32``) and the last run reads every sum with a plain
+    L2 load before its first output store (no ``atom.exch``)."""
+    with pytest.raises(ValueError, match="ab_swapped must be True"):
+        dataclasses.replace(spec_of("nvfp4", 128), split_k=True)
+    plain = spec_of("nvfp4", 32, ab_swapped=True)
+    loops = {}
+    for spec in (plain, dataclasses.replace(plain, split_k=True)):
+        assert spec.ring.split_k == spec.split_k
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+        sass = offline.disassemble(cubin)
+        instructions = offline.sass_instructions(sass)
+        loops[spec.split_k] = [(loop.size, loop.count("LDL") + loop.count("STL"))
+                               for loop in offline.sass_loops(sass) if loop.count("HGMMA")][0]
+        reads = [i for i, ins in enumerate(instructions) if ins.startswith("LDG.E.STRONG.GPU")]
+        reds = [ins for ins in instructions if ins.startswith("REDG") and "F32" in ins]
+        assert bool(reads) == bool(reds) == spec.split_k
+        assert not [ins for ins in instructions if ins.startswith("ATOMG") and "EXCH" in ins]
+        if spec.split_k:
+            first_store = min(i for i, ins in enumerate(instructions) if ins.startswith("STG.E.U16") and i > reads[0])
+            assert max(reads) < first_store, "every read before the first store"
+    assert loops[True] == loops[False] and loops[True][1] == 0, loops
+
+
 @pytest.mark.parametrize("fmt, n, slots, tokens, k, want", [
-    ("nvfp4", 512, 8, 32, 7168, False), ("mxfp4", 512, 8, 24, 7168, False),  # 32 tiles (Kimi): 26.9 vs 36.6 us
-    ("nvfp4", 4096, 2, 32, 7168, False), ("nvfp4", 4096, 2, 24, 7168, False),  # 64: 37.0 vs 38.6, 34.2 vs 38.5
-    ("nvfp4", 2048, 5, 32, 7168, True), ("nvfp4", 512, 24, 32, 7168, True),  # 80, 96: 48.5 vs 39.1, 49.4 vs 40.7
-    ("nvfp4", 4096, 4, 32, 7168, True), ("nvfp4", 4096, 32, 32, 7168, True), ("mxfp4", 7168, 32, 17, 7168, True),
-    ("nvfp4", 7168, 1, 32, 2048, True), ("nvfp4", 512, 8, 32, 2048, True),  # no split: 17.5 vs 19.5, 16.2 vs 18.8
-    ("nvfp4", 512, 8, 32, 4096, False),   # 2 runs: 22.2 us (run 118's split-K take) vs 24.4 swapped
-    ("nvfp4", 512, 8, 32, 3072, False), ("nvfp4", 512, 8, 32, 5120, False),   # 2 and 3 runs
-    ("nvfp4", 4096, 3, 32, 4096, True),                                       # 96 tiles, 1 run: 27.5 vs 32.4
-    ("nvfp4", 512, 8, 48, 7168, True), ("mxfp8", 512, 8, 48, 7168, True),     # from 33 tokens: the average alone
-    ("nvfp4", 4096, 32, 16, 7168, False),
+    # swapped tiles in split-K runs against the streaming plan (runs 119-121, us), by swapped tiles:
+    ("nvfp4", 512, 2, 32, 7168, True), ("nvfp4", 512, 4, 32, 7168, True),    # 8, 16: 14.6 vs 19.9, 17.3 vs 20.5
+    ("nvfp4", 512, 8, 32, 7168, True), ("mxfp4", 512, 8, 32, 7168, True),    # 32 (Kimi): 22.0 / 21.5 vs 23.9 / 24.5
+    ("nvfp4", 512, 8, 24, 7168, True), ("nvfp4", 512, 8, 17, 7168, True),    # 21.5 vs 22.0; 20.8 vs 20.9
+    ("nvfp4", 4096, 2, 32, 7168, True), ("mxfp4", 4096, 2, 32, 7168, True),  # 64: 29.7 / 28.8 vs 33.7 / 34.8
+    ("nvfp4", 512, 8, 32, 3072, True), ("nvfp4", 512, 8, 32, 2048, True),    # 16.2 vs 19.1; no split 16.1 vs 18.7
+    ("nvfp4", 7168, 1, 32, 2048, True), ("nvfp4", 4096, 4, 32, 7168, True),  # 17.4 vs 19.6; 128 tiles (run 116)
+    ("nvfp4", 512, 8, 48, 7168, True), ("mxfp8", 512, 8, 48, 7168, True),    # from 33 tokens: the average alone
+    ("nvfp4", 4096, 32, 16, 7168, False), ("nvfp4", 512, 8, 16, 7168, False),  # 16 tokens: the streaming kernel
+    ("w4a8", 512, 8, 32, 7168, False), ("mxfp8", 4096, 32, 32, 7168, False),  # FP8 tokens: not swapped
 ])
-def test_auto_keeps_few_swapped_tiles_on_the_streaming_kernel(fmt, n, slots, tokens, k, want):
-    """Below the 128-token tiles' threshold the swapped tiles need ``SWAPPED_MIN_TILES`` (half a wave) of them where
-    the streaming kernel can cut K into 2+ runs (``prefers``; sweeps runs 115-118: its split-K runs win up to 64
-    tiles, the swapped tiles from 80, and at K 2048, where it cannot split, at any count). From 33 tokens the rule
-    is the measured average alone."""
-    assert hw.SWAPPED_MIN_TILES == hs.H200_SM_COUNT // 2
-    pays = hw.streaming_split_k_pays(_metadata(fmt, n, slots, tokens, k))
-    most_runs = hs.choose_k_splits(1, k // 256, 4 * hs.H200_SM_COUNT)[0]
-    assert pays is (k >= 3072) is (most_runs >= hw.STREAMING_MIN_SPLITS)
+def test_auto_takes_swapped_tiles_from_17_fp4_tokens_at_any_tile_count(fmt, n, slots, tokens, k, want):
+    """With split-K runs for few swapped tiles (``swapped_k_splits``) the swapped tiles beat the streaming
+    kernel's split-K at every tile count measured (8-128 tiles, K 2048-7168): ``prefers`` is the average
+    tokens per expert alone."""
     assert hw.prefers(_metadata(fmt, n, slots, tokens, k)) is want
 
 
@@ -525,6 +571,61 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
     out = hw.grouped_matmul_h200(problem, config)
     result = check_acceptance(problem, out, reference_grouped_matmul(problem))
     assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+
+
+SWAPPED_SPLIT_GPU_CASES = [("nvfp4", 32, 2), ("mxfp4", 32, 4), ("nvfp4", 64, 3), ("w4a8", 32, 5)]
+
+
+def run_split_launch_three_times(problem, config, k_splits):
+    """``prepare(k_splits=...)`` once, the launch run three times over a sentinel: rows of skipped slots keep it,
+    every run passes the acceptance, and the workspace and counters are zero again after each. Returns the
+    prepared launch."""
+    from numba import cuda
+
+    ref = reference_grouped_matmul(problem)
+    sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
+    device_out = cuda.to_device(sentinel)
+    prepared = hw.prepare(launch.to_device(problem), config, device_out, k_splits=k_splits)
+    assert prepared.k_splits > 1 and prepared.spec.split_k
+    skipped = ~problem.written_rows()
+    for _ in range(3):
+        device_out.copy_to_device(sentinel)
+        prepared()
+        bits = device_out.copy_to_host()
+        assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
+        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
+        result = check_acceptance(problem, merged, ref)
+        assert result.passed, f"{prepared.k_splits} runs: {result}"
+        assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
+        assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
+    return prepared
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bn, k_splits", SWAPPED_SPLIT_GPU_CASES)
+def test_gpu_swapped_split_k_matches_the_reference_and_cleans_up(fmt, bn, k_splits):
+    """Swapped tiles in split-K runs (``prepare(k_splits=...)``): every run adds its partial, the tile's last run
+    reads the sums back and stores."""
+    problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped-split/{fmt}/{bn}")
+    run_split_launch_three_times(problem, hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True), k_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
+    """A Kimi-like problem (N 512 + 64: 5 weight bands, the last one partial; 8 slots of up to 32 tokens with a -1
+    slot, an empty group and a 1-token group; K 4096): ~30 swapped tiles, so ``prepare``'s default cuts each into
+    ``swapped_k_splits`` runs (4 runs of 4 slices on 132 SMs), counting the groups' own tiles."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = synthetic_problem(fmt, n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
+                                expert_ids=[3, 0, 5, 1, -1, 2, 4, 6], num_experts=7,
+                                seed=zlib.crc32(f"wgmma-swapped-default-split/{fmt}".encode()))
+    config = hw.wgmma_plan(problem)
+    assert (config.ab_swapped, config.mma_bn) == (True, 32)
+    prepared = run_split_launch_three_times(problem, config, None)
+    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hs.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
+    assert prepared.k_splits == want == 4
 
 
 @pytest.mark.gpu

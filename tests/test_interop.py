@@ -629,3 +629,28 @@ def test_device_routing_is_validated_and_to_host_copies_back():
     with pytest.raises(ValueError, match="non-decreasing"):
         gbs.device_problem(**device, fmt="mxfp8")
     gbs.device_problem(**device, fmt="mxfp8", validate=False)   # the caller vouches: no check, no copy
+
+
+@pytest.mark.gpu
+def test_validated_routing_sets_the_split_of_few_swapped_tiles():
+    """A Kimi-like problem on torch arrays (N 576: 5 weight bands; 8 slots of up to 32 tokens with a -1 slot, an
+    empty group and a 1-token group; K 4096): ``"auto"`` runs the wgmma kernel's swapped tiles in split-K runs.
+    With the routing validated (its host copies kept) the split counts the groups' own 30 tiles (4 runs); without
+    (``validate=False``) the average's 40 (3 runs). Both match the reference and keep the poison in skipped rows."""
+    pytest.importorskip("torch")
+    from gbs.bench import synthetic_problem
+    from gbs.numba_kernels import h200_wgmma
+
+    lib = Library("torch")
+    p = synthetic_problem("nvfp4", n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
+                          expert_ids=[3, 0, 5, 1, -1, 2, 4, 6], num_experts=7, seed=29)
+    device = {name: lib.upload(getattr(p, name)) for name in launch.PROBLEM_ARRAY_DTYPES}
+    for validate, runs in ((True, 4), (False, 3)):
+        out = lib.poisoned_out(p.total_tokens, p.n)
+        prepared = interop.prepare(gbs.device_problem(**device, fmt="nvfp4", validate=validate), out=out)
+        assert prepared.stream_launch.kernel == h200_wgmma.KERNEL_NAME and prepared.stream_launch.k_splits == runs
+        prepared()
+        lib.synchronize()
+        host = lib.to_bf16(out)
+        assert check_acceptance(p, host).passed, f"validate={validate}"
+        assert np.all(is_poison(host[~p.written_rows()]))

@@ -68,6 +68,14 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   fused weights): 32 tokens per expert NVFP4 291.7 -> 250.2 us, MXFP4 301.7 -> 236.0; 48-64 tokens (bn64) 456 ->
   301 / 455 -> 290. ``wgmma_plan`` picks them for FP4 x FP4 (``SWAPPED_ROW_COST``); FP8 tokens stay on the
   streaming kernel (W4A8 266.8 against 381.4).
+* Split-K runs of swapped tiles (``prepare(..., k_splits=None)``, the default: ``swapped_k_splits``; its own
+  ``WgmmaSpec.split_k`` build): where the swapped tiles are fewer than a wave (Kimi's N 512 x 8 experts x 32
+  tokens: 32 tiles on 132 SMs), the ring's producers hand out runs of a tile's K slices (the streaming kernel's
+  split-K walk), and the epilogue is the streaming kernel's split-K protocol: each run adds its scaled partial to a
+  zeroed fp32 workspace (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back
+  with plain L2 loads before it stores the bf16 outputs and zeroes the words. Measured (runs 119-121): Kimi's 32
+  tiles 36.6 -> 22.0 us in 4 runs (the streaming kernel's split-K: 23.9), 8 tiles 14.6 (19.9), 64 tiles 38.6 ->
+  29.7 (33.7); so ``prefers`` takes the swapped tiles from 17 FP4 tokens per expert at any tile count.
 
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
@@ -115,6 +123,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32
+from numba.cuda.cudadrv.driver import device_memset
 
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
 from gbs.numba_kernels import h200_stream as hs
@@ -275,9 +284,13 @@ class WgmmaSpec:
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
     tile_tokens: int = TILE_TOKENS[0]
     ab_swapped: bool = False
+    split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
 
     def __post_init__(self):
         WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens, self.ab_swapped)
+        if self.split_k and not self.ab_swapped:
+            raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
+                             "ab_swapped must be True")
         ring = self.ring   # format pair, layout and stage checks
         if self.mma_operands == "e4m3":
             for side in (ring.token_side, ring.weight_side):
@@ -292,7 +305,7 @@ class WgmmaSpec:
         consumer warps (its readers also decode for this kernel, in the operands' layouts)."""
         return hs.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
-                             warpgroup_consumers=True)
+                             warpgroup_consumers=True, split_k=self.split_k)
 
     @property
     def cta_group(self) -> int:
@@ -544,7 +557,8 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
         else:
             consumer_regs()
             block_sync()   # the mbarriers are initialised
-            consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles)
+            consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles, split_sums,
+                    split_counters, k_splits, slices_per_split)
 
     return grouped_matmul_h200_wgmma
 
@@ -591,6 +605,9 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     advance = _device(hp.wgmma_descriptor_advance)
     buffer_units = buffer_bytes // hp.DESCRIPTOR_UNIT_BYTES
     store_tile = _make_store_tile(num_acc, swapped)
+    split_k = spec.split_k
+    add_partial, take_store = _make_split_epilogue(num_acc)
+    split_flag = 2 * stages   # the ring's shared flag word after the mbarriers (h200_stream.SPLIT_FLAG_WORDS)
     # local-array sizes must be plain constants in numba
     w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
     m_tiles = spec.m_tiles
@@ -604,7 +621,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     DESCRIPTOR_UNIT_BYTES = hp.DESCRIPTOR_UNIT_BYTES
     ROTATION_RUN = hs.ROTATION_RUN
 
-    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
         lane = cm.laneid()
         base = np.int64(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
@@ -650,7 +668,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
         item = np.int64(0)
         while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
             if expert < 0:
                 break
             if swapped:   # weights on M (the tile starts on a 128-row band), tokens on N
@@ -662,7 +680,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             acc = zero_acc()
             if two_m_tiles:
                 acc_hi = zero_acc()
-            for _ in range(k_slices):
+            slices = k_slices
+            if split_k:   # this run's K slices of the tile (the last run may be shorter)
+                slices = min(np.int64(slices_per_split), k_slices - np.int64(s_begin))
+            for _ in range(slices):
                 full = bar0 + MBARRIER_BYTES * stage
                 CONSUMER_WAIT(full, phase)
                 st = np.uint32(base + stage * stage_bytes)
@@ -790,7 +811,24 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             hp.wgmma_wait_group_0()
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
-            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
+            if split_k:   # h200_stream's split-K protocol: add this run's partial; the tile's last run stores
+                sums_address = np.int64(cm.generic_address(split_sums))
+                add_partial(acc_out, sums_address, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
+                cuda.threadfence()
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                if cw == 0 and lane == 0:
+                    runs_done = cuda.atomic.add(split_counters, tile, np.uint32(1))
+                    bars[split_flag] = np.uint64(np.int64(runs_done) == k_splits - 1)
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                if bars[split_flag] != 0:   # every run's sums are in
+                    cuda.threadfence()
+                    take_store(acc_out, out, sums_address, n, t0, t1, r0, r1, m_row, q)
+                    if cw == 0 and lane == 0:
+                        split_counters[tile] = np.uint32(0)
+                # every consumer has read the flag before the next tile's thread 0 writes it
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+            else:
+                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
             if two_m_tiles:
                 acc_hi = hp.wgmma_fence_accumulators(acc_hi)
                 hp.accumulators_to_array(acc_hi, acc_out)
@@ -862,7 +900,8 @@ def _make_e4m3_consumer(spec: WgmmaSpec, ring):
 
     issue, promote = _device(issue), _device(promote)
 
-    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles):
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
         lane = cm.laneid()
         base = np.int64(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
@@ -942,6 +981,40 @@ def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:
     is ``m_row`` (warpgroup row base + warp row base + g) and quad lane ``q``: ``wgmma_accumulator_position``'s
     (row, column) with rows = weights and columns = tokens. Host and device."""
     return m_row + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * q + (i & 1)
+
+
+def _make_split_epilogue(num_acc: int):
+    """Device functions of the swapped tiles' split-K epilogue (``WgmmaSpec.split_k``): ``add_partial(acc_out,
+    sums_address, n, t0, t1, r0, r1, m_row, q, out_scale)`` adds a thread's scaled accumulators to the fp32
+    workspace (``red.global.add.f32``; a thread's two columns are two tokens, one output row apart, so no pairs);
+    ``take_store(acc_out, out, sums_address, n, t0, t1, r0, r1, m_row, q)`` reads every sum of the thread into
+    ``acc_out`` first (plain L2 loads, their latencies overlapping), then stores them as bf16 and zeroes the words
+    for the next launch. Outputs past ``t1`` / ``r1`` are left alone."""
+    swapped_position = _device(swapped_accumulator_position)
+
+    def element(n, t0, t1, r0, r1, m_row, q, i):
+        row_in_tile, token_in_tile = swapped_position(m_row, q, i)
+        row, token = r0 + row_in_tile, t0 + token_in_tile
+        return token * n + row, np.uint32((token < t1) & (row < r1))
+
+    element = _device(element)
+
+    def add_partial(acc_out, sums_address, n, t0, t1, r0, r1, m_row, q, out_scale):
+        for i in range(num_acc):
+            word, valid = element(n, t0, t1, r0, r1, m_row, q, i)
+            cm.red_add_f32_if(sums_address + word * 4, acc_out[i] * out_scale, valid)
+
+    def take_store(acc_out, out, sums_address, n, t0, t1, r0, r1, m_row, q):
+        out_address = np.int64(cm.generic_address(out))
+        for i in range(num_acc):
+            word, valid = element(n, t0, t1, r0, r1, m_row, q, i)
+            acc_out[i] = cm.load_global_cg_f32_if(sums_address + word * 4, valid)
+        for i in range(num_acc):
+            word, valid = element(n, t0, t1, r0, r1, m_row, q, i)
+            cm.store_global_u16_if(out_address + word * 2, f32_to_bf16_bits(acc_out[i]), valid)
+            cm.store_global_cg_zero_u32_if(sums_address + word * 4, valid)
+
+    return _device(add_partial), _device(take_store)
 
 
 def _make_store_tile(num_acc: int, swapped: bool = False):
@@ -1066,29 +1139,39 @@ WGMMA_MIN_TOKENS_PER_EXPERT = hs.H200_SMALL_N_MAX_TOKENS + 1
 #   plan's (NVFP4 / MXFP4 at full waves: bn32 250.2 / 456.0 x 4 = 2.19, 236.0 / 454.8 x 4 = 2.08; bn64 300.8 / 456.0
 #   x 2 = 1.32, 290.2 / 454.8 x 2 = 1.28; the larger of each).
 SWAPPED_MIN_TOKENS_PER_EXPERT = 17
-# Few swapped tiles (below 33 tokens per expert), measured (sweeps runs 115-116, 2026-12-01, commit ea065fe,
-# GPU-f851c549, fused weights, H200-order tokens; notes/h200/2026-12-01-wave-rule-run115-117.csv), NVFP4 32 tokens per
-# expert, the streaming plan (its split-K runs) against swapped bn32, us, by swapped tiles:
-#   K 7168: 32 tiles (N 4096 x 1 expert; N 512 x 8: Kimi) 26.9 / 27.0 vs 36.7 / 36.6 (split 4); 64 (4096 x 2,
-#   512 x 16) 37.0 / 37.1 vs 38.6 / 39.0 (split 2; MXFP4 37.1 vs 37.0; 24 tokens 34.2 vs 38.5); 80 (2048 x 5)
-#   48.5 vs 39.1; 96 (4096 x 3, 512 x 24) 49.3 / 49.4 vs 40.0 / 40.7; 128 (1024 x 16, 4096 x 4, 2048 x 8) 51.2 /
-#   50.7 / 50.7 vs 42.0 / 41.3 / 41.2 (no split: the streaming kernel's plan has too many tiles for it).
-#   K 2048: 56 tiles (7168 x 1) 19.5 vs 17.5, 112 (7168 x 2) 22.3 vs 19.5 (no split: 8 slices are too few).
-# Run 117 (GPU-68d4d467, commit fd721cf), 32 tokens, by K and swapped tiles (the streaming plan's split-K runs):
-#   K 2048: 32 tiles 18.8 vs 16.2 (MXFP4 19.4 vs 15.6), 128 tiles 22.4 vs 20.1 (1 run);
-#   K 3072: 32 tiles 22.4 vs 20.3, 64 tiles 25.6 vs 21.9 (2 runs); K 4096: 32 tiles 25.2 vs 24.4, 64 tiles 28.5 vs
-#   26.1 (2 runs), 96 tiles 32.4 vs 27.5 (1 run); K 5120: 32 tiles 25.5 vs 28.6 (3 runs), 64 tiles 31.3 vs 30.5 (2).
-# A swapped tile takes its K alone (~8 us + 4.1 us per 1024 of K, flat up to a wave). In runs 115-117 two split-K
-# runs did not pay below K 7168 (K 4096 in 2 runs of 2048: 25.2 us, K 2048 in 1 run: 18.8): the last run took the
-# sums back with an ``atom.exch`` per word, each waited for in turn. With plain loads all in flight (run 118,
-# GPU-e5f6ff23, commit d1d61e8, against e352c26) split-K launches take 3.4 us less: 512 x 4096 x 8 x 32 (2 runs)
-# 25.6 -> 22.2 (swapped: 24.4), 512 x 7168 x 8 x 32 (4 runs) 27.3 -> 24.0, 4096 x 7168 x 1 x 32 27.3 -> 23.7. So
-# 2 runs pay again: the streaming kernel wins wherever its plan splits K and the swapped tiles are fewer than half
-# a wave, between the last measured loss (64 tiles) and win (80: no split left). K 3072 (2 runs of 6 slices:
-# 22.4 vs 20.3 with the old take) is inferred from the 3.4 us, not measured again.
-SWAPPED_MIN_TILES = hs.H200_SM_COUNT // 2
-STREAMING_MIN_SPLITS = 2
 SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
+# Few swapped tiles (below a wave) take their K in split-K runs (``swapped_k_splits``): one swapped tile alone
+# takes ~8 us + 4.1 us per 1024 of K (runs 115-117: 36.6 us at K 7168, flat up to a wave), so before the split
+# the streaming kernel's split-K runs won below half a wave of tiles (32 tiles, 512 x 7168 x 8 x 32: 27.0 vs 36.6;
+# 64 tiles 37.0 vs 38.6) and the swapped tiles from 80 (48.5 vs 39.1).
+# Measured with the split (runs 119-121, 2026-12-01, commits 1524f4f / e387f54, GPU-ec40594c / GPU-d3d9d25d /
+# GPU-3b8ed78a, fused weights, H200-order tokens; notes/h200/2026-12-01-swapped-split-run119-121.*), us, NVFP4 bn32
+# at 32 tokens per expert unless named, swapped runs against the streaming plan (its own split-K) in one process:
+#   K 7168 (28 slices): 8 tiles (512 x 2 experts) 7 runs 16.2, 14 runs (of 2 slices) 14.6 vs 19.9; 16 tiles 7 runs
+#     17.3 vs 20.5; 32 tiles (512 x 8: Kimi; 4096 x 1) 2 runs 27.5, 3 runs 23.4, 4 runs 22.0-22.2, 7 runs 24.7
+#     vs 23.6-24.0 (4096 x 1: 21.7 vs 23.6; 24 tokens 21.5 vs 22.0; 17 tokens 20.8 vs 20.9); 64 tiles (4096 x 2)
+#     2 runs 29.0-29.7 vs 33.4-33.7. MXFP4: 32 tiles 4 runs 21.5 vs 24.5; 64 tiles 2 runs 28.8 vs 34.8.
+#   K 4096 (16 slices), 32 tiles: 2 runs 21.3, 4 runs 17.6 vs 21.9-22.3 (MXFP4 17.1 vs 22.9).
+#   K 3072 (12 slices), 32 tiles: 3 runs of 4 slices 17.0, 4 runs of 3 16.2 vs 19.1.
+#   K 2048 (8 slices): 32 tiles 1 run 16.1, 2 runs 16.7 vs 18.7; 56 tiles (7168 x 1) 1 run 17.4, 2 runs 17.3 vs
+#     19.6: a split saves too few slices to pay for its fix-up (the sums' round trip through L2, ~3 us).
+#   bn64, 512 x 7168 x 8 x 64 (32 tiles): 1 run 43.7, 4 runs 25.9 (the streaming plan 107.3).
+# So: about one wave of runs (4 runs on 32 tiles, 128 on 132 SMs, beat 7: a second, partial wave; 14 on 8 tiles),
+# runs as short as 2 slices, and no split below 12 slices (K 3072 for FP4 x FP4). With the split the swapped tiles
+# beat the streaming kernel at every count measured, so ``prefers`` no longer counts them.
+SWAPPED_MIN_SLICES_PER_SPLIT = 2
+SWAPPED_SPLIT_MIN_K_SLICES = 12
+
+
+def swapped_k_splits(tiles: int, k_slices: int, resident_ctas: int) -> tuple[int, int]:
+    """(k_splits, slices_per_split) for ``tiles`` swapped tiles on ``resident_ctas`` CTAs: as many runs per tile as
+    fit in one wave of CTAs, each at least ``SWAPPED_MIN_SLICES_PER_SPLIT`` K slices long (none empty); one run
+    (no split) from a wave of tiles, or for fewer than ``SWAPPED_SPLIT_MIN_K_SLICES`` K slices."""
+    for name, value in (("tiles", tiles), ("k_slices", k_slices), ("resident_ctas", resident_ctas)):
+        require_int(name, value, 1)
+    if k_slices < SWAPPED_SPLIT_MIN_K_SLICES:
+        return 1, k_slices
+    return hs.split_runs(k_slices, max(1, min(resident_ctas // tiles, k_slices // SWAPPED_MIN_SLICES_PER_SPLIT)))
 
 
 def _both_fp4(problem) -> bool:
@@ -1104,26 +1187,9 @@ def min_tokens_per_expert(problem) -> int:
 
 
 def prefers(problem) -> bool:
-    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only). Below the 128-token tiles' threshold
-    (FP4 x FP4, swapped tiles only) it also needs ``SWAPPED_MIN_TILES`` swapped 32-token tiles where the streaming
-    kernel can cut K into ``STREAMING_MIN_SPLITS`` runs across the idle SMs (split-K, which this kernel does not
-    have): with fewer tiles, those runs win; where K is too short for them, the swapped tiles win at any count."""
-    tokens = hs.average_tokens_per_expert(problem)
-    if tokens < min_tokens_per_expert(problem):
-        return False
-    if tokens < WGMMA_MIN_TOKENS_PER_EXPERT:
-        bn = SWAPPED_MMA_BN[0]
-        tiles = tile_token_rows(problem, bn) // bn * -(-problem.n // hs.TILE_M_ROWS)
-        return tiles >= SWAPPED_MIN_TILES or not streaming_split_k_pays(problem)
-    return True
-
-
-def streaming_split_k_pays(problem) -> bool:
-    """Whether the streaming kernel's plan can cut a tile's K into ``STREAMING_MIN_SPLITS`` split-K runs or more
-    (``h200_stream.choose_k_splits``: runs of at least ``MIN_SLICES_PER_SPLIT`` K slices; FP4 x FP4 slices of 256
-    elements): K of 3072 and more."""
-    k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
-    return k_slices >= STREAMING_MIN_SPLITS * hs.MIN_SLICES_PER_SPLIT
+    """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only): from ``min_tokens_per_expert``
+    (the swapped tiles', in split-K runs where they are few: ``swapped_k_splits``, for FP4 x FP4)."""
+    return hs.average_tokens_per_expert(problem) >= min_tokens_per_expert(problem)
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -1173,11 +1239,17 @@ def tile_token_rows(problem, tile_tokens: int) -> int:
     return problem.num_active_experts * -(-hs.average_tokens_per_expert(problem) // tile_tokens) * tile_tokens
 
 
+def estimated_tiles(problem, tile_tokens: int, weight_rows: int) -> int:
+    """Tiles of ``tile_tokens`` tokens x ``weight_rows`` weight rows the walk visits (``tile_token_rows``: host
+    metadata only, each group's own where the routing is on the host)."""
+    return tile_token_rows(problem, tile_tokens) // tile_tokens * -(-problem.n // weight_rows)
+
+
 def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
     """A launch's estimated time, in token x weight-row products at the 128-token plan's cost (host
     metadata only): the tiles of ``tile_tokens`` x ``mma_bn`` (``tile_token_rows``) in waves of
     ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
-    tiles = tile_token_rows(problem, tile_tokens) // tile_tokens * -(-problem.n // mma_bn)
+    tiles = estimated_tiles(problem, tile_tokens, mma_bn)
     return max(1.0, tiles / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost
 
 
@@ -1228,11 +1300,13 @@ def compiled_kernel(spec: WgmmaSpec) -> launch.CompiledKernel:
 
 
 def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas: int | None = None,
-            stream=0) -> hs.StreamLaunch:
+            k_splits: int | None = None, stream=0) -> hs.StreamLaunch:
     """Compile (cached), build the tensor maps, marshal the arguments; returns a launch object
     (``h200_stream.StreamLaunch``) that enqueues with no host copies or syncs. ``out`` and
     ``num_ctas`` as in ``h200_stream.prepare`` (one CTA per SM by default: 227 KiB each); ``out`` must
-    be 4-byte aligned (the epilogue stores bf16 pairs), as every allocation is."""
+    be 4-byte aligned (the epilogue stores bf16 pairs), as every allocation is. ``k_splits``: split-K runs per
+    tile, swapped tiles only (``None``: ``swapped_k_splits`` for the swapped tiles, none for the others; 1: no
+    split)."""
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
@@ -1248,28 +1322,47 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
         if launch.device_address(arr) % launch.TMA_ADDRESS_ALIGN:
             raise ValueError(f"{name} must be {launch.TMA_ADDRESS_ALIGN}-byte aligned on the device (TMA)")
     kernel = compiled_kernel(spec)
-    if num_ctas is None:
-        num_ctas = hs.default_num_ctas(spec, max_tiles, kernel.registers)
     k_slices = problem_device.k // spec.k_slice
-    no_split_sums, item_counter = cuda.device_array((1, 1), np.float32), hs.zeroed_counters(0, stream)
+    if k_splits is None and spec.ab_swapped:
+        tiles = max(1, estimated_tiles(problem_device, spec.mma_bn, hs.TILE_M_ROWS))   # 0: every slot -1
+        k_splits, slices_per_split = swapped_k_splits(tiles, k_slices, hs.resident_pairs(spec, kernel.registers))
+    elif k_splits is None:
+        k_splits, slices_per_split = 1, k_slices
+    else:
+        k_splits, slices_per_split = hs.split_runs(k_slices, require_int("k_splits", k_splits, 1))
+    if k_splits > 1 and not spec.ab_swapped:
+        raise ValueError(f"k_splits={k_splits}: split-K runs are the swapped tiles' (ab_swapped=True); this config "
+                         f"takes k_splits=1")
+    if k_splits > 1:
+        spec = dataclasses.replace(spec, split_k=True)
+        kernel = compiled_kernel(spec)
+    if num_ctas is None:   # the runs are the work items
+        num_ctas = hs.default_num_ctas(spec, max_tiles * k_splits, kernel.registers)
+    item_counter = hs.zeroed_counters(max_tiles if k_splits > 1 else 0, stream)   # tile counters, then the items
+    if k_splits > 1:
+        split_sums = cuda.device_array((problem_device.total_tokens, problem_device.n), np.float32, stream=stream)
+        device_memset(split_sums, 0, split_sums.nbytes, stream=stream)
+    else:
+        split_sums = cuda.device_array((1, 1), np.float32)
     arrays = problem_device.arrays()
     map_args = hs.tensor_map_args(spec.ring, {k: tuple(v.shape) for k, v in arrays.items()},
                                   {k: launch.device_address(v) for k, v in arrays.items()})
     maps = launch.device_tensor_maps([m.encode() for m in map_args], stream=stream)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, device_out, np.int64(problem_device.n),
-            np.int64(k_slices), np.int64(max_tiles), no_split_sums, item_counter, np.int64(1),
-            np.int64(k_slices))
+            np.int64(k_slices), np.int64(max_tiles), split_sums, item_counter, np.int64(k_splits),
+            np.int64(slices_per_split))
     prepared = launch.prepare_launch(kernel, num_ctas, args, stream=stream,
-                                     keepalive=(maps, problem_device, item_counter))
-    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, split_counters=item_counter,
-                           kernel=KERNEL_NAME)
+                                     keepalive=(maps, problem_device, item_counter, split_sums))
+    return hs.StreamLaunch(spec.ring, device_out, num_ctas, max_tiles, prepared, k_splits, split_sums,
+                           split_counters=item_counter, kernel=KERNEL_NAME)
 
 
 def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | None = None, *,
-                        num_ctas: int | None = None) -> np.ndarray:
+                        num_ctas: int | None = None, k_splits: int | None = None) -> np.ndarray:
     """Run the wgmma kernel on a host problem (``config=None``: ``wgmma_plan``'s knobs); returns ``C``
-    (bf16, (total_tokens, N)); ``out`` as in ``h200_stream.grouped_matmul_h200``. Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
+    (bf16, (total_tokens, N)); ``out`` as in ``h200_stream.grouped_matmul_h200``, ``k_splits`` as in ``prepare``.
+    Raises ``launch.NoSuitableGPUError`` without an sm_90 GPU."""
     launch.require_gpu(hs.SM90, "the H200 wgmma kernel")
     config = wgmma_plan(problem) if config is None else config
     check_can_implement(problem, config)
@@ -1280,11 +1373,11 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
         raise ValueError(f"out must be a C-contiguous bfloat16 numpy array of shape {shape}")
     bits = out.view(np.uint16)
     device_out = cuda.to_device(bits)
-    prepare(launch.to_device(problem), config, device_out, num_ctas=num_ctas)()
+    prepare(launch.to_device(problem), config, device_out, num_ctas=num_ctas, k_splits=k_splits)()
     device_out.copy_to_host(bits)
     return out
 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
            "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers",
-           "streaming_split_k_pays", "wgmma_plan", "wgmma_tile_tokens"]
+           "swapped_k_splits", "estimated_tiles", "wgmma_plan", "wgmma_tile_tokens"]

@@ -114,6 +114,10 @@ class DeviceProblem(ProblemShape):
     k: int
     b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.quant.OPERAND_LAYOUTS``)
     a_layout: str = LAYOUT_PACKED   # the bytes of a (the same)
+    # host copies of the routing where the caller has them ({"a_offsets": ..., "expert_ids": ...}: a
+    # GroupedProblem's arrays, or the copies a validated device problem kept), for the plans' tile estimates
+    # (``h200_wgmma.tile_token_rows``); None: the plans assume groups of the average size
+    host_routing: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def arrays(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in PROBLEM_ARRAY_DTYPES}
@@ -200,7 +204,10 @@ def to_device(problem, *, stream=0) -> DeviceProblem:
         ints[name] = int(value)
     arrays = {name: _as_device_array(name, getattr(problem, name), stream) for name in PROBLEM_ARRAY_DTYPES}
     a_format, b_format = get_format(problem.a_format), get_format(problem.b_format)
-    device = DeviceProblem(a_format=a_format, b_format=b_format, **ints, **arrays,
+    routing = getattr(problem, "host_routing", None)
+    if routing is None and all(isinstance(getattr(problem, name), np.ndarray) for name in ("a_offsets", "expert_ids")):
+        routing = {name: np.array(getattr(problem, name)) for name in ("a_offsets", "expert_ids")}
+    device = DeviceProblem(a_format=a_format, b_format=b_format, **ints, **arrays, host_routing=routing,
                            b_layout=check_layout(layout_of(problem, "b"), b_format, "b"),
                            a_layout=check_layout(layout_of(problem, "a"), a_format, "a"))
     problem_format_name(device.a_format, device.b_format)   # ValueError for an unsupported pair
