@@ -1156,6 +1156,12 @@ SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 #   K 2048 (8 slices): 32 tiles 1 run 16.1, 2 runs 16.7 vs 18.7; 56 tiles (7168 x 1) 1 run 17.4, 2 runs 17.3 vs
 #     19.6: a split saves too few slices to pay for its fix-up (the sums' round trip through L2, ~3 us).
 #   bn64, 512 x 7168 x 8 x 64 (32 tiles): 1 run 43.7, 4 runs 25.9 (the streaming plan 107.3).
+# ``estimated_tile_work`` shares a few swapped tiles' work among their runs, so ``wgmma_plan`` weighs bn32 against
+# bn64 in their runs (run 123, GPU-7c192eb5, commit 343ca70; notes/h200/2026-12-01-plan-split-run123.*), NVFP4, us,
+# the plan (bn64 in its runs) against bn32 in its runs: 512 x 7168 x 8 x 64 26.5 vs 27.8, 8 x 48 25.8 vs 27.7,
+# 16 x 64 35.9 vs 39.3, 4096 x 7168 x 1 x 64 26.0 vs 27.6, MXFP4 8 x 64 26.0 vs 26.9; and against the 128-token
+# tiles (one run each): 512 x 7168 x 8 x 128 34.3 (bn64, 2 runs) vs 63.6 (bn64 in 1 run: 44.4), 8 x 256 45.5 vs
+# 64.2 (256-token tiles 108.8), 4096 x 7168 x 2 x 128 45.8 vs 64.8.
 # So: about one wave of runs (4 runs on 32 tiles, 128 on 132 SMs, beat 7: a second, partial wave; 14 on 8 tiles),
 # runs as short as 2 slices, and no split below 12 slices (K 3072 for FP4 x FP4). With the split the swapped tiles
 # beat the streaming kernel at every count measured, so ``prefers`` no longer counts them.
