@@ -400,7 +400,6 @@ def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slot
     assert plan.num_pipeline_stages == AUTO_STAGES
 
 
-# what sweep runs 107-108 measured fastest at 32 experts, 4096 x 7168 (notes/h200 "Session 24"): (mma_bn, ab_swapped)
 @pytest.mark.parametrize("tiles, k_slices, want", [
     (32, 28, (4, 7)),    # 512 x 7168 x 8 x 32: 4 runs 22.0-22.2 us (2: 27.5, 3: 23.4, 7: 24.7; runs 120-121)
     (32, 16, (4, 4)),    # 512 x 4096 x 8 x 32: 17.6 (2 runs: 21.3)
@@ -426,11 +425,16 @@ def test_swapped_k_splits_refuses_bad_counts():
         hw.swapped_k_splits(32.0, 28, 132)
 
 
+# what sweep runs 107-108 measured fastest at 32 experts, 4096 x 7168 (notes/h200 "Session 24"): (mma_bn, ab_swapped)
 @pytest.mark.parametrize("fmt, n, slots, tokens, want", [
     ("nvfp4", 4096, 32, 32, (32, True)), ("nvfp4", 4096, 32, 48, (64, True)), ("nvfp4", 4096, 32, 64, (64, True)),
     ("nvfp4", 4096, 32, 128, (128, False)), ("mxfp4", 4096, 32, 32, (32, True)), ("mxfp4", 4096, 32, 64, (64, True)),
     ("nvfp4", 7168, 32, 32, (32, True)),
     ("mxfp4", 4096, 1, 256, (64, True)),    # one wave either way: the shorter tile (modelled, not measured)
+    # few tiles, in split-K runs (runs 121, 123): 32 bn64 tiles in 4 runs 25.9-26.5 us against 64 bn32 tiles in 2
+    # runs 27.6-27.8; 8 x 48 25.8 vs 27.7; 8 x 128: bn64 in 2 runs 34.3 against 128-token tiles 63.6
+    ("nvfp4", 512, 8, 64, (64, True)), ("nvfp4", 512, 8, 32, (32, True)), ("nvfp4", 512, 8, 48, (64, True)),
+    ("mxfp4", 512, 8, 64, (64, True)), ("nvfp4", 512, 8, 128, (64, True)), ("nvfp4", 4096, 2, 128, (64, True)),
     ("mxfp8", 4096, 32, 48, (256, False)), ("w4a8", 4096, 32, 64, (256, False)),   # FP8 tokens: never swapped
 ])
 def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots, tokens, want):

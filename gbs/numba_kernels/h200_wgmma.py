@@ -1156,6 +1156,12 @@ SWAPPED_ROW_COST = {32: 2.19, 64: 1.32}
 #   K 2048 (8 slices): 32 tiles 1 run 16.1, 2 runs 16.7 vs 18.7; 56 tiles (7168 x 1) 1 run 17.4, 2 runs 17.3 vs
 #     19.6: a split saves too few slices to pay for its fix-up (the sums' round trip through L2, ~3 us).
 #   bn64, 512 x 7168 x 8 x 64 (32 tiles): 1 run 43.7, 4 runs 25.9 (the streaming plan 107.3).
+# ``estimated_tile_work`` shares a few swapped tiles' work among their runs, so ``wgmma_plan`` weighs bn32 against
+# bn64 in their runs (run 123, GPU-7c192eb5, commit 343ca70; notes/h200/2026-12-01-plan-split-run123.*), NVFP4, us,
+# the plan (bn64 in its runs) against bn32 in its runs: 512 x 7168 x 8 x 64 26.5 vs 27.8, 8 x 48 25.8 vs 27.7,
+# 16 x 64 35.9 vs 39.3, 4096 x 7168 x 1 x 64 26.0 vs 27.6, MXFP4 8 x 64 26.0 vs 26.9; and against the 128-token
+# tiles (one run each): 512 x 7168 x 8 x 128 34.3 (bn64, 2 runs) vs 63.6 (bn64 in 1 run: 44.4), 8 x 256 45.5 vs
+# 64.2 (256-token tiles 108.8), 4096 x 7168 x 2 x 128 45.8 vs 64.8.
 # So: about one wave of runs (4 runs on 32 tiles, 128 on 132 SMs, beat 7: a second, partial wave; 14 on 8 tiles),
 # runs as short as 2 slices, and no split below 12 slices (K 3072 for FP4 x FP4). With the split the swapped tiles
 # beat the streaming kernel at every count measured, so ``prefers`` no longer counts them.
@@ -1245,12 +1251,17 @@ def estimated_tiles(problem, tile_tokens: int, weight_rows: int) -> int:
     return tile_token_rows(problem, tile_tokens) // tile_tokens * -(-problem.n // weight_rows)
 
 
-def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float) -> float:
+def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float, split_k: bool = False) -> float:
     """A launch's estimated time, in token x weight-row products at the 128-token plan's cost (host
     metadata only): the tiles of ``tile_tokens`` x ``mma_bn`` (``tile_token_rows``) in waves of
-    ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long."""
+    ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long; with ``split_k``
+    (swapped tiles) each tile's work shared by its ``swapped_k_splits`` runs."""
     tiles = estimated_tiles(problem, tile_tokens, mma_bn)
-    return max(1.0, tiles / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost
+    runs = 1
+    if split_k:
+        k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
+        runs = swapped_k_splits(max(1, tiles), max(1, k_slices), hs.H200_SM_COUNT)[0]
+    return max(1.0, tiles * runs / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost / runs
 
 
 def wgmma_tile_tokens(problem, mma_bn: int) -> int:
@@ -1267,7 +1278,7 @@ def wgmma_tile_tokens(problem, mma_bn: int) -> int:
 def wgmma_plan(problem) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the measured tile
     width for the format pair and its token tile (above), a swapped tile where it is cheaper (FP4 x FP4,
-    ``SWAPPED_ROW_COST``), and the deepest ring that fits. The SM100 decision does not carry over (its
+    ``SWAPPED_ROW_COST``; few of them in their ``swapped_k_splits`` runs), and the deepest ring that fits. The SM100 decision does not carry over (its
     tiles are for tcgen05; this kernel's tile is 128 or 256 tokens by ``mma_bn`` weight rows, or 128 weight
     rows by 32 or 64 tokens, one CTA per SM)."""
     mma_bn = WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8
@@ -1280,7 +1291,8 @@ def wgmma_plan(problem) -> WgmmaConfig:
     row_cost = TWO_M_TILES_ROW_COST.get(hs._problem_formats(problem), 1.0) if tile_tokens != TILE_TOKENS[0] else 1.0
     work = {plan: estimated_tile_work(problem, tile_tokens, mma_bn, row_cost)}
     for bn, cost in SWAPPED_ROW_COST.items():   # a swapped tile: bn tokens by 128 weight rows
-        work[WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)] = estimated_tile_work(problem, bn, hs.TILE_M_ROWS, cost)
+        work[WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)] = estimated_tile_work(problem, bn, hs.TILE_M_ROWS, cost,
+                                                                                  split_k=True)
     return min(work, key=work.get)
 
 
