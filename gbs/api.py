@@ -21,7 +21,7 @@ Backends, best first where the hardware allows:
   dispatch decides (``config=None``) and the experts average at least ``h200_wgmma.min_tokens_per_expert``
   tokens (17 for NVFP4 / MXFP4: its swapped 32-token tiles, in split-K runs where they are fewer than a wave,
   sweep runs 107-109 and 119-121; 33 with FP8 tokens: past the streaming kernel's small-N mapping, sweep runs 24
-  and 33); its knobs are ``h200_wgmma.wgmma_plan``'s;
+  and 33, or 17 where their swapped tiles split, run 125); its knobs are ``h200_wgmma.wgmma_plan``'s;
 * ``"h200_stream"``: the H200 (Hopper, sm_90a) streaming kernel: TMA ring of ``num_pipeline_stages``
   K slices, software block scales, ``mma.sync`` bf16 (what ``"auto"`` runs on compute capability 9.0
   for decode, and for every problem given a ``config``). Without a config the SM100 decision is

@@ -480,13 +480,38 @@ def test_swapped_split_k_build_reads_every_sum_before_it_stores():
     ("nvfp4", 7168, 1, 32, 2048, True), ("nvfp4", 4096, 4, 32, 7168, True),  # 17.4 vs 19.6; 128 tiles (run 116)
     ("nvfp4", 512, 8, 48, 7168, True), ("mxfp8", 512, 8, 48, 7168, True),    # from 33 tokens: the average alone
     ("nvfp4", 4096, 32, 16, 7168, False), ("nvfp4", 512, 8, 16, 7168, False),  # 16 tokens: the streaming kernel
-    ("w4a8", 512, 8, 32, 7168, False), ("mxfp8", 4096, 32, 32, 7168, False),  # FP8 tokens: not swapped
+    # FP8 tokens: swapped only where their tiles split (run 125): 32 tiles 23.8 / 29.2 us vs the streaming 29.2 / 30.2
+    ("w4a8", 512, 8, 32, 7168, True), ("mxfp8", 512, 8, 32, 7168, True), ("w4a8", 4096, 2, 32, 7168, True),
+    ("mxfp8", 4096, 32, 32, 7168, False), ("w4a8", 4096, 32, 24, 7168, False),   # 1024 tiles: no split
+    ("w4a8", 512, 8, 32, 1024, False), ("mxfp8_e5m2", 512, 8, 32, 7168, False),  # 8 slices; E5M2 not measured
+    ("w4a8", 512, 8, 16, 7168, False),
 ])
 def test_auto_takes_swapped_tiles_from_17_fp4_tokens_at_any_tile_count(fmt, n, slots, tokens, k, want):
     """With split-K runs for few swapped tiles (``swapped_k_splits``) the swapped tiles beat the streaming
     kernel's split-K at every tile count measured (8-128 tiles, K 2048-7168): ``prefers`` is the average
-    tokens per expert alone."""
+    tokens per expert alone for FP4 x FP4; FP8 tokens also from 17 where their swapped tiles split."""
     assert hw.prefers(_metadata(fmt, n, slots, tokens, k)) is want
+
+
+@pytest.mark.parametrize("fmt, n, slots, tokens, want", [
+    # run 125 (us), MXFP8 / W4A8, the plan before (128- or 256-token tiles, 16-32 on 132 SMs) -> swapped in runs:
+    ("mxfp8", 512, 8, 48, (64, 4)), ("w4a8", 512, 8, 48, (64, 4)),     # 116.2 / 123.0 -> 29.6 / 27.2
+    ("mxfp8", 512, 8, 64, (64, 4)), ("w4a8", 512, 8, 64, (64, 4)),     # 116.4 / 123.1 -> 30.6 / 28.1
+    ("mxfp8", 512, 8, 128, (64, 2)), ("w4a8", 4096, 2, 64, (64, 2)),   # 117.5 -> 42.3; 123.2 -> 41.1
+    ("w4a8", 512, 8, 32, (32, 4)),                                     # streaming 29.2 -> 23.8
+    ("mxfp8", 4096, 32, 48, None), ("w4a8", 4096, 32, 64, None),       # full waves: the measured plan
+    ("nvfp4", 512, 8, 64, None), ("mxfp8_e5m2", 512, 8, 64, None),
+])
+def test_fp8_tokens_take_swapped_tiles_where_they_split(fmt, n, slots, tokens, want):
+    problem = _metadata(fmt, n, slots, tokens)
+    plan = hw.fp8_tokens_swapped_plan(problem)
+    if want is None:
+        assert plan is None
+        return
+    bn, runs = want
+    assert plan == hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True) and hw.wgmma_plan(problem) == plan
+    k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
+    assert hw.swapped_k_splits(hw.estimated_tiles(problem, bn, hs.TILE_M_ROWS), k_slices, hs.H200_SM_COUNT)[0] == runs
 
 
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
@@ -577,7 +602,7 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
     assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
 
 
-SWAPPED_SPLIT_GPU_CASES = [("nvfp4", 32, 2), ("mxfp4", 32, 4), ("nvfp4", 64, 3), ("w4a8", 32, 5)]
+SWAPPED_SPLIT_GPU_CASES = [("nvfp4", 32, 2), ("mxfp4", 32, 4), ("nvfp4", 64, 3), ("w4a8", 32, 5), ("mxfp8", 64, 3)]
 
 
 def run_split_launch_three_times(problem, config, k_splits):
@@ -756,6 +781,27 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
     kernel, plan = h200_kernel(relaid)
     assert kernel is hw and (plan.ab_swapped, plan.mma_bn) == (True, want_bn)
     out = gbs.grouped_matmul(relaid)
+    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, sizes, want_bn", [("w4a8", [48, 40, 1, 0, 48, 33, 47, 48], 64),
+                                                 ("mxfp8", [32, 30, 1, 0, 32, 17, 31, 32], 32)])
+def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt, sizes, want_bn):
+    """FP8 tokens on ~30 swapped tiles (N 576: 5 weight bands, the last partial; a -1 slot, an empty group, a
+    1-token group; K 2048: 16 slices): ``gbs.grouped_matmul`` runs the swapped tiles in 4 split-K runs
+    (``fp8_tokens_swapped_plan``) within the acceptance; rows of the -1 slot keep the poison."""
+    if launch.gpu_compute_capability() != hs.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    import gbs
+    from gbs.api import h200_kernel
+
+    problem = synthetic_problem(fmt, n=512 + 64, k=2048, group_sizes=sizes, expert_ids=[3, 0, 5, 1, -1, 2, 4, 6],
+                                num_experts=7, seed=zlib.crc32(f"auto-fp8-few/{fmt}".encode()))
+    kernel, plan = h200_kernel(problem)
+    assert kernel is hw and (plan.ab_swapped, plan.mma_bn) == (True, want_bn)
+    assert hw.prepare(launch.to_device(problem), plan).k_splits == 4
+    out = gbs.grouped_matmul(problem)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
 

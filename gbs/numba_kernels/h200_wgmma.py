@@ -130,7 +130,7 @@ from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.h200_stream import CONSUMER_WAIT
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import GroupedProblem, layout_of
+from gbs.problem import GroupedProblem, layout_of, problem_format_name
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
@@ -1180,6 +1180,35 @@ def swapped_k_splits(tiles: int, k_slices: int, resident_ctas: int) -> tuple[int
     return hs.split_runs(k_slices, max(1, min(resident_ctas // tiles, k_slices // SWAPPED_MIN_SLICES_PER_SPLIT)))
 
 
+# FP8 tokens (MXFP8, W4A8) on few swapped tiles, measured (run 125, 2026-12-01, GPU-7bdd04cc, commit b857821,
+# FP8 weights as quantized, FP4 weights fused; notes/h200/2026-12-01-fp8-few-tiles-run125.*), us, MXFP8 / W4A8, the
+# plan before against swapped tiles in their split-K runs:
+#   N 512 x 8 experts: 32 tokens (the streaming kernel's split-K) 30.2 / 29.2 vs bn32 29.2 / 23.8; 48 tokens (wgmma
+#   128- or 256-token tiles: 16-32 of them on 132 SMs) 116.2 / 123.0 vs bn64 29.6 / 27.2; 64 tokens 116.4 / 123.1
+#   vs 30.6 / 28.1; 128 tokens 117.5 / 123.5 vs 42.3 / 40.8 (2 runs). N 4096 x 2 experts: 64 tokens 117.3 / 123.2
+#   vs 43.1 / 41.1; 32 tokens (streaming) 41.6 / 40.3 vs 39.1 / 34.4.
+# At full waves a swapped tile with FP8 tokens loses (32 x 32 x 4096: W4A8 381.4 against the streaming kernel's
+# 266.8, MXFP8 415.0 against 284.6; runs 107-108: one quarter of a B item per thread, 64-kappa sub-steps), so FP8
+# tokens take the swapped tiles only where they split into ``FP8_TOKENS_SWAPPED_MIN_RUNS`` runs or more (at most half
+# a wave of tiles), as at every point above. E5M2 tokens (``mxfp8_e5m2``) were not measured: not included.
+FP8_TOKENS_SWAPPED_FORMATS = ("mxfp8", "w4a8")
+FP8_TOKENS_SWAPPED_MIN_RUNS = 2
+
+
+def fp8_tokens_swapped_plan(problem) -> WgmmaConfig | None:
+    """For FP8 tokens (``FP8_TOKENS_SWAPPED_FORMATS``): the swapped tile (bn32 up to 32 tokens per expert, else
+    bn64) where its tiles split into ``FP8_TOKENS_SWAPPED_MIN_RUNS`` runs or more (``swapped_k_splits``); else
+    None (host metadata only)."""
+    if problem_format_name(problem.a_format, problem.b_format) not in FP8_TOKENS_SWAPPED_FORMATS:
+        return None
+    bn = SWAPPED_MMA_BN[0] if hs.average_tokens_per_expert(problem) <= SWAPPED_MMA_BN[0] else SWAPPED_MMA_BN[1]
+    tiles = max(1, estimated_tiles(problem, bn, hs.TILE_M_ROWS))
+    k_slices = max(1, problem.k // hs.k_slice_elements(problem.a_format, problem.b_format))
+    if swapped_k_splits(tiles, k_slices, hs.H200_SM_COUNT)[0] < FP8_TOKENS_SWAPPED_MIN_RUNS:
+        return None
+    return WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)
+
+
 def _both_fp4(problem) -> bool:
     """Both operands FP4: 256-element K slices, 128-element sub-steps at mma_bn 128 (the measured rules
     below differ from those with an FP8 operand)."""
@@ -1194,8 +1223,12 @@ def min_tokens_per_expert(problem) -> int:
 
 def prefers(problem) -> bool:
     """Whether ``"auto"`` runs this kernel for ``problem`` (host metadata only): from ``min_tokens_per_expert``
-    (the swapped tiles', in split-K runs where they are few: ``swapped_k_splits``, for FP4 x FP4)."""
-    return hs.average_tokens_per_expert(problem) >= min_tokens_per_expert(problem)
+    (the swapped tiles', in split-K runs where they are few: ``swapped_k_splits``, for FP4 x FP4), and for FP8
+    tokens from ``SWAPPED_MIN_TOKENS_PER_EXPERT`` where their swapped tiles split (``fp8_tokens_swapped_plan``)."""
+    tokens = hs.average_tokens_per_expert(problem)
+    if tokens >= min_tokens_per_expert(problem):
+        return True
+    return tokens >= SWAPPED_MIN_TOKENS_PER_EXPERT and fp8_tokens_swapped_plan(problem) is not None
 
 
 # wgmma_plan's tile width, measured (sweep, 2026-11-30, commit 4823d31, 4096 x 7168, 8 x 1024 tokens):
@@ -1278,9 +1311,13 @@ def wgmma_tile_tokens(problem, mma_bn: int) -> int:
 def wgmma_plan(problem) -> WgmmaConfig:
     """The knobs ``gbs.grouped_matmul`` runs this kernel with (host metadata only): the measured tile
     width for the format pair and its token tile (above), a swapped tile where it is cheaper (FP4 x FP4,
-    ``SWAPPED_ROW_COST``; few of them in their ``swapped_k_splits`` runs), and the deepest ring that fits. The SM100 decision does not carry over (its
+    ``SWAPPED_ROW_COST``; few of them in their ``swapped_k_splits`` runs; FP8 tokens where their swapped tiles
+    split: ``fp8_tokens_swapped_plan``), and the deepest ring that fits. The SM100 decision does not carry over (its
     tiles are for tcgen05; this kernel's tile is 128 or 256 tokens by ``mma_bn`` weight rows, or 128 weight
     rows by 32 or 64 tokens, one CTA per SM)."""
+    few_fp8_tiles = fp8_tokens_swapped_plan(problem)
+    if few_fp8_tiles is not None:
+        return few_fp8_tiles
     mma_bn = WGMMA_PLAN_MMA_BN_FP4 if _both_fp4(problem) else WGMMA_PLAN_MMA_BN_FP8
     tile_tokens = wgmma_tile_tokens(problem, mma_bn)
     if tile_tokens != TILE_TOKENS[0]:
@@ -1392,4 +1429,4 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
            "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers",
-           "swapped_k_splits", "estimated_tiles", "wgmma_plan", "wgmma_tile_tokens"]
+           "swapped_k_splits", "estimated_tiles", "fp8_tokens_swapped_plan", "wgmma_plan", "wgmma_tile_tokens"]
