@@ -699,6 +699,10 @@ SPEEDUP_HEADERS = {"torch_bf16": "x_bf16", "torch_fp8_rowwise": "x_fp8", "triton
 
 
 METHOD_WIDTH = max(map(len, METHODS))   # the method column fits every method name
+# A row whose p10-p90 spread exceeds this fraction of its median gets a note in the table: its median may sit in
+# one of two modes. Bench run 124 (2026-12-01): torch bf16 on large_prefill_up took 705.6 us (p10 636.9, p90 708.0)
+# in one process and 630.1 (628.8-631.6) in the other of the same call; our rows spread 0.5-3 % at that size.
+WIDE_SPREAD_FRACTION = 0.08
 
 
 def format_table(rows: list[dict]) -> str:
@@ -722,6 +726,9 @@ def format_table(rows: list[dict]) -> str:
             extra = r["method_format"] + (f"; earlier {r['earlier_figure']}" if r["earlier_figure"] else "")
         if r["note"]:
             extra += f"; {r['note']}"
+        spread_fraction = (r["p90_us"] - r["p10_us"]) / r["median_us"]
+        if spread_fraction > WIDE_SPREAD_FRACTION:
+            extra += f"; wide spread: p10-p90 is {100 * spread_fraction:.0f} % of the median, compare with care"
         rates = (f"{_fmt(r['tflops'], '8.1f')} {_fmt(r['gbps'], '7.0f')} {_fmt(r['pct_read_ceiling'], '6.1f')} "
                  f"{_fmt(r['pct_bf16_peak'], '6.1f')} {_fmt(r['pct_fp8_peak'], '6.1f')}")
         lines.append(f"{head} {r['median_us']:>9.1f} {spread:>17} {rates}{ratios}  {extra}")
@@ -734,7 +741,8 @@ us: median of CUDA-event timings per launch (p10-p90 beside it); launches queued
 TFLOP/s: 2 x live tokens x N x K / time. GB/s: the fewest bytes THIS method moves (its weights and tokens once,
     the bf16 output once) / time: bf16 weights are 4x the FP4 bytes; the copy reads and writes half our bytes each.
 %read: of the streaming-read ceiling measured in this run; %bf16, %fp8: of the dense matmul peaks above.
-x_<peer>: the peer's time / this row's time (> 1: this row is faster).
+x_<peer>: the peer's time / this row's time (> 1: this row is faster). "wide spread": p10-p90 above 8 % of the
+    median (two modes, or noise at a few us): its ratios may move between runs.
 Peers run only the live groups (torch has no -1 skip semantics) on their own random data; torch_fp8_rowwise uses
     use_fast_accum=False; the Triton peer launches one kernel per group from Python (MX scales only)."""
 

@@ -388,6 +388,10 @@ def test_table_shows_every_row_and_the_reasons():
     assert table[0][us_column].strip() == "us"
     timed = [line for line in table[2:] if "skipped" not in line and "FAIL" not in line]
     assert [float(line[us_column]) for line in timed] == [100.0, 50.0, 200.0, 25.0]
+    # the fakes spread 30 % (p10 0.9x, p90 1.2x the median): flagged; a row within 8 % is not
+    assert "wide spread: p10-p90 is 30 % of the median" in simt_line
+    tight = dict(rows[0], p10_us=97.0, p90_us=104.0)
+    assert "wide spread" not in bench.format_table([tight]).splitlines()[2]
 
 
 def test_write_csv_round_trip(tmp_path):
