@@ -60,14 +60,35 @@ def cmd_dispatch(args) -> int:
     return 0
 
 
-def _print_regime_table(fmt: str) -> None:
-    print(f"\n== Dispatch decisions (SM100 table, B200 shared memory), {fmt}, {DEMO_SLOTS} active experts ==")
-    print(f"  {'shape':<14} {'avg_m':>6} {'regime':<14} {'swapped':<8} {'mma_bn':>6} {'cg':>4} stages")
+def _demo_shapes():
+    """(shape name, N, K, active experts, average tokens per expert) of the demo's decision tables."""
     for name, (n, k) in DEMO_DISPATCH_SHAPES.items():
         slots = 8 if name == "kimi_up" else DEMO_SLOTS
         for avg_m in DEMO_AVG_M.values():
-            cfg = dispatch_for_format(fmt, n=n, k=k, num_active_experts=slots, estimated_total_m=avg_m * slots)
-            print(_config_row(name, avg_m, cfg))
+            yield name, n, k, slots, avg_m
+
+
+def _print_regime_table(fmt: str) -> None:
+    print(f"\n== Dispatch decisions (SM100 table, B200 shared memory), {fmt}, {DEMO_SLOTS} active experts "
+          f"(kimi_up: 8) ==")
+    print(f"  {'shape':<14} {'avg_m':>6} {'regime':<14} {'swapped':<8} {'mma_bn':>6} {'cg':>4} stages")
+    for name, n, k, slots, avg_m in _demo_shapes():
+        cfg = dispatch_for_format(fmt, n=n, k=k, num_active_experts=slots, estimated_total_m=avg_m * slots)
+        print(_config_row(name, avg_m, cfg))
+
+
+def _print_h200_plans(fmt: str) -> None:
+    """What ``"auto"`` runs on an H200 for the same shapes (``gbs.api.describe_h200_plan``: host metadata only)."""
+    from types import SimpleNamespace
+
+    from .api import describe_h200_plan
+
+    a_format, b_format = resolve_formats(fmt)
+    print(f"\n== What \"auto\" runs on an H200 for the same shapes, {fmt} (its plan, from host metadata) ==")
+    for name, n, k, slots, avg_m in _demo_shapes():
+        meta = SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=k, num_active_experts=slots,
+                               estimated_total_m=avg_m * slots)
+        print(f"  {name:<14} {avg_m:>6}  {describe_h200_plan(meta)}")
 
 
 def cmd_demo(args) -> int:
@@ -83,6 +104,7 @@ def cmd_demo(args) -> int:
             print("\n(mxfp8_e5m2: upstream's SM100 routing has no E5M2 entry; gbs kernels use the mxfp8 decision)")
             continue
         _print_regime_table(fmt)
+        _print_h200_plans(fmt)
     ok = True
     n, k = DEMO_RUN_SHAPE
     print(f"\n== A routed MoE batch on the Kimi up-projection (N={n}, K={k}): {DEMO_RUN_TOKENS} tokens, "

@@ -179,6 +179,28 @@ def h200_kernel(problem, config: KernelConfig | None = None, backend: str = "aut
     return h200_stream, h200_stream_knobs(problem, config)
 
 
+def describe_h200_plan(problem) -> str:
+    """What ``"auto"`` runs for ``problem`` on an H200, in words, from host metadata only (a ``GroupedProblem``, a
+    device problem, or any object with ``a_format``, ``b_format``, ``n``, ``k``, ``num_active_experts`` and
+    ``estimated_total_m``; no GPU needed): the kernel (``h200_kernel``), its knobs and, for the wgmma kernel's
+    swapped tiles, the split-K runs per tile its plan estimates (``h200_wgmma.swapped_split_plan``, one CTA per
+    SM). The streaming kernel picks its split-K runs at launch, from the CTAs its registers let each SM hold."""
+    from .numba_kernels import h200_stream, h200_wgmma
+
+    kernel, knobs = h200_kernel(problem)
+    orientation = "swapped" if knobs.ab_swapped else "not swapped"
+    if kernel is h200_stream:
+        warps = (f", {knobs.small_n_warps} consumer warps" if knobs.small_n_warps != h200_stream.CONSUMER_WARPS_SMALL_N
+                 else "")
+        return (f"h200_stream {orientation} bn{knobs.mma_bn} cg{knobs.cta_group} {knobs.num_pipeline_stages} stages"
+                f"{warps}; split-K runs chosen at launch")
+    if not knobs.ab_swapped:
+        return f"h200_wgmma {orientation} bn{knobs.mma_bn}, {knobs.tile_tokens}-token tiles"
+    runs = h200_wgmma.swapped_split_plan(problem, knobs.mma_bn)[0]
+    return f"h200_wgmma {orientation} bn{knobs.mma_bn}, " + (f"{runs} split-K runs per tile" if runs > 1 else
+                                                              "whole K per tile")
+
+
 def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "auto", out=None, *,
                    stream=None):
     """Run the grouped 1D-1D block-scaled matmul; returns ``C`` (bf16, (total_tokens, N)).

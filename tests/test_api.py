@@ -149,3 +149,20 @@ def test_h200_weight_layout_is_the_measured_one_per_weight_format():
         relaid = problem.with_b_layout(h200_weight_layout(problem.b_format))
         np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
                                       reference_grouped_matmul(problem).view(np.uint16))
+
+
+@pytest.mark.parametrize("case, fmt, want", [
+    ("decode_up", "nvfp4", "h200_stream swapped bn8 cg1 2 stages; split-K runs chosen at launch"),
+    ("kimi_decode", "nvfp4", "h200_stream swapped bn8 cg1 2 stages, 8 consumer warps; split-K runs chosen at launch"),
+    ("small_prefill_up", "mxfp4", "h200_wgmma swapped bn32, whole K per tile"),       # 1024 tiles
+    ("kimi_small_prefill", "nvfp4", "h200_wgmma swapped bn32, 4 split-K runs per tile"),   # 32 tiles (run 122)
+    ("kimi_small_prefill", "w4a8", "h200_wgmma swapped bn32, 4 split-K runs per tile"),    # FP8 tokens (run 125)
+    ("small_prefill_up", "w4a8", "h200_stream swapped bn32 cg1 2 stages; split-K runs chosen at launch"),
+    ("large_prefill_up", "mxfp4", "h200_wgmma not swapped bn128, 256-token tiles"),
+])
+def test_describe_h200_plan_names_the_kernel_knobs_and_split(case, fmt, want):
+    """``describe_h200_plan`` says what "auto" runs on an H200 from host metadata alone (the bench cases)."""
+    from gbs.api import describe_h200_plan
+    from gbs.bench import BENCH_CASES
+
+    assert describe_h200_plan(BENCH_CASES[case].problem(fmt)) == want

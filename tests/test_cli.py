@@ -43,3 +43,6 @@ def test_demo_runs_and_verifies_on_the_cpu():
     for regime in ("decode", "small_prefill", "large_prefill"):
         assert regime in res.stdout
     assert "PASS" in res.stdout and res.stdout.strip().endswith("verified")
+    # the H200 plans of the same shapes, from host metadata (no GPU here)
+    assert "kimi_up            32  h200_wgmma swapped bn32, 4 split-K runs per tile" in res.stdout
+    assert "deepseek_up         4  h200_stream swapped bn8" in res.stdout

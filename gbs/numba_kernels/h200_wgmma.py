@@ -1180,6 +1180,14 @@ def swapped_k_splits(tiles: int, k_slices: int, resident_ctas: int) -> tuple[int
     return hs.split_runs(k_slices, max(1, min(resident_ctas // tiles, k_slices // SWAPPED_MIN_SLICES_PER_SPLIT)))
 
 
+def swapped_split_plan(problem, mma_bn: int, resident_ctas: int = hs.H200_SM_COUNT) -> tuple[int, int]:
+    """``swapped_k_splits`` for ``problem``'s swapped tiles of ``mma_bn`` tokens (``estimated_tiles``: host
+    metadata only) on ``resident_ctas`` CTAs (one per SM by default)."""
+    tiles = max(1, estimated_tiles(problem, mma_bn, hs.TILE_M_ROWS))   # 0: every slot -1
+    k_slices = max(1, problem.k // hs.k_slice_elements(problem.a_format, problem.b_format))
+    return swapped_k_splits(tiles, k_slices, resident_ctas)
+
+
 # FP8 tokens (MXFP8, W4A8) on few swapped tiles, measured (run 125, 2026-12-01, GPU-7bdd04cc, commit b857821,
 # FP8 weights as quantized, FP4 weights fused; notes/h200/2026-12-01-fp8-few-tiles-run125.*), us, MXFP8 / W4A8, the
 # plan before against swapped tiles in their split-K runs:
@@ -1202,9 +1210,7 @@ def fp8_tokens_swapped_plan(problem) -> WgmmaConfig | None:
     if problem_format_name(problem.a_format, problem.b_format) not in FP8_TOKENS_SWAPPED_FORMATS:
         return None
     bn = SWAPPED_MMA_BN[0] if hs.average_tokens_per_expert(problem) <= SWAPPED_MMA_BN[0] else SWAPPED_MMA_BN[1]
-    tiles = max(1, estimated_tiles(problem, bn, hs.TILE_M_ROWS))
-    k_slices = max(1, problem.k // hs.k_slice_elements(problem.a_format, problem.b_format))
-    if swapped_k_splits(tiles, k_slices, hs.H200_SM_COUNT)[0] < FP8_TOKENS_SWAPPED_MIN_RUNS:
+    if swapped_split_plan(problem, bn)[0] < FP8_TOKENS_SWAPPED_MIN_RUNS:
         return None
     return WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)
 
@@ -1290,10 +1296,7 @@ def estimated_tile_work(problem, tile_tokens: int, mma_bn: int, row_cost: float,
     ``H200_SM_COUNT`` CTAs (at least one), each ``tile_tokens * mma_bn * row_cost`` long; with ``split_k``
     (swapped tiles) each tile's work shared by its ``swapped_k_splits`` runs."""
     tiles = estimated_tiles(problem, tile_tokens, mma_bn)
-    runs = 1
-    if split_k:
-        k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
-        runs = swapped_k_splits(max(1, tiles), max(1, k_slices), hs.H200_SM_COUNT)[0]
+    runs = swapped_split_plan(problem, tile_tokens)[0] if split_k else 1
     return max(1.0, tiles * runs / hs.H200_SM_COUNT) * tile_tokens * mma_bn * row_cost / runs
 
 
@@ -1373,8 +1376,8 @@ def prepare(problem_device: launch.DeviceProblem, config, out=None, *, num_ctas:
     kernel = compiled_kernel(spec)
     k_slices = problem_device.k // spec.k_slice
     if k_splits is None and spec.ab_swapped:
-        tiles = max(1, estimated_tiles(problem_device, spec.mma_bn, hs.TILE_M_ROWS))   # 0: every slot -1
-        k_splits, slices_per_split = swapped_k_splits(tiles, k_slices, hs.resident_pairs(spec, kernel.registers))
+        k_splits, slices_per_split = swapped_split_plan(problem_device, spec.mma_bn,
+                                                        hs.resident_pairs(spec, kernel.registers))
     elif k_splits is None:
         k_splits, slices_per_split = 1, k_slices
     else:
@@ -1429,4 +1432,4 @@ def grouped_matmul_h200(problem: GroupedProblem, config=None, out: np.ndarray | 
 
 __all__ = ["WgmmaConfig", "WgmmaSpec", "b_operand_k", "b_item_row", "can_implement", "check_can_implement",
            "prepare", "grouped_matmul_h200", "max_pipeline_stages", "min_tokens_per_expert", "prefers",
-           "swapped_k_splits", "estimated_tiles", "fp8_tokens_swapped_plan", "wgmma_plan", "wgmma_tile_tokens"]
+           "swapped_k_splits", "swapped_split_plan", "estimated_tiles", "fp8_tokens_swapped_plan", "wgmma_plan", "wgmma_tile_tokens"]
