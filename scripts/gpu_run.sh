@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# GPU runner: on a machine with a CUDA GPU, run the GPU-marked tests and the short benchmark, and write
-# logs / CSV under $OUT (default ./gpu_out).
+# GPU runner: on a machine with a CUDA GPU, run the GPU-marked tests, compute-sanitizer on small cases of every
+# kernel variant, and the benchmark, and write logs / CSV under $OUT (default ./gpu_out).
 #
-#   scripts/gpu_run.sh            # tests + benchmark
+#   scripts/gpu_run.sh            # tests + benchmark (--quick)
 #   scripts/gpu_run.sh tests      # GPU tests only
-#   scripts/gpu_run.sh bench      # benchmark only
+#   scripts/gpu_run.sh sanitize   # compute-sanitizer memcheck + racecheck of scripts/sanitize_small.py
+#   scripts/gpu_run.sh bench      # benchmark only; BENCH_ARGS replaces --quick (e.g. BENCH_ARGS="--skip-peaks")
+#   scripts/gpu_run.sh verify     # tests and sanitize side by side (separate processes), then nothing else
 #
+# GPU tests run in GBS_TEST_WORKERS pytest-xdist workers where pytest-xdist is installed (default 8: the
+# workers' time is mostly Numba / ptxas compiles, which are per process; correctness only, nothing is timed).
 # Python packages: your own environment (`make venv`, then PYTHON=.venv/bin/python), or, on the project's H200
 # image (numba-cuda 0.30.4 with numpy 2.5, which it cannot import), the wheels carried in .whl/ (numpy 2.4,
 # ml_dtypes), installed into a private target directory. Fetch them once with `scripts/fetch_gpu_wheels.sh`.
@@ -26,19 +30,48 @@ else
 fi
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   "$PY" -c "import sys, numpy, numba, numba_cuda, ml_dtypes; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'ml_dtypes', ml_dtypes.__version__)"
   echo "commit ${GBS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; } 2>&1 | tee "$OUT/env.txt"
 
-rc=0
-if [ "$what" = all ] || [ "$what" = tests ]; then
+run_tests() {
+    local workers=()
+    "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${GBS_TEST_WORKERS:-8}")
     # notebooks run in CI (their harness, nbclient, is not on GPU images and they need no GPU)
-    "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --ignore=tests/test_notebooks.py \
-        --junitxml="$OUT/gpu_tests.xml" tests 2>&1 | tee "$OUT/gpu_tests.log"
-    rc=${PIPESTATUS[0]}
-fi
+    "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider "${workers[@]}" --ignore=tests/test_notebooks.py \
+        --junitxml="$OUT/gpu_tests.xml" tests > "$OUT/gpu_tests.log" 2>&1
+}
+
+# one process per (tool, kernel): each compiles only its own kernel's builds
+run_sanitize() {
+    local pids=() tool kernel rc=0
+    for tool in memcheck racecheck; do
+        for kernel in h200_stream h200_wgmma simt; do
+            compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" scripts/sanitize_small.py "$kernel" \
+                > "$OUT/sanitize-$tool-$kernel.log" 2>&1 &
+            pids+=($!)
+        done
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    grep -H "ERROR SUMMARY\|RACECHECK SUMMARY\|failed$" "$OUT"/sanitize-*.log
+    return $rc
+}
+
+rc=0
+case "$what" in
+    all|tests) run_tests; rc=$?; tail -4 "$OUT/gpu_tests.log" ;;
+    sanitize) run_sanitize; rc=$? ;;
+    verify)
+        run_tests & tests_pid=$!
+        run_sanitize; rc=$?
+        wait "$tests_pid" || rc=1
+        tail -4 "$OUT/gpu_tests.log" ;;
+    bench) ;;
+    *) echo "unknown mode $what: all, tests, sanitize, bench or verify"; exit 2 ;;
+esac
 if [ "$what" = all ] || [ "$what" = bench ]; then
-    "$PY" -m gbs bench --quick --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log"
+    # shellcheck disable=SC2086   # BENCH_ARGS is a list of options
+    "$PY" -m gbs bench ${BENCH_ARGS:---quick} --csv "$OUT/bench.csv" 2>&1 | tee "$OUT/bench.log"
     brc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] && rc=$brc
 fi
