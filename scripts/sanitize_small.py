@@ -4,6 +4,7 @@
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt] [nvfp4 mxfp4 mxfp8 w4a8]
     compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py h200_wgmma swapped nvfp4   # swapped tiles only
+    compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py h200_wgmma swapped mxfp8_e5m2   # E5M2 tokens
 
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference. FP4 tokens
@@ -38,6 +39,7 @@ WGMMA_SWAPPED_MMA_BN = (32, 64)   # swapped tiles (weights on wgmma M): B items 
 # besides tiles that skip them (every group above, and 300's last 44)
 TWO_M_GROUP_SIZES = [3, 0, 140, 1, 300]
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+NAMED_ONLY_FORMATS = ("mxfp8_e5m2",)   # only when named: the MXFP8 builds with the E5M2 token decode
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
 SWAPPED_ONLY = "swapped"
 
@@ -50,15 +52,16 @@ def problem_for(fmt, seed, group_sizes=GROUP_SIZES, n=N):
 
 def main(argv=None) -> int:
     args = set(sys.argv[1:] if argv is None else argv)
-    unknown = args - set(KERNELS) - set(FORMATS) - {SWAPPED_ONLY}
+    unknown = args - set(KERNELS) - set(FORMATS + NAMED_ONLY_FORMATS) - {SWAPPED_ONLY}
     if unknown:
-        raise SystemExit(f"unknown arguments {sorted(unknown)}: give kernels {KERNELS} and / or formats {FORMATS} "
+        raise SystemExit(f"unknown arguments {sorted(unknown)}: give kernels {KERNELS} and / or formats "
+                         f"{FORMATS + NAMED_ONLY_FORMATS} "
                          f"(and {SWAPPED_ONLY!r}: the swapped wgmma tiles only)")
     only_swapped = SWAPPED_ONLY in args
     kernels = (args & set(KERNELS)) or set(KERNELS)
-    formats = (args & set(FORMATS)) or set(FORMATS)
+    formats = (args & set(FORMATS + NAMED_ONLY_FORMATS)) or set(FORMATS)
     failures = 0
-    for seed, fmt in enumerate(FORMATS):
+    for seed, fmt in enumerate(FORMATS + NAMED_ONLY_FORMATS):
         if fmt not in formats:
             continue
         p = problem_for(fmt, seed)

@@ -96,6 +96,11 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
     assert calls == ["mxfp8"]
     out = capsys.readouterr().out
     assert "mxfp8  simt" in out and "PASS" in out and out.strip().endswith("0 failed")
+    calls.clear()   # E5M2 tokens run only when named, and then alone
+    assert sanitize.main(["simt", "mxfp8_e5m2"]) == 0
+    assert calls == ["mxfp8_e5m2"]
+    assert sanitize.main(["simt"]) == 0
+    assert "e5m2" not in calls[1:] and len(calls) == 1 + len(sanitize.FORMATS)
 
 
 def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeypatch, capsys):

@@ -485,8 +485,8 @@ def test_swapped_split_k_build_reads_every_sum_before_it_stores(fmt, bn):
     # FP8 tokens: swapped only where their tiles split (run 125): 32 tiles 23.8 / 29.2 us vs the streaming 29.2 / 30.2
     ("w4a8", 512, 8, 32, 7168, True), ("mxfp8", 512, 8, 32, 7168, True), ("w4a8", 4096, 2, 32, 7168, True),
     ("mxfp8", 4096, 32, 32, 7168, False), ("w4a8", 4096, 32, 24, 7168, False),   # 1024 tiles: no split
-    ("w4a8", 512, 8, 32, 1024, False), ("mxfp8_e5m2", 512, 8, 32, 7168, False),  # 8 slices; E5M2 not measured
-    ("w4a8", 512, 8, 16, 7168, False),
+    ("w4a8", 512, 8, 32, 1024, False), ("mxfp8_e5m2", 512, 8, 32, 7168, True),   # 8 slices; E5M2 as E4M3 (run 129)
+    ("w4a8", 512, 8, 16, 7168, False), ("w4a8", 4096, 3, 32, 7168, False),   # 96 tiles, 1 run: 51.5 vs 54.4 (run 129)
 ])
 def test_auto_takes_swapped_tiles_from_17_fp4_tokens_at_any_tile_count(fmt, n, slots, tokens, k, want):
     """With split-K runs for few swapped tiles (``swapped_k_splits``) the swapped tiles beat the streaming
@@ -529,7 +529,8 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     ("mxfp8", 512, 8, 128, (64, 2)), ("w4a8", 4096, 2, 64, (64, 2)),   # 117.5 -> 42.3; 123.2 -> 41.1
     ("w4a8", 512, 8, 32, (32, 4)),                                     # streaming 29.2 -> 23.8
     ("mxfp8", 4096, 32, 48, None), ("w4a8", 4096, 32, 64, None),       # full waves: the measured plan
-    ("nvfp4", 512, 8, 64, None), ("mxfp8_e5m2", 512, 8, 64, None),
+    ("mxfp8_e5m2", 512, 8, 48, (64, 4)),                               # run 129: 124.5 -> 29.4
+    ("nvfp4", 512, 8, 64, None), ("mxfp8", 4096, 3, 32, None),         # 96 tiles, 1 run: 53.2 vs 61.2 in 2 (run 129)
 ])
 def test_fp8_tokens_take_swapped_tiles_where_they_split(fmt, n, slots, tokens, want):
     problem = _metadata(fmt, n, slots, tokens)
@@ -615,7 +616,8 @@ def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
 
 
 # swapped tiles (weights on M, tokens on N): every way the B decode splits (4, 2 and 1 quarters per item)
-SWAPPED_GPU_CASES = [("nvfp4", 32), ("nvfp4", 64), ("mxfp4", 32), ("mxfp8", 32), ("w4a8", 32), ("w4a8", 64)]
+SWAPPED_GPU_CASES = [("nvfp4", 32), ("nvfp4", 64), ("mxfp4", 32), ("mxfp8", 32), ("mxfp8_e5m2", 64), ("w4a8", 32),
+                     ("w4a8", 64)]
 
 
 @pytest.mark.gpu
@@ -815,7 +817,8 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, sizes, want_bn", [("w4a8", [48, 40, 1, 0, 48, 33, 47, 48], 64),
-                                                 ("mxfp8", [32, 30, 1, 0, 32, 17, 31, 32], 32)])
+                                                 ("mxfp8", [32, 30, 1, 0, 32, 17, 31, 32], 32),
+                                                 ("mxfp8_e5m2", [48, 40, 1, 0, 48, 33, 47, 48], 64)])
 def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt, sizes, want_bn):
     """FP8 tokens on ~30 swapped tiles (N 576: 5 weight bands, the last partial; a -1 slot, an empty group, a
     1-token group; K 2048: 16 slices): ``gbs.grouped_matmul`` runs the swapped tiles in 4 split-K runs
