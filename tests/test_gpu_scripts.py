@@ -100,7 +100,7 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
     assert sanitize.main(["simt", "mxfp8_e5m2"]) == 0
     assert calls == ["mxfp8_e5m2"]
     assert sanitize.main(["simt"]) == 0
-    assert "e5m2" not in calls[1:] and len(calls) == 1 + len(sanitize.FORMATS)
+    assert "mxfp8_e5m2" not in calls[1:] and len(calls) == 1 + len(sanitize.FORMATS)   # token formats: W4A8 reads mxfp8
 
 
 def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeypatch, capsys):
