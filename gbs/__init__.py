@@ -2,7 +2,7 @@
 
 Start with ``python -m gbs demo``; the public pieces:
 
-* ``gbs.quant``: formats, ``quantize`` / ``dequantize``, FP4 packing, the 128x4 scale layout;
+* ``gbs.formats``: formats, ``quantize`` / ``dequantize``, FP4 packing, the 128x4 scale layout;
 * ``gbs.problem``: ``GroupedProblem``, ``build_problem``, ``random_problem``;
 * ``gbs.reference``: the exact reference and the acceptance metric;
 * ``gbs.dispatch``: the SM100 three-regime dispatch;
@@ -13,7 +13,7 @@ Start with ``python -m gbs demo``; the public pieces:
 from .api import grouped_matmul
 from .interop import DeviceGroupedProblem, device_problem
 from .problem import GroupedProblem, build_problem, random_problem
-from .quant import BlockScaled, dequantize, quantize
+from .formats import BlockScaled, dequantize, quantize
 
 __all__ = ["grouped_matmul", "GroupedProblem", "build_problem", "random_problem", "BlockScaled", "quantize",
            "dequantize", "DeviceGroupedProblem", "device_problem"]

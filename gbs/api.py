@@ -47,7 +47,8 @@ import dataclasses
 
 from .dispatch import AUTO_STAGES, KernelConfig, grouped_matmul_block_scaled_sm100_dispatch
 from .problem import GroupedProblem
-from .quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED, E2M1H200TiledOrder, get_format
+from .formats import get_format
+from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED, E2M1H200TiledOrder
 from .reference import reference_grouped_matmul
 
 BACKENDS = ("auto", "sm100", "h200_wgmma", "h200_stream", "simt", "reference")

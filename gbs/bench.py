@@ -36,8 +36,8 @@ import numpy as np
 
 from . import peers as peer_lib
 from .problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from .quant import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, E4M3,
-                    group_scale_offsets, swizzle_scales, word_order)
+from .formats import E4M3, group_scale_offsets, swizzle_scales
+from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
@@ -487,7 +487,7 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
     otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``.
     ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
-    word order (``with_a_layout``, ``gbs.quant.word_order``: their quantizer would write it, and the
+    word order (``with_a_layout``, ``gbs.formats.word_order``: their quantizer would write it, and the
     quantization is not timed either), both untimed, before the runs; tiled weights need whole boxes
     (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive
     packed instead, and each timed launch first re-lays them on the GPU (``TokenRelayLaunch``)."""

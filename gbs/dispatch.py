@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gbs.quant import BlockFormat, get_format
+from gbs.formats import BlockFormat, get_format
 
 # ---------------------------------------------------------------------------------------------
 # Regimes: avg_m = estimated_total_m / num_active_experts, compared without dividing.

@@ -74,7 +74,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .problem import GroupedProblem, ProblemShape, _is_int, check_layout, problem_format_name, resolve_formats
-from .quant import LAYOUT_PACKED, BlockFormat, get_format, stored_row_bytes, weight_bytes_layout
+from .formats import BlockFormat, get_format
+from .layouts import LAYOUT_PACKED, stored_row_bytes, weight_bytes_layout
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
 DEVICE_BACKENDS = ("h200_stream", "h200_wgmma")
@@ -369,7 +370,7 @@ class DeviceGroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.quant.OPERAND_LAYOUTS``; re-lay on the host, once)
+    b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.formats.OPERAND_LAYOUTS``; re-lay on the host, once)
     a_layout: str = LAYOUT_PACKED   # the bytes of a (the same; written so by the tokens' quantizer)
     # not a field: the routing arrays' host copies ``validate_routing`` checked (``ROUTING_ARRAYS`` -> numpy
     # arrays in the kernels' dtypes), which the H200 plans may read (``h200_wgmma.tile_token_rows``); None
@@ -478,8 +479,8 @@ def device_problem(a, b, a_scales, b_scales, a_offsets, a_scale_offsets, expert_
     ``validate``: copy the routing arrays to the host and check them (see the module docstring).
     ``stream``: the stream the routing copy and DLPack exports are ordered on (default: the caller's
     current stream for torch / CuPy, else the legacy default stream). ``b_layout``: the byte layout of
-    ``b`` and ``b_scales`` (``gbs.quant.OPERAND_LAYOUTS``: FP4 weights re-laid once with
-    ``gbs.quant.E2M1H200Order.swizzle``, NVFP4's UE4M3 scales with ``E2M1H200Order.encode_scales``, e.g. by
+    ``b`` and ``b_scales`` (``gbs.formats.OPERAND_LAYOUTS``: FP4 weights re-laid once with
+    ``gbs.formats.E2M1H200Order.swizzle``, NVFP4's UE4M3 scales with ``E2M1H200Order.encode_scales``, e.g. by
     ``GroupedProblem.with_b_layout``, decode faster on the H200 kernels). ``a_layout``: the byte layout of
     ``a`` and ``a_scales`` (the same layouts: FP4 tokens written in ``E2M1H200Order`` by their quantizer, or
     re-laid on the GPU by ``gbs.numba_kernels.relayout``, decode faster too). The tag is not checked against

@@ -37,14 +37,7 @@ from .dispatch import (
     REGIME_OVERRIDE,
     REGIME_SMALL_PREFILL,
 )
-from .quant import (
-    SF_ATOM_BYTES,
-    SF_ATOM_COLS,
-    SF_ATOM_ROWS,
-    ScaleLayout128x4,
-    decode_elements,
-    padded_scale_rows,
-)
+from .formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements, padded_scale_rows
 
 # ----------------------------------------------------------------------------------------------
 # Style and colours
@@ -323,7 +316,7 @@ def group_rows_picture(ax: Axes, a_offsets, expert_ids, a_scale_offsets=None, *,
     scale rows land in the per-group padded scale array (every slot starts a fresh 128-row band).
 
     Top bar: rows of ``a`` (tokens concatenated, no padding). Bottom bar: rows of the padded scale
-    array (``gbs.quant.padded_scale_rows``), each slot's padding up to its band's end hatched. Skipped slots (expert id -1) are grey; empty slots are marked with a triangle.
+    array (``gbs.formats.padded_scale_rows``), each slot's padding up to its band's end hatched. Skipped slots (expert id -1) are grey; empty slots are marked with a triangle.
     """
     a_offsets = np.asarray(a_offsets, dtype=np.int64)
     expert_ids = np.asarray(expert_ids, dtype=np.int64)

@@ -18,22 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quant import (
-    LAYOUT_PACKED,
-    OPERAND_LAYOUTS,
-    BlockFormat,
-    BlockScaled,
-    E2M1H200FusedOrder,
-    _ceil_div,
-    fused_scales,
-    get_format,
-    group_scale_offsets,
-    pad_group_scales,
-    quantize,
-    stored_row_bytes,
-    swizzle_scales,
-    weight_bytes_layout,
-)
+from .formats import (BlockFormat, BlockScaled, _ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize, swizzle_scales)
+from .layouts import (LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, fused_scales, stored_row_bytes, weight_bytes_layout)
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
 # MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix).
@@ -123,7 +109,7 @@ class GroupedProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    # the bytes of b and of a (and of their UE4M3 scales): names of gbs.quant.OPERAND_LAYOUTS. Tags, not checked
+    # the bytes of b and of a (and of their UE4M3 scales): names of gbs.formats.OPERAND_LAYOUTS. Tags, not checked
     # against the bytes: change them only with ``with_b_layout`` / ``with_a_layout`` (``dataclasses.replace`` of an
     # array alone keeps its tag)
     b_layout: str = LAYOUT_PACKED
@@ -133,10 +119,10 @@ class GroupedProblem(ProblemShape):
         self.validate()
 
     def with_b_layout(self, b_layout: str) -> "GroupedProblem":
-        """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.quant.OPERAND_LAYOUTS``: ``"packed"``, or
+        """The same problem with ``b`` re-laid as ``b_layout`` (``gbs.formats.OPERAND_LAYOUTS``: ``"packed"``, or
         ``"e2m1_h200"`` for FP4 weights, which the H200 kernels decode in fewer instructions; NVFP4's UE4M3
-        ``b_scales`` are re-encoded with them, ``gbs.quant.UE4M3H200Scales``; ``"e2m1_h200_tiled"`` also stores
-        them box by box, ``"e2m1_h200_fused"`` each box with its scales, ``gbs.quant.E2M1H200FusedOrder``).
+        ``b_scales`` are re-encoded with them, ``gbs.formats.UE4M3H200Scales``; ``"e2m1_h200_tiled"`` also stores
+        them box by box, ``"e2m1_h200_fused"`` each box with its scales, ``gbs.formats.E2M1H200FusedOrder``).
         One-time weight preparation: returns a new problem (``b`` and ``b_scales`` copied), the result of the
         matmul is the same."""
         return self._with_layout("b", b_layout)
@@ -182,7 +168,7 @@ class GroupedProblem(ProblemShape):
     def a_operand(self) -> BlockScaled:
         """A as a ``BlockScaled`` with linear (unpadded) scales, for dequantization (in ``pack_fp4`` order
         whatever ``a_layout``)."""
-        from .quant import gather_group_scales
+        from .formats import gather_group_scales
 
         cols = self.a_format.scale_cols(self.k)
         scales = gather_group_scales(self.a_scales, self.a_offsets, self.a_scale_offsets, cols)
@@ -191,7 +177,7 @@ class GroupedProblem(ProblemShape):
 
     def b_operand(self, expert: int) -> BlockScaled:
         """B[expert] as a ``BlockScaled`` with linear scales (in ``pack_fp4`` order whatever ``b_layout``)."""
-        from .quant import unswizzle_scales
+        from .formats import unswizzle_scales
 
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
         scales = _relaid_scales(scales, self.b_format, self.b_layout, LAYOUT_PACKED)
@@ -208,7 +194,7 @@ class GroupedProblem(ProblemShape):
         """Check every field; raise ``TypeError`` / ``ValueError`` saying what is wrong."""
         for name in ("a_format", "b_format"):
             if not isinstance(getattr(self, name), BlockFormat):
-                raise TypeError(f"{name} must be a BlockFormat (use gbs.quant.get_format)")
+                raise TypeError(f"{name} must be a BlockFormat (use gbs.formats.get_format)")
         problem_format_name(self.a_format, self.b_format)
         for name in ("num_active_experts", "estimated_total_m", "n", "k"):
             if not _is_int(getattr(self, name)):
@@ -279,7 +265,7 @@ OPERAND_ROLES = {"a": "tokens", "b": "weights"}
 
 
 def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:
-    """``layout`` if it is a layout of ``gbs.quant.OPERAND_LAYOUTS`` that operand ``operand`` (``"a"``:
+    """``layout`` if it is a layout of ``gbs.formats.OPERAND_LAYOUTS`` that operand ``operand`` (``"a"``:
     tokens, ``"b"``: weights) in ``fmt`` can have (the H200 orders re-lay FP4 only, the tiled one weights
     only) and, given the operand's ``shape``, store (tiles need whole boxes); else ValueError."""
     if not isinstance(layout, str) or layout not in OPERAND_LAYOUTS:

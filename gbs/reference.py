@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .problem import GroupedProblem
-from .quant import BF16, dequantize
+from .formats import BF16, dequantize
 
 # Acceptance of a kernel output against the reference (formats.md, "Numerical acceptance").
 MAX_REL_TOL = 1e-2    # max |out - ref| / max |ref|

@@ -41,7 +41,7 @@ from gbs.numba_kernels import sm100 as k
 from gbs.numba_kernels.simt import bf16_bits_rne
 from gbs.problem import GroupedProblem
 from gbs.ptx_inline import sm100_descriptors as desc
-from gbs.quant import decode_elements, decode_ue4m3, decode_ue8m0
+from gbs.formats import decode_elements, decode_ue4m3, decode_ue8m0
 
 # Shared-window address of the dynamic shared memory in the emulated CTA: 1024-byte aligned
 # (the kernel declares that alignment), after the 1 KiB per-block reservation.

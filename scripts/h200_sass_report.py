@@ -8,7 +8,7 @@ Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_G
 (``:w8``: 8 consumer warps on a small-N tile, ``h200_stream.StreamConfig.small_n_warps``; ``:t256``: 256-token
 tiles, ``h200_wgmma.WgmmaConfig.tile_tokens``.)
 A spec may end in ``:e2m1_h200``, ``:e2m1_h200_tiled`` or ``:e2m1_h200_fused``: the weights re-laid for the H200
-(``gbs.quant.E2M1H200Order``, ``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``).
+(``gbs.formats.E2M1H200Order``, ``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``).
 Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8,
 and NVFP4's two with re-laid weights.
 """
@@ -21,7 +21,7 @@ import sys
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
-from gbs.quant import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
+from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
 
 DEFAULT_SPECS = ("stream:nvfp4:T:8:1:2", "stream:mxfp4:T:8:1:2", "stream:mxfp8:T:8:1:2",
                  "wgmma:nvfp4:128", "wgmma:mxfp4:128", "wgmma:mxfp8:256",

@@ -30,7 +30,7 @@ from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
 from gbs.numba_kernels import h200_stream, h200_wgmma
 from gbs.numba_kernels.launch import to_device
-from gbs.quant import LAYOUT_PACKED, OPERAND_LAYOUTS
+from gbs.layouts import LAYOUT_PACKED, OPERAND_LAYOUTS
 
 
 PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")

@@ -18,7 +18,7 @@ import numpy as np
 from gbs.numba_kernels import h200_stream, h200_wgmma, simt
 from gbs.numba_kernels.h200_stream import StreamConfig
 from gbs.problem import build_problem, random_activations, random_weights
-from gbs.quant import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
+from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
 from gbs.reference import check_acceptance
 from gbs.schedule import TileConfig
 

@@ -6,7 +6,7 @@ from gbs import grouped_matmul
 from gbs.api import dispatch_for, h200_weight_layout, resolve_config, select_backend
 from gbs.dispatch import grouped_matmul_nvfp4_dispatch
 from gbs.problem import PROBLEM_FORMATS, random_problem
-from gbs.quant import get_format
+from gbs.formats import get_format
 from gbs.reference import check_acceptance, is_poison, reference_grouped_matmul
 
 

@@ -25,7 +25,7 @@ from gbs.api import dispatch_for, gpu_available
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
 from gbs.numba_kernels import h200_stream as hs
 from gbs.problem import PROBLEM_FORMATS
-from gbs.quant import OPERAND_LAYOUTS, decode_elements, unswizzle_scales
+from gbs.formats import decode_elements, unswizzle_scales
 
 L2 = 60 * 2 ** 20
 
@@ -519,7 +519,7 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     repeat ``gbs_auto``) and, tiled, shapes without whole boxes. Host-only: kernel and copy are stubbed."""
     import gbs.api
     import gbs.numba_kernels.launch as launch
-    from gbs.quant import E2M1H200Order
+    from gbs.layouts import E2M1H200Order
 
     seen, relayouts = [], []
     kernel = type("Kernel", (), {"prepare": staticmethod(lambda problem, knobs: seen.append(problem))})

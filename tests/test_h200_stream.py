@@ -44,25 +44,8 @@ from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_activations, random_weights
 from gbs.ptx_inline import offline
 from gbs.ptx_inline.arith import min_u16x2, min_u16x2_host
-from gbs.quant import (
-    LAYOUT_E2M1_H200,
-    LAYOUT_E2M1_H200_FUSED,
-    LAYOUT_E2M1_H200_TILED,
-    OPERAND_LAYOUTS,
-    BF16,
-    E2M1H200Order,
-    BlockScaled,
-    UE4M3H200Scales,
-    decode_elements,
-    decode_scales,
-    decode_ue4m3,
-    dequantize,
-    gather_group_scales,
-    get_format,
-    pack_fp4,
-    unpack_fp4,
-    unswizzle_scales,
-)
+from gbs.formats import (BF16, BlockScaled, decode_elements, decode_scales, decode_ue4m3, dequantize, gather_group_scales, get_format, pack_fp4, unpack_fp4, unswizzle_scales)
+from gbs.layouts import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, OPERAND_LAYOUTS, E2M1H200Order, UE4M3H200Scales)
 from gbs.reference import (MAX_REL_TOL, RMS_REL_TOL, check_acceptance, is_poison, reference_grouped_matmul,
                            relative_errors)
 

@@ -21,7 +21,7 @@ from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
-from gbs.quant import get_format, scale_byte_offset
+from gbs.formats import get_format, scale_byte_offset
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
@@ -877,7 +877,7 @@ def e4m3_spec(stages: int | None = None) -> hw.WgmmaSpec:
 
 
 def test_ue8m0_f32_bits_is_the_exact_scale_of_every_byte():
-    from gbs.quant import decode_ue8m0
+    from gbs.formats import decode_ue8m0
 
     codes = np.arange(256, dtype=np.uint8)
     got = np.array([hw.ue8m0_f32_bits(c) for c in codes], np.uint32).view(np.float32)

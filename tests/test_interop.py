@@ -19,7 +19,7 @@ from gbs import interop
 from gbs.api import dispatch_for, resolve_config
 from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_problem
-from gbs.quant import BF16
+from gbs.formats import BF16
 from gbs.reference import POISON_BITS, check_acceptance, is_poison, poison_output
 
 FAKE_HEAP = 0x7F00_0000_0000   # where stand-in "device" addresses start

@@ -102,7 +102,7 @@ def test_scale_layout_picture_labels_every_byte_with_the_row_swizzle_scales_puts
     import numpy as np
 
     from gbs.plotting import scale_layout_picture
-    from gbs.quant import swizzle_scales
+    from gbs.formats import swizzle_scales
 
     figure, ax = _agg_axes()
     scale_layout_picture(ax, 128, 4, view="bytes")

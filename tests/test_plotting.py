@@ -3,8 +3,8 @@
 Every test draws with matplotlib's headless Agg backend and reads the artists back (patches,
 texts, lines, images, tick labels) instead of comparing images, which would break on any font or
 version change. Pictures of a library fact take the expected answer from the module that owns it:
-the 128x4 layout from ``gbs.quant.scale_byte_offset``, the per-group scale padding from
-``gbs.quant.pad_group_scales``, the tile walk from ``gbs.schedule.assign_tiles``, knob legality
+the 128x4 layout from ``gbs.formats.scale_byte_offset``, the per-group scale padding from
+``gbs.formats.pad_group_scales``, the tile walk from ``gbs.schedule.assign_tiles``, knob legality
 from ``gbs.dispatch.check_mma_tile``. Layout-dependent results (title placement) are checked as
 relations (above, inside), never as pixel values.
 """
@@ -22,15 +22,7 @@ from matplotlib.text import Text
 
 from gbs import dispatch as dsp
 from gbs import plotting as gp
-from gbs.quant import (
-    SF_ATOM_BYTES,
-    SF_ATOM_ROWS,
-    ScaleLayout128x4,
-    decode_elements,
-    pad_group_scales,
-    scale_byte_offset,
-    unswizzle_scales,
-)
+from gbs.formats import (SF_ATOM_BYTES, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements, pad_group_scales, scale_byte_offset, unswizzle_scales)
 from gbs.schedule import TileConfig, TileShape, assign_tiles, total_tiles
 
 plt.switch_backend("Agg")     # headless: CI has no display, and nothing here is shown

@@ -10,7 +10,7 @@ from gbs.problem import (
     make_routing,
     random_problem,
 )
-from gbs.quant import BF16, dequantize, quantize
+from gbs.formats import BF16, dequantize, quantize
 from gbs.reference import (
     MAX_REL_TOL,
     check_acceptance,
@@ -163,7 +163,7 @@ def test_validation_rejects_every_bad_field(case):
 
 def test_validation_rejects_unsupported_format_pair():
     p = small_problem("mxfp4")
-    from gbs.quant import get_format
+    from gbs.formats import get_format
     with pytest.raises(ValueError, match="unsupported operand pair"):
         dataclasses.replace(p, a_format=get_format("nvfp4"))
 
@@ -173,8 +173,8 @@ def test_validation_rejects_unsupported_format_pair():
 # ---------------------------------------------------------------------------------------------
 def _naive_reference(p):
     """An independent, slow computation from formats.md's formula, element by element in float64."""
-    from gbs.quant import decode_elements, decode_scales, unswizzle_scales
-    from gbs.quant import padded_scale_rows
+    from gbs.formats import decode_elements, decode_scales, unswizzle_scales
+    from gbs.formats import padded_scale_rows
     out = np.full((p.total_tokens, p.n), np.nan)
     a_codes = p.a_operand().element_codes()
     a_val = decode_elements(a_codes, p.a_format.element).astype(np.float64)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from numba import cuda
 from numba.cuda import types
 
-from gbs import quant
+from gbs import formats
 from gbs.ptx_inline import offline
 from gbs.ptx_inline.common import shared_address
 from gbs.ptx_inline import sm100_descriptors as d
@@ -149,7 +149,7 @@ def test_kind_table_matches_formats_and_spec():
     4 MMAs for every kind (kernels.md); mxf8f6f4 format codes as kernels.md lists them."""
     pairs = {"mxf4nvf4": "nvfp4", "mxf4": "mxfp4", "mxf8f6f4": "mxfp8"}
     for kind_name, fmt_name in pairs.items():
-        kind, fmt = d.get_kind(kind_name), quant.get_format(fmt_name)
+        kind, fmt = d.get_kind(kind_name), formats.get_format(fmt_name)
         assert kind.block_size == fmt.block_size
         assert fmt.scale_dtype in kind.scale_types
         assert 128 // fmt.row_bytes(kind.k_per_mma) == 4
@@ -261,12 +261,12 @@ def test_scale_atom_tmem_cells_follow_the_128x4_layout():
     """A 512-byte atom read as 32 rows of 16 bytes (tcgen05.cp 32x128b): byte ``off`` of the
     atom lands in lane off // 16, column off % 16 // 4, byte off % 4 - the cell our helper names."""
     cells = set()
-    for row, col in itertools.product(range(quant.SF_ATOM_ROWS), range(quant.SF_ATOM_COLS)):
-        off = quant.scale_offset(row, col, quant.SF_ATOM_COLS)
+    for row, col in itertools.product(range(formats.SF_ATOM_ROWS), range(formats.SF_ATOM_COLS)):
+        off = formats.scale_offset(row, col, formats.SF_ATOM_COLS)
         cell = d.scale_atom_tmem_cell(row, col)
         assert cell == ((off % 16) // 4, off // 16, off % 4)
         cells.add(cell)
-    assert len(cells) == quant.SF_ATOM_BYTES
+    assert len(cells) == formats.SF_ATOM_BYTES
     assert list(d.scale_atom_tmem_columns(8)) == [8, 9, 10, 11]
     with pytest.raises(ValueError, match="atom coordinates"):
         d.scale_atom_tmem_cell(128, 0)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gbs.quant import E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
+from gbs.layouts import E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 24), (5, 4), (0, 8), (3, 2, 16)]   # odd rows, one word per row, empty, 3-D
@@ -211,7 +211,7 @@ def _check_relaid_device_operands(problem, device, relaid, backend, **layout):
         gbs.grouped_matmul(gbs.device_problem(**arrays, fmt="nvfp4", **tags), backend=backend,
                            out=out.view(torch.bfloat16))
         outs.append(out.cpu().numpy().view(np.uint16))
-    assert check_acceptance(problem, outs[0].view(gbs.quant.BF16)).passed
+    assert check_acceptance(problem, outs[0].view(gbs.formats.BF16)).passed
     np.testing.assert_array_equal(outs[1], outs[0])
 
 

@@ -43,16 +43,7 @@ from gbs.problem import (
     random_problem,
     random_weights,
 )
-from gbs.quant import (
-    BF16,
-    E4M3_NAN_BYTE,
-    UE8M0_NAN_BYTE,
-    decode_elements,
-    decode_ue4m3,
-    decode_ue8m0,
-    scale_offset,
-    unswizzle_scales,
-)
+from gbs.formats import (BF16, E4M3_NAN_BYTE, UE8M0_NAN_BYTE, decode_elements, decode_ue4m3, decode_ue8m0, scale_offset, unswizzle_scales)
 from gbs.reference import (
     MAX_REL_TOL,
     RMS_REL_TOL,

@@ -12,12 +12,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gbs import api, dispatch, quant
+from gbs import api, dispatch, formats
 from gbs import sm100_emulator as em
 from gbs.numba_kernels import sm100 as k
 from gbs.problem import build_problem
 from gbs.ptx_inline import sm100_descriptors as desc
-from gbs.quant import dequantize
+from gbs.formats import dequantize
 from gbs.reference import check_acceptance, is_poison, poison_output
 from gbs.schedule import TileConfig
 
@@ -215,14 +215,14 @@ def test_fp4_unpacking_load_model():
 def test_scale_copy_model_matches_the_documented_tmem_cells():
     """tcgen05.cp 32x128b.warpx4 of one 128x4 atom puts scale (row, col) where
     ``sm100_descriptors.scale_atom_tmem_cell`` says (in every 32-lane partition)."""
-    atom = np.random.default_rng(3).integers(0, 256, quant.SF_ATOM_BYTES, dtype=np.uint8)
+    atom = np.random.default_rng(3).integers(0, 256, formats.SF_ATOM_BYTES, dtype=np.uint8)
     cta = em.CtaState(np.concatenate([np.zeros(64, np.uint8), atom]))
     em.scale_copy([cta], 0, 1, 8, k.scale_atom_descriptor(em.EMULATED_SMEM_BASE + 64))
     for row, col in itertools.product(range(128), range(4)):
         column, lane, byte = desc.scale_atom_tmem_cell(row, col)
         for partition in range(4):
             word = int(cta.words[lane + 32 * partition, 8 + column])
-            assert (word >> (8 * byte)) & 0xFF == atom[quant.scale_offset(row, col, 4)]
+            assert (word >> (8 * byte)) & 0xFF == atom[formats.scale_offset(row, col, 4)]
 
 
 @pytest.mark.parametrize("kind", sorted(desc.BLOCK_SCALED_KINDS))

@@ -6,6 +6,6 @@ Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, chosen when numba is first i
 ``mma.sync`` bf16, cta_group 2 as a 2-CTA cluster with TMA multicast of the token tile.
 ``sm100``: the Blackwell (sm_100a) tcgen05 kernel, assembled in CI; it needs a B200-class GPU.
 ``launch``: compile / dynamic shared memory / cluster launch / tensor-map helpers they share.
-``relayout``: FP4 bytes and UE4M3 scales into ``gbs.quant.E2M1H200Order`` on the GPU (tokens for
+``relayout``: FP4 bytes and UE4M3 scales into ``gbs.formats.E2M1H200Order`` on the GPU (tokens for
 ``a_layout="e2m1_h200"``).
 """

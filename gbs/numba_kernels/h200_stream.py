@@ -86,20 +86,20 @@ in unrolled rotation runs of 4 with per-thread column tables, prefetching the ne
 into the other of two register buffers (358 instructions per run). Per stage add the token decode
 (1/4 of it per warp), the scale conversion and a named barrier (~20 % on top). ncu on the H200
 (notes/h200, run 9): issue slots 66 % busy, ALU pipe 66 %, FMA-heavy 56 %, DRAM 52 %: instruction-bound,
-60 % of the read ceiling. Weights re-laid once in ``gbs.quant.E2M1H200Order`` (``b_layout``
+60 % of the read ceiling. Weights re-laid once in ``gbs.formats.E2M1H200Order`` (``b_layout``
 "e2m1_h200", ``e2m1_h200_pair_bits``) decode in 9 instead of 13 integer instructions per word: 294 per
 run, 73 % of the read ceiling (bench run 36, with the sleeping mbarrier waits and run-sized token-decode
 items), bit-identical output. FP4 tokens in that order (``a_layout``) take the same decode, bit-identical
 too; here the tokens are a few per weight row, so it does not show (run 72: decode 281 us either way).
-In that order NVFP4's UE4M3 scales are ``gbs.quant.UE4M3H200Scales`` codes: each K slice's scale words
+In that order NVFP4's UE4M3 scales are ``gbs.formats.UE4M3H200Scales`` codes: each K slice's scale words
 become bf16 pairs with a ``prmt`` and a shift-add per two scales (``ue4m3_code_pair_bits``) instead of the
 exact float route (``cvt`` e4m3 -> f16 -> f32, multiply, pack: 6 per two), bit for bit the same bf16
 except a zero scale as -0: the decode config's K-slice loop 470 -> 430 instructions (offline).
-NVFP4 weights tiled (``gbs.quant.E2M1H200TiledOrder``: each stage's 128 rows x 128 B box is 16 KB of
+NVFP4 weights tiled (``gbs.formats.E2M1H200TiledOrder``: each stage's 128 rows x 128 B box is 16 KB of
 contiguous memory instead of 128 row pieces ``K / 2`` bytes apart; only the producer's load changes) stream
 faster: decode_up 85.6-85.9 -> 87.6-87.9 % of the read ceiling on 4.63 TB/s H200s, 83.6 -> 86.9 % on a
 4.53 one (runs 95, 97, 98); MXFP4 weights tiled ran 3-4 % slower. Weights fused with their scales
-(``gbs.quant.E2M1H200FusedOrder``: each box followed by its K slice's scale atoms, so a stage's weight bytes
+(``gbs.formats.E2M1H200FusedOrder``: each box followed by its K slice's scale atoms, so a stage's weight bytes
 are one contiguous chunk) stream fastest for both formats (run 100: MXFP4 decode_up 85.2 %, NVFP4 88.0 % of the
 read ceiling): the producer loads the box and the atoms from the same buffer (``tensor_map_args``), the
 consumers see the same stage (``gbs.api.H200_WEIGHT_LAYOUTS``).
@@ -136,9 +136,8 @@ from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, f32_to_bf16_bits, fma_bf16x2,
 from gbs.ptx_inline.common import trap_if_nonzero
 from gbs.ptx_inline.mbarrier import spin_wait_parity_or_trap, wait_parity_cluster_or_trap, wait_parity_or_trap
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
-from gbs.quant import (LAYOUT_E2M1_H200, LAYOUT_PACKED, BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES,
-                       SF_ATOM_ROWS, UE8M0_BIAS, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder,
-                       UE4M3H200Scales, fused_scales, get_format, tiled_weights, word_order)
+from gbs.formats import BF16, SF_ATOM_BYTES, SF_ATOM_COLS, SF_LANE_BYTES, SF_ATOM_ROWS, UE8M0_BIAS, get_format
+from gbs.layouts import (LAYOUT_E2M1_H200, LAYOUT_PACKED, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales, fused_scales, tiled_weights, word_order)
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -351,12 +350,12 @@ class OperandSide:
     """One MMA side as staged in a ring stage: which operand, its format, rows and K-slice bytes."""
 
     role: str           # "tokens" or "weights"
-    format: str         # a name of gbs.quant.FORMATS
+    format: str         # a name of gbs.formats.FORMATS
     rows: int           # rows staged per stage in each CTA
     row_bytes: int      # bytes of one row's K slice (128, or 64 for FP4 in a 128-element slice)
     k_slice: int        # K elements per stage
     scale_bands: int    # 128-row scale bands staged per stage
-    layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.quant.OPERAND_LAYOUTS``: weights or tokens)
+    layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.formats.OPERAND_LAYOUTS``: weights or tokens)
 
     @property
     def fmt(self):
@@ -484,7 +483,7 @@ class StreamSpec:
     cta_group: int
     stages: int
     split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
-    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.OPERAND_LAYOUTS``)
+    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.formats.OPERAND_LAYOUTS``)
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout (the same layouts)
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build
     small_n_warps: int = CONSUMER_WARPS_SMALL_N   # consumer warps of a small-N tile (``SMALL_N_WARP_CHOICES``)
@@ -687,13 +686,13 @@ class StreamSpec:
 
     @property
     def tiled_weights(self) -> bool:
-        """The weights are stored box by box (``gbs.quant.E2M1H200TiledOrder``): a 2-D tensor map over all
+        """The weights are stored box by box (``gbs.formats.E2M1H200TiledOrder``): a 2-D tensor map over all
         boxes, ``tiled_weight_loads`` loads per stage."""
         return tiled_weights(self.b_layout)
 
     @property
     def fused_weight_scales(self) -> bool:
-        """The weights' scale atoms follow each box in ``b`` (``gbs.quant.E2M1H200FusedOrder``): the weight-scale
+        """The weights' scale atoms follow each box in ``b`` (``gbs.formats.E2M1H200FusedOrder``): the weight-scale
         map reads ``b`` too (``tensor_map_args``), a chunk of ``weight_chunk_rows`` rows per box."""
         return fused_scales(self.b_layout)
 
@@ -914,7 +913,7 @@ def weight_scale_band(expert, bands_per_expert, row):
 
 
 def tiled_weight_row(expert, row, k_byte, row_tiles, k_boxes, chunk_rows):
-    """Row of the tiled weights' 2-D map (``gbs.quant.E2M1H200TiledOrder``: 128-byte rows, box after box)
+    """Row of the tiled weights' 2-D map (``gbs.formats.E2M1H200TiledOrder``: 128-byte rows, box after box)
     where weight ``row`` (a box's first row, or a row of it) of ``expert`` starts in the box holding K
     byte ``k_byte``; the box's byte column is ``k_byte % TILED_BOX_BYTES``. ``row_tiles``, ``k_boxes``:
     boxes per expert along N and along K; ``chunk_rows``: map rows per box (``StreamSpec.weight_chunk_rows``:

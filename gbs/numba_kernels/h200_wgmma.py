@@ -43,7 +43,7 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   local accesses in the loop (the loop re-reads the lane rather than hold lane-derived columns and
   selectors, which ptxas spilled). Measured on the H200 (runs 64 and 69): NVFP4 large prefill 1011 -> 918
   us, MXFP4 993 -> 876; ``wgmma_plan`` picks it where it pays (``wgmma_tile_tokens``).
-* FP4 tokens in ``gbs.quant.E2M1H200Order`` (``a_layout``, as their quantizer would write them): two
+* FP4 tokens in ``gbs.formats.E2M1H200Order`` (``a_layout``, as their quantizer would write them): two
   thirds of the elements a 256-token K loop decodes are tokens, and that order decodes in 9 instead of 13
   integer instructions per word (NVFP4: 660 -> 596 per 128 kappa). Measured (run 72, two rounds each):
   NVFP4 large prefill 896 -> 860 us, MXFP4 862 -> 836, NVFP4 down-projection 512 -> 496: 3-4 %, not the 10 %
@@ -89,7 +89,7 @@ contiguous quarter of the K slice, 8-element groups visited in rotated order), s
 element at its ``kappa``, and the host tests check the two agree element by element.
 
 Where the time goes (ncu, run 17; bench run 30: NVFP4 460 TFLOP/s = 0.60x torch bf16, 475 with the weights
-in ``gbs.quant.E2M1H200Order``, which the shared weight reader decodes with fewer instructions): issue slots 44 %
+in ``gbs.formats.E2M1H200Order``, which the shared weight reader decodes with fewer instructions): issue slots 44 %
 busy with 2.25 warps per scheduler (one CTA per SM: shared memory and registers), 0.67 eligible; the
 decode is ~500 instructions per thread and 128-kappa sub-step against ~1500 cycles of MMA, and with two
 warps per scheduler its latency is not hidden. A variant with a dedicated weight-decode warpgroup
@@ -136,7 +136,8 @@ from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
 from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
-from gbs.quant import LAYOUT_PACKED, BF16, SF_ATOM_ROWS, get_format
+from gbs.formats import BF16, SF_ATOM_ROWS, get_format
+from gbs.layouts import LAYOUT_PACKED
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +280,7 @@ class WgmmaSpec:
     b_format: str
     mma_bn: int
     stages: int
-    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.quant.OPERAND_LAYOUTS``)
+    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.formats.OPERAND_LAYOUTS``)
     mma_operands: str = "bf16"
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
     tile_tokens: int = TILE_TOKENS[0]

@@ -36,7 +36,8 @@ import numpy as np
 from gbs.dispatch import require_int
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
 from gbs.problem import ProblemShape
-from gbs.quant import LAYOUT_PACKED, BlockFormat, get_format, stored_row_bytes
+from gbs.formats import BlockFormat, get_format
+from gbs.layouts import LAYOUT_PACKED, stored_row_bytes
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
@@ -112,7 +113,7 @@ class DeviceProblem(ProblemShape):
     estimated_total_m: int
     n: int
     k: int
-    b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.quant.OPERAND_LAYOUTS``)
+    b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.formats.OPERAND_LAYOUTS``)
     a_layout: str = LAYOUT_PACKED   # the bytes of a (the same)
     # host copies of the routing where the caller has them ({"a_offsets": ..., "expert_ids": ...}: a
     # GroupedProblem's arrays, or the copies a validated device problem kept), for the plans' tile estimates

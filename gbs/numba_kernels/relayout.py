@@ -1,4 +1,4 @@
-"""FP4 operands into ``gbs.quant.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
+"""FP4 operands into ``gbs.formats.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
 with UE4M3 / UE8M0 scale bytes (from a quantizer that cannot write the H200 order itself) before a launch
 with ``a_layout="e2m1_h200"``, and for weights that already live on the GPU (a one-time step:
 ``to_e2m1_h200_fused`` writes ``b_layout="e2m1_h200_fused"``, the one ``gbs.api.h200_weight_layout`` recommends;
@@ -12,7 +12,7 @@ with ``a_layout="e2m1_h200"``, and for weights that already live on the GPU (a o
     b_h200 = relayout.to_e2m1_h200_fused(b, b_scales_h200)    # (experts, N, K/2 + K/block) weights and scales
     problem = gbs.device_problem(..., b_h200, ..., b_scales_h200, ..., b_layout="e2m1_h200_fused")
 
-``ue4m3_scales_to_h200`` maps each UE4M3 scale byte to its ``gbs.quant.UE4M3H200Scales`` code (one thread per
+``ue4m3_scales_to_h200`` maps each UE4M3 scale byte to its ``gbs.formats.UE4M3H200Scales`` code (one thread per
 4-byte word, a 256-byte table), bit-identical to ``UE4M3H200Scales.encode`` on every UE4M3 byte; a byte with
 the sign bit set (not a UE4M3 value: the host encoder rejects it) becomes the NaN code, so its block's
 outputs are NaN rather than wrong numbers.
@@ -42,8 +42,8 @@ import functools
 import numpy as np
 from numba import cuda
 
-from gbs.quant import (FORMATS, SF_ATOM_BYTES, E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder,
-                       UE4M3H200Scales)
+from gbs.formats import FORMATS, SF_ATOM_BYTES
+from gbs.layouts import E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
 
 THREADS = 256
 BOX_ROWS = E2M1H200TiledOrder.BOX_ROWS
@@ -142,7 +142,7 @@ def _byte_array(name: str, value):
     """A numba device array of uint8 over ``value`` (no copy), or TypeError / ValueError saying why not."""
     if isinstance(value, np.ndarray):
         raise TypeError(f"{name} is a host array: host bytes take GroupedProblem.with_b_layout / with_a_layout "
-                        "(gbs.quant.OPERAND_LAYOUTS' swizzle / encode_scales)")
+                        "(gbs.formats.OPERAND_LAYOUTS' swizzle / encode_scales)")
     if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
         arr = value
     elif hasattr(value, "__cuda_array_interface__"):

@@ -33,8 +33,7 @@ from numba import cuda, float32
 
 from gbs import schedule
 from gbs.problem import GroupedProblem, require_packed
-from gbs.quant import (BF16, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, get_format,
-                       scale_byte_offset)
+from gbs.formats import BF16, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, get_format, scale_byte_offset
 from gbs.reference import poison_output
 
 THREADS_PER_BLOCK = 256
@@ -142,7 +141,7 @@ SCALE_DECODERS = {"ue4m3": decode_e4m3, "ue8m0": decode_ue8m0}
 @dataclass(frozen=True)
 class SimtKernelSpec:
     """Everything the kernel is specialised on (compile-time constants): operand formats (names
-    of ``gbs.quant.FORMATS``), tile shape, threads per block."""
+    of ``gbs.formats.FORMATS``), tile shape, threads per block."""
 
     a_format: str
     b_format: str

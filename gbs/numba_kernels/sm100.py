@@ -59,8 +59,8 @@ from gbs import dispatch, schedule
 from gbs.numba_kernels.simt import bf16_bits_rne
 from gbs.problem import GroupedProblem, require_packed
 from gbs.ptx_inline import sm100_descriptors as desc
-from gbs.quant import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, SF_LANE_BYTES, SF_LANES, get_format
-from gbs.quant import scale_byte_offset
+from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, SF_LANE_BYTES, SF_LANES, get_format
+from gbs.formats import scale_byte_offset
 from gbs.schedule import rebind
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gbs.quant import SF_ATOM_COLS, SF_ATOM_ROWS
+from gbs.formats import SF_ATOM_COLS, SF_ATOM_ROWS
 
 # ----------------------------------------------------------------------------------------------
 # Block-scaled MMA kinds
@@ -449,7 +449,7 @@ def check_tmem_alloc_columns(ncols: int) -> int:
     return ncols
 
 
-# One 128x4 scale atom (gbs.quant.ScaleLayout128x4, 512 bytes = 32 rows of 16 bytes) copied by
+# One 128x4 scale atom (gbs.formats.ScaleLayout128x4, 512 bytes = 32 rows of 16 bytes) copied by
 # tcgen05.cp.32x128b.warpx4: shared-memory row j (16 bytes) goes to TMEM lane j of each of the
 # four 32-lane partitions (the ISA requires scales "duplicated to all 32 lane partitions"),
 # its four 32-bit words to four consecutive columns. Word w of row j holds the 4 scale bytes of

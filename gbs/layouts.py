@@ -1,0 +1,434 @@
+"""H200 operand byte layouts: FP4 bytes (and NVFP4's UE4M3 scales) re-laid once so that the H200 kernels decode and
+stream them faster. The formats themselves (encodings, packing, the 128x4 scale layout) are ``gbs.formats``.
+
+* ``LAYOUT_PACKED``: ``pack_fp4``'s nibbles, as quantized; every format's default and the only layout of FP8.
+* ``E2M1H200Order`` (``"e2m1_h200"``): the bits of each 32-bit word permuted so the decode to bf16 takes 9 instead of
+  13 integer instructions per word; NVFP4 scales as ``UE4M3H200Scales`` codes. Weights and tokens.
+* ``E2M1H200TiledOrder`` (``"e2m1_h200_tiled"``): the same bits, each 128-row x 128-byte TMA box contiguous. Weights.
+* ``E2M1H200FusedOrder`` (``"e2m1_h200_fused"``): tiled, each box followed by its K slice's scale atoms. Weights.
+
+Each is a small class with ``swizzle`` / ``unswizzle`` (numpy, host side); ``gbs.numba_kernels.relayout`` does the
+same on the GPU. Design: ``docs/design/formats.md``, "H200 operand layouts".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import SF_ATOM_COLS, SF_ATOM_SHAPE, decode_ue4m3, get_format
+
+LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (every format's default)
+LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
+LAYOUT_E2M1_H200_TILED = "e2m1_h200_tiled"  # E2M1H200TiledOrder: the same bits, weights stored box by box
+LAYOUT_E2M1_H200_FUSED = "e2m1_h200_fused"  # E2M1H200FusedOrder: each box followed by its block scales
+
+
+def _e2m1_h200_destinations() -> tuple[int, ...]:
+    """Destination bit of each source bit ``4 i + b`` of a 32-bit word (element i, bit b: 0 = m,
+    1 = e0, 2 = e1, 3 = sign); see ``E2M1H200Order``."""
+    dest = [0] * 32
+    for j, shift in enumerate(E2M1H200Order.SLOT_SHIFTS):          # elements j, j + 4: a clean slot
+        for half, element in ((0, j), (16, j + 4)):
+            for bit, target in enumerate(E2M1H200Order.BF16_TARGET_BITS):
+                dest[4 * element + bit] = target + half - shift
+    for half, element in ((0, 3), (16, 7)):                          # elements 3, 7: the spread slot
+        for bit, position in enumerate(E2M1H200Order.SPREAD_SLOT_BITS):
+            dest[4 * element + bit] = position + half
+    return tuple(dest)
+
+
+class E2M1H200Order:
+    """Packed E2M1 operands (weights, or tokens) with the 32 bits of every aligned 4-byte word (8 elements,
+    element i in nibble i after ``pack_fp4``) permuted, so that the H200 kernels decode them in fewer
+    instructions.
+
+    The kernels turn elements ``(j, j + 4)`` of a word into one bf16x2 register whose halves read as
+    ``value * 2**-126``: magnitude bits (m, e0, e1) on bf16 bits 6, 7, 8 and the sign on bit 15 (+16
+    for the high half), i.e. the bits of ``BF16_MASK``. From ``pack_fp4`` order that takes a mask, a
+    multiply and a mask per register, plus a shift per word (13 instructions per word). Here register
+    ``j`` < 3 is already in place up to a left shift (``SLOT_SHIFTS``: ``(word << 3 j) & BF16_MASK``,
+    1 or 2 instructions), and elements 3 and 7 fill the 8 bits left over (``SPREAD_SLOT_BITS``: m, e0,
+    e1, sign at bits 14, 10, 11, 13 and +16), decoded as ``(((word >> 8) & SPREAD_MASK) *
+    SPREAD_MULTIPLIER) & BF16_MASK`` (4): 9 instructions per word. Three left shifts are all a
+    word can hold: the slots ``BF16_MASK >> s`` are disjoint only for s in {0, 3, 6}.
+
+    A bijection of the bits of each word: ``swizzle`` / ``unswizzle`` (numpy; every 4-byte word of each
+    row, so the row's bytes must be a multiple of 4: K a multiple of 8). The K order the kernels see is
+    unchanged. UE4M3 block scales (NVFP4) are part of the order too: ``encode_scales`` / ``decode_scales``
+    re-encode each byte (``UE4M3H200Scales``: one ``prmt`` and one shift-add per two scales instead of
+    the exact float conversion's six instructions); UE8M0 scales (MX formats) stay as they are.
+    ``GroupedProblem.with_b_layout`` applies both to the weights (once), ``with_a_layout`` to the tokens
+    (which, in a model, their quantizer writes in this order: placing the bits and picking the scale code
+    costs it no more than ``pack_fp4``'s nibbles and the UE4M3 byte).
+    """
+
+    BF16_TARGET_BITS = (6, 7, 8, 15)          # m, e0, e1, sign of the low bf16 half
+    BF16_MASK = 0x81C081C0                     # those bits in both halves
+    SLOT_SHIFT_STEP = 3                        # register j < 3 sits at BF16_MASK >> (SLOT_SHIFT_STEP * j)
+    SLOT_SHIFTS = (0, SLOT_SHIFT_STEP, 2 * SLOT_SHIFT_STEP)
+    SPREAD_SLOT_BITS = (14, 10, 11, 13)        # m, e0, e1, sign of element 3 (element 7: +16)
+    SPREAD_PRESHIFT = 8
+    SPREAD_MASK = 0x006C006C                   # SPREAD_SLOT_BITS >> SPREAD_PRESHIFT, both halves
+    SPREAD_MULTIPLIER = (1 << 0) | (1 << 5) | (1 << 10)   # three shifted copies; BF16_MASK keeps the right bits
+    ROLES = ("tokens", "weights")   # what the operand may be (``gbs.problem.check_layout``)
+    WORD_ORDER = LAYOUT_E2M1_H200   # the bits of each word: which decode the kernels run
+    TILED = False                   # weights stored box by box (``E2M1H200TiledOrder``)
+
+    @staticmethod
+    def _words(packed: np.ndarray) -> np.ndarray:
+        packed = np.asarray(packed)
+        if packed.dtype != np.uint8:   # a value cast would corrupt the codes: bytes only
+            raise TypeError(f"E2M1H200Order takes packed FP4 bytes as uint8, got {packed.dtype}")
+        packed = np.ascontiguousarray(packed)
+        if packed.ndim < 1 or packed.shape[-1] % 4:
+            raise ValueError(f"E2M1H200Order works on 4-byte words: the last axis ({packed.shape[-1:]}) "
+                             "must be a multiple of 4 bytes (K a multiple of 8)")
+        return packed.view("<u4")
+
+    @staticmethod
+    def byte_tables(inverse: bool = False) -> np.ndarray:
+        """(4, 256) uint32: for byte ``i`` of a little-endian word and each of its 256 values, that byte's
+        bits in their places in the re-laid word (``inverse``: back to ``pack_fp4`` order). A word's image is
+        the OR of its four bytes' entries (``gbs.numba_kernels.relayout`` reads them on the device)."""
+        return _E2M1_H200_TABLES[inverse].copy()
+
+    @classmethod
+    def _permute(cls, packed: np.ndarray, inverse: bool) -> np.ndarray:
+        words = cls._words(packed)
+        tables = _E2M1_H200_TABLES[inverse]   # per byte of the word: its 256 values' destination bits
+        out = tables[0][words & np.uint32(0xFF)]
+        for i in range(1, 4):
+            out |= tables[i][(words >> np.uint32(8 * i)) & np.uint32(0xFF)]
+        return out.view(np.uint8)
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        """``pack_fp4`` bytes (..., K/2) -> the same shape in this order (a new array)."""
+        return cls._permute(packed, inverse=False)
+
+    @classmethod
+    def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
+        """Inverse of ``swizzle``."""
+        return cls._permute(ordered, inverse=True)
+
+    @staticmethod
+    def encode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
+        """An operand's block-scale bytes (any shape, e.g. the 128x4 atoms) in this order: UE4M3 bytes
+        re-encoded (``UE4M3H200Scales.encode``, a new array), UE8M0 bytes unchanged (a copy)."""
+        if scale_dtype == "ue4m3":
+            return UE4M3H200Scales.encode(scale_bytes)
+        return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+    @staticmethod
+    def decode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
+        """Inverse of ``encode_scales``."""
+        if scale_dtype == "ue4m3":
+            return UE4M3H200Scales.decode(scale_bytes)
+        return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+
+class E2M1H200TiledOrder(E2M1H200Order):
+    """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: faster than row-major for
+    NVFP4 weights, slower for MXFP4; ``E2M1H200FusedOrder`` (each box followed by its scales) is faster for both
+    and is the one ``gbs.api.h200_weight_layout`` recommends.
+
+    The kernels' producer loads a weight stage as a TMA box of 128 rows x one 128-byte K slice (16 KB).
+    In row-major weights those are 128 pieces of 128 B, one per row, ``K / 2`` bytes apart; here each box
+    is 16 KB of contiguous memory, so a stage is one DRAM stream instead of 128 (why that is faster is
+    inferred, not measured: fewer DRAM pages opened per byte). Boxes are ordered (128-row tile, K slice),
+    rows inside a box as before: byte ``c`` of row ``r`` of an expert's (N, K/2) matrix sits at byte
+    ``box_row * 128 + c % 128`` of the expert's slab, ``box_row = (r // 128 * (K/2 // 128) + c // 128) * 128
+    + r % 128`` (the kernels' tensor map reads the slabs as rows of 128 B). So ``b`` keeps its shape and
+    dtype (N and K/2 multiples of ``BOX_ROWS`` / ``BOX_BYTES``, which every ``workloads.md`` shape is) and
+    the scales keep the 128x4 layout (UE4M3 codes as in ``E2M1H200Order``). The kernels read it through a
+    2-D tensor map over all the boxes (``h200_stream.tensor_map_args``); wider or narrower weight tiles (256
+    or 8-64 rows, 64-byte K slices with FP8 tokens) are whole boxes or parts of them. Weights only: tokens
+    are not tiled.
+
+    NVFP4 weights stream faster tiled than row-major; MXFP4 weights tiled with separate scales stream slower
+    (evidence: tiled-weight-layout).
+    """
+
+    BOX_ROWS = 128     # weight rows per box: the streaming kernel's M tile (``h200_stream.TILE_M_ROWS``)
+    BOX_BYTES = 128    # bytes of K per box row: one FP4 K slice of 256 elements (``h200_stream.K_SLICE_BYTES``)
+    ROLES = ("weights",)
+    TILED = True
+
+    @classmethod
+    def whole_boxes(cls, shape) -> bool:
+        """Whether weights of ``shape`` (..., N, K/2 bytes) tile into whole boxes."""
+        return len(shape) >= 2 and not (shape[-2] % cls.BOX_ROWS or shape[-1] % cls.BOX_BYTES)
+
+    @classmethod
+    def check_shape(cls, shape, fmt=None) -> None:
+        """ValueError unless ``shape`` (..., N, K/2 bytes) tiles into whole boxes (``fmt``: unused here)."""
+        if not cls.whole_boxes(shape):
+            raise ValueError(f"{LAYOUT_E2M1_H200_TILED!r} stores weights in boxes of {cls.BOX_ROWS} rows x "
+                             f"{cls.BOX_BYTES} bytes: it needs (..., N, K/2) with N a multiple of {cls.BOX_ROWS} "
+                             f"and K/2 of {cls.BOX_BYTES} bytes (K of {2 * cls.BOX_BYTES}), got {tuple(shape)}")
+
+    @classmethod
+    def tile(cls, rows: np.ndarray) -> np.ndarray:
+        """(..., N, K/2) bytes -> the same shape with each box contiguous (a new array; bytes unchanged)."""
+        rows = np.asarray(rows)
+        cls.check_shape(rows.shape)
+        *lead, n, kb = rows.shape
+        boxes = rows.reshape(*lead, n // cls.BOX_ROWS, cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_BYTES)
+        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(rows.shape)
+
+    @classmethod
+    def untile(cls, tiled: np.ndarray) -> np.ndarray:
+        """Inverse of ``tile``."""
+        tiled = np.asarray(tiled)
+        cls.check_shape(tiled.shape)
+        *lead, n, kb = tiled.shape
+        boxes = tiled.reshape(*lead, n // cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_ROWS, cls.BOX_BYTES)
+        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(tiled.shape)
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        """``pack_fp4`` weight bytes (..., N, K/2) -> the same shape in this order (a new array)."""
+        cls.check_shape(np.shape(packed))
+        return cls.tile(super().swizzle(packed))
+
+    @classmethod
+    def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
+        """Inverse of ``swizzle``."""
+        return super().unswizzle(cls.untile(ordered))
+
+
+class E2M1H200FusedOrder(E2M1H200TiledOrder):
+    """``E2M1H200TiledOrder``'s boxes, each followed by its block scales: one contiguous chunk per stage of
+    the H200 kernels (``gbs.api.h200_weight_layout``: the H200 order of FP4 weights, NVFP4 and MXFP4).
+
+    A weight stage is a 16 KB box (128 rows x one 128-byte K slice, 256 elements) plus that slice's 128x4
+    scale atoms for the box's 128-row band: ``64 / block_size`` atoms of 512 B (MXFP4 2 = 1 KB, NVFP4 4 =
+    2 KB). Tiled weights with separate scales still make a stage two DRAM streams; here each chunk is the
+    box's 16 KB and then its atoms' bytes, exactly as ``b_scales`` holds them (UE4M3 codes as in
+    ``E2M1H200Order``), so a stage is one stream of ``16 KB + 128 * 256 / block_size`` bytes. Chunks are
+    ordered (expert, 128-row tile, K slice). An expert's chunks hold ``N * (K/2 + K/block_size)`` bytes:
+    each row's weight and scale bytes, so ``b`` has shape ``(E, N, K/2 + K/block_size)``
+    (``stored_row_bytes``); N and K/2 must be multiples of 128 (every ``workloads.md`` shape is).
+
+    ``b_scales`` keeps the 128x4 atoms as well (the reference and the checks read them; ``GroupedProblem``
+    checks that they equal the chunks' copies): on the device that copy costs 1/16 (MXFP4) or 1/8 (NVFP4)
+    of the weight bytes, which the H200 kernels do not read. ``fuse`` / ``unfuse`` convert from / to tiled
+    weights and atoms; ``GroupedProblem.with_b_layout`` does it for a problem.
+
+    The fastest weight layout on the H200 for both FP4 formats (evidence: fused-weight-layout).
+    """
+
+    CHUNK_BOX_BYTES = E2M1H200TiledOrder.BOX_ROWS * E2M1H200TiledOrder.BOX_BYTES
+    SLICE_ELEMENTS = 2 * E2M1H200TiledOrder.BOX_BYTES     # elements of K per box row (FP4: two per byte)
+
+    @classmethod
+    def chunk_scale_bytes(cls, block_size: int) -> int:
+        """Bytes of one chunk's scale atoms: 128 rows x one scale byte per block of the K slice."""
+        return cls.BOX_ROWS * (cls.SLICE_ELEMENTS // block_size)
+
+    @classmethod
+    def stored_row_bytes(cls, k: int, block_size: int) -> int:
+        """Bytes per weight row in ``b``'s shape: K/2 weight bytes and K/block_size scale bytes."""
+        return k // 2 + k // block_size
+
+    @classmethod
+    def _k(cls, shape, block_size: int) -> int:
+        """K of fused weights of ``shape``; ValueError unless they are whole chunks."""
+        row_bytes = shape[-1] if len(shape) >= 2 else 0
+        k = row_bytes * 2 * block_size // (block_size + 2)
+        if (len(shape) < 2 or shape[-2] % cls.BOX_ROWS or k <= 0 or k % cls.SLICE_ELEMENTS
+                or cls.stored_row_bytes(k, block_size) != row_bytes):
+            raise ValueError(f"{LAYOUT_E2M1_H200_FUSED!r} stores weights with their scales in chunks of {cls.BOX_ROWS} "
+                             f"rows: it needs (..., N, K/2 + K/{block_size}) bytes with N a multiple of "
+                             f"{cls.BOX_ROWS} and K of {cls.SLICE_ELEMENTS}, got {tuple(shape)}")
+        return k
+
+    @classmethod
+    def check_shape(cls, shape, fmt=None) -> None:
+        """ValueError unless ``shape`` is fused weights of format ``fmt`` (its block size) in whole chunks."""
+        if fmt is None:
+            raise TypeError(f"{LAYOUT_E2M1_H200_FUSED!r}: the shape check needs the weights' format")
+        cls._k(shape, get_format(fmt).block_size)
+
+    @classmethod
+    def fuse(cls, tiled: np.ndarray, scale_atoms: np.ndarray, block_size: int) -> np.ndarray:
+        """Tiled weights (..., N, K/2) (``E2M1H200TiledOrder``) and their 128x4 atoms (..., N/128, K/block/4,
+        32, 4, 4) -> fused (..., N, K/2 + K/block) (a new array)."""
+        tiled, scale_atoms = np.asarray(tiled), np.asarray(scale_atoms)
+        E2M1H200TiledOrder.check_shape(tiled.shape)
+        *lead, n, kb = tiled.shape
+        tiles, slices = n // cls.BOX_ROWS, kb // cls.BOX_BYTES
+        want = (*lead, tiles, 2 * kb // block_size // SF_ATOM_COLS, *SF_ATOM_SHAPE)
+        if scale_atoms.dtype != np.uint8 or scale_atoms.shape != want:
+            raise ValueError(f"fuse: scale atoms must be uint8 {want} for weights {tiled.shape}, got "
+                             f"{scale_atoms.dtype} {scale_atoms.shape}")
+        boxes = tiled.reshape(*lead, tiles, slices, cls.CHUNK_BOX_BYTES)
+        atoms = scale_atoms.reshape(*lead, tiles, slices, cls.chunk_scale_bytes(block_size))
+        fused = np.concatenate([boxes, atoms], axis=-1)
+        return fused.reshape(*lead, n, cls.stored_row_bytes(2 * kb, block_size))
+
+    @classmethod
+    def unfuse(cls, fused: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse of ``fuse``: (tiled weights, scale atoms), new arrays."""
+        fused = np.asarray(fused)
+        *lead, n, _ = fused.shape
+        tiled = np.ascontiguousarray(cls._chunks(fused, block_size)[..., :cls.CHUNK_BOX_BYTES])
+        return tiled.reshape(*lead, n, cls._k(fused.shape, block_size) // 2), cls.scale_atoms(fused, block_size)
+
+    @classmethod
+    def scale_atoms(cls, fused: np.ndarray, block_size: int) -> np.ndarray:
+        """The copy of the 128x4 scale atoms that fused weights hold (a new array; the weight bytes are not
+        copied: what ``GroupedProblem`` checks against ``b_scales``)."""
+        fused = np.asarray(fused)
+        *lead, n, _ = fused.shape
+        atoms = np.ascontiguousarray(cls._chunks(fused, block_size)[..., cls.CHUNK_BOX_BYTES:])
+        return atoms.reshape(*lead, n // cls.BOX_ROWS, cls._k(fused.shape, block_size) // block_size // SF_ATOM_COLS,
+                             *SF_ATOM_SHAPE)
+
+    @classmethod
+    def _chunks(cls, fused: np.ndarray, block_size: int) -> np.ndarray:
+        """A (..., row tiles, K slices, chunk bytes) view of fused weights."""
+        k = cls._k(fused.shape, block_size)
+        *lead, n, _ = fused.shape
+        return fused.reshape(*lead, n // cls.BOX_ROWS, k // cls.SLICE_ELEMENTS, -1)
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        raise TypeError(f"{LAYOUT_E2M1_H200_FUSED!r} holds the weights' scales too: build it with "
+                        "GroupedProblem.with_b_layout or E2M1H200FusedOrder.fuse")
+
+    unswizzle = swizzle
+
+
+def _scale_bytes(scale_bytes, scale_dtype: str) -> np.ndarray:
+    scale_bytes = np.asarray(scale_bytes)
+    if scale_dtype not in ("ue4m3", "ue8m0"):
+        raise ValueError(f"scale_dtype must be 'ue4m3' or 'ue8m0', got {scale_dtype!r}")
+    if scale_bytes.dtype != np.uint8:
+        raise TypeError(f"block-scale bytes must be uint8, got {scale_bytes.dtype}")
+    return scale_bytes
+
+
+class UE4M3H200Scales:
+    """UE4M3 block scales re-encoded for the H200 kernels (the scale part of ``E2M1H200Order``).
+
+    The kernels multiply each decoded E2M1 register (``value * 2**-126``) by the bf16 ``s * 2**118`` of
+    its block scale ``s`` (``LOG2_MULTIPLIER``: 126 minus the UE4M3 pre-bias 8 of
+    ``h200_stream.ELEMENT_LOG2_OFFSET``), so that ``value * s * 2**-8`` is an exact bf16 normal. From a
+    UE4M3 byte that bf16 costs an exact float route (``cvt`` e4m3 -> f16 -> f32, a multiply, a pack:
+    3 instructions per scale). Here each byte ``h`` already holds the bf16's exponent (offset by
+    ``EXPONENT_BASE``) and its 3 mantissa bits, ``h = (exponent - EXPONENT_BASE) << 3 | mantissa``, so
+    the bf16 bits are ``(h << 4) + (EXPONENT_BASE << 7)``: one ``prmt`` puts two bytes in the 16-bit
+    lanes of a register and one shift-add makes both bf16 (``bf16_bits``), 1 instruction per scale.
+
+    Every UE4M3 value has a code, exactly: ``s`` from 2**-9 (the smallest subnormal) to 448 gives bf16
+    exponents 236..253, codes 0x08..0x96 (subnormal UE4M3 bytes become normal numbers here).
+    ``ZERO_BYTE`` (0xA8) is the code of 0: ``(0xA8 << 4) + 0x7580 = 0x8000``, the bf16 -0, so a zero
+    scale still zeroes its block whatever its element codes; ``NAN_BYTE`` (0xA4) gives the bf16 quiet
+    NaN 0x7FC0 (UE4M3 0x7F). No code carries out of its 16-bit lane. Bytes with the sign bit set are
+    not UE4M3 (``formats.md``: sign 0) and are rejected; ``decode`` rejects bytes that are not codes.
+    """
+
+    EXPONENT_BASE = 235        # bf16 biased exponent of code exponent 0 (codes use 1..18, 20, 21)
+    LOG2_MULTIPLIER = 118      # the kernels' bf16 scale is s * 2**LOG2_MULTIPLIER
+    ZERO_BYTE = 0xA8           # bf16 -0: exponent field 256 carries into the sign bit, mantissa 0
+    NAN_BYTE = 0xA4            # bf16 0x7FC0 (exponent 255, the quiet bit)
+    LANE_ADDEND = (EXPONENT_BASE << 7) * 0x00010001   # the shift-add's constant, both 16-bit lanes
+    CODE_SHIFT = 4             # code bits 0..7 -> bf16 bits 4..11 (mantissa 4..6, exponent 7..11)
+
+    @classmethod
+    def bf16_bits(cls, codes) -> np.ndarray:
+        """uint16 bf16 bits of each code: what the kernels compute (per 16-bit lane)."""
+        codes = np.asarray(codes).astype(np.uint32)
+        return ((codes << np.uint32(cls.CODE_SHIFT)) + np.uint32(cls.EXPONENT_BASE << 7)).astype(np.uint16)
+
+    @classmethod
+    def encode(cls, ue4m3_bytes: np.ndarray) -> np.ndarray:
+        """UE4M3 bytes (uint8, any shape) -> their codes (a new array); ValueError on a sign bit."""
+        ue4m3_bytes = _scale_bytes(ue4m3_bytes, "ue4m3")
+        signed = ue4m3_bytes >= 0x80
+        if np.any(signed):
+            index = np.unravel_index(int(np.argmax(signed)), ue4m3_bytes.shape)
+            raise ValueError(f"UE4M3 scale byte {int(ue4m3_bytes[index]):#04x} at {tuple(int(i) for i in index)} "
+                             "has the sign bit set: UE4M3 scales are unsigned (an e4m3 byte of a positive value)")
+        return _UE4M3_H200_CODES[ue4m3_bytes]
+
+    @classmethod
+    def decode(cls, codes: np.ndarray) -> np.ndarray:
+        """Codes -> the UE4M3 bytes (a new array); ValueError on a byte that is no code."""
+        codes = _scale_bytes(codes, "ue4m3")
+        ue4m3 = _UE4M3_H200_INVERSE[codes]
+        bad = ue4m3 < 0
+        if np.any(bad):
+            index = np.unravel_index(int(np.argmax(bad)), codes.shape)
+            raise ValueError(f"byte {int(codes[index]):#04x} at {tuple(int(i) for i in index)} is not a "
+                             "UE4M3H200Scales code")
+        return ue4m3.astype(np.uint8)
+
+
+def _ue4m3_h200_codes() -> np.ndarray:
+    """(128,) uint8: the code of each UE4M3 byte 0x00..0x7F (see ``UE4M3H200Scales``)."""
+    u = np.arange(128, dtype=np.uint8)
+    with np.errstate(over="ignore"):
+        multiplier = decode_ue4m3(u).astype(np.float32) * np.float32(2.0 ** UE4M3H200Scales.LOG2_MULTIPLIER)
+    bits = multiplier.view(np.uint32)
+    if np.any(bits[1:0x7F] & np.uint32(0x000FFFFF)):
+        raise AssertionError("a UE4M3 scale times 2**118 is not exact in bf16 with 3 mantissa bits")
+    exponent = (bits >> np.uint32(23)).astype(np.int64) - UE4M3H200Scales.EXPONENT_BASE
+    codes = (exponent << 3) | ((bits >> np.uint32(20)) & np.uint32(7)).astype(np.int64)
+    codes[0], codes[0x7F] = UE4M3H200Scales.ZERO_BYTE, UE4M3H200Scales.NAN_BYTE
+    if codes[1:0x7F].min() < 1 << 3 or codes[1:0x7F].max() >= 19 << 3:
+        raise AssertionError("UE4M3 codes outside the exponent window")
+    return codes.astype(np.uint8)
+
+
+_UE4M3_H200_CODES = _ue4m3_h200_codes()
+_UE4M3_H200_INVERSE = np.full(256, -1, np.int16)
+_UE4M3_H200_INVERSE[_UE4M3_H200_CODES] = np.arange(128, dtype=np.int16)
+
+
+def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:
+    """(4, 256) uint32: where the set bits of each byte value, at byte i of a word, go under ``dest``."""
+    values = np.arange(256, dtype=np.uint32)
+    tables = np.zeros((4, 256), np.uint32)
+    for src, dst in enumerate(dest):
+        tables[src // 8] |= ((values >> np.uint32(src % 8)) & np.uint32(1)) << np.uint32(dst)
+    return tables
+
+
+_E2M1_H200_DEST = _e2m1_h200_destinations()
+_E2M1_H200_TABLES = (_byte_tables(_E2M1_H200_DEST),
+                     _byte_tables(tuple(int(i) for i in np.argsort(_E2M1_H200_DEST))))
+OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder,
+                   LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder}
+
+
+def word_order(layout: str) -> str:
+    """The order of the bits inside each 4-byte word of ``layout`` (what a kernel's decode reads):
+    ``LAYOUT_PACKED`` or ``LAYOUT_E2M1_H200`` (also the tiled layout's)."""
+    order = OPERAND_LAYOUTS[layout]
+    return LAYOUT_PACKED if order is None else order.WORD_ORDER
+
+
+def tiled_weights(layout: str) -> bool:
+    """Whether ``layout`` stores weights box by box (``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``)."""
+    order = OPERAND_LAYOUTS[layout]
+    return order is not None and order.TILED
+
+
+def fused_scales(layout: str) -> bool:
+    """Whether ``layout`` stores the weights' block scales in ``b`` with them (``E2M1H200FusedOrder``)."""
+    return layout == LAYOUT_E2M1_H200_FUSED
+
+
+def weight_bytes_layout(layout: str) -> str:
+    """The layout of the weight bytes alone of ``layout`` (a fused layout's without its scales)."""
+    return LAYOUT_E2M1_H200_TILED if fused_scales(layout) else layout
+
+
+def stored_row_bytes(layout: str, fmt, k: int) -> int:
+    """Bytes per row of an operand of format ``fmt`` stored in ``layout`` (its array's last axis)."""
+    fmt = get_format(fmt)
+    if fused_scales(layout):
+        return E2M1H200FusedOrder.stored_row_bytes(k, fmt.block_size)
+    return fmt.row_bytes(k)
+
