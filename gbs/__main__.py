@@ -8,9 +8,9 @@ import time
 import numpy as np
 
 from . import dispatch as dsp
-from .ablate import add_ablate_parser
+from .lab.sweep import add_ablate_parser
 from .api import BACKENDS
-from .bench import add_bench_parser
+from .lab.bench import add_bench_parser
 from .problem import PROBLEM_FORMATS, problem_from_inputs, random_inputs, resolve_formats
 
 # The demo's shapes (workloads.md): DeepSeek-V3 up / down projections and Kimi K2.5's TP-8 up-projection.

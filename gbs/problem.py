@@ -286,7 +286,7 @@ def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:
 
 def layout_of(problem, operand: str) -> str:
     """The byte layout of ``problem.a`` / ``problem.b`` (``"packed"`` for objects without the field, e.g.
-    the ``SimpleNamespace`` views ``gbs.ablate`` and ``launch.to_device`` callers may pass)."""
+    the ``SimpleNamespace`` views ``gbs.lab.sweep`` and ``launch.to_device`` callers may pass)."""
     return getattr(problem, f"{operand}_layout", LAYOUT_PACKED)
 
 

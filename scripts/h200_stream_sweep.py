@@ -12,9 +12,9 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
 tile, ``:kauto`` = ``h200_wgmma.swapped_k_splits``), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
-``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.bench.BENCH_CASES`` or
+``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.lab.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
-benchmark's (``gbs.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
+benchmark's (``gbs.lab.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
 start-up trace build (``h200_stream.TRACE_EVENTS``: where a launch's fixed time goes); ``--series CSV`` writes
 every timed launch (input set, us) in issue order. Needs an sm_90 GPU.
@@ -25,7 +25,7 @@ import argparse
 import sys
 from typing import NamedTuple
 
-from gbs import bench
+from gbs.lab import bench
 from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
 from gbs.numba_kernels import h200_stream, h200_wgmma

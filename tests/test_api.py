@@ -66,7 +66,7 @@ def test_problem_type_error_names_both_problem_kinds():
 def test_h200_kernel_routes_prefill_to_wgmma_when_the_dispatch_decides():
     """Host-only: which H200 kernel and knobs ``"auto"`` picks (no GPU needed to decide)."""
     from gbs.api import h200_kernel
-    from gbs.bench import BENCH_CASES
+    from gbs.lab.bench import BENCH_CASES
     from gbs.numba_kernels import h200_stream, h200_wgmma
 
     prefill = BENCH_CASES["large_prefill_up"].problem("nvfp4")
@@ -99,7 +99,7 @@ def test_h200_auto_leaves_no_token_count_to_the_wide_streaming_tiles(fmt):
     token tiles lose 2.4-5x to the wgmma kernel (sweep run 24): "auto" must route every such problem to
     the wgmma kernel, and keep decode (4 tokens per expert) on the streaming kernel."""
     from gbs.api import h200_kernel
-    from gbs.bench import BenchCase
+    from gbs.lab.bench import BenchCase
     from gbs.numba_kernels import h200_stream, h200_wgmma
 
     def kernel_at(tokens):
@@ -123,7 +123,7 @@ def test_wgmma_backend_takes_a_configs_tile_on_its_own_ring():
     """``backend="h200_wgmma"`` with a KernelConfig: the config's tile, this kernel's deepest ring (the
     SM100 stage count is a B200 number)."""
     from gbs.api import h200_kernel
-    from gbs.bench import BENCH_CASES
+    from gbs.lab.bench import BENCH_CASES
     from gbs.dispatch import AUTO_STAGES
     from gbs.numba_kernels import h200_wgmma
 
@@ -163,6 +163,6 @@ def test_h200_weight_layout_is_the_measured_one_per_weight_format():
 def test_describe_h200_plan_names_the_kernel_knobs_and_split(case, fmt, want):
     """``describe_h200_plan`` says what "auto" runs on an H200 from host metadata alone (the bench cases)."""
     from gbs.api import describe_h200_plan
-    from gbs.bench import BENCH_CASES
+    from gbs.lab.bench import BENCH_CASES
 
     assert describe_h200_plan(BENCH_CASES[case].problem(fmt)) == want

@@ -1,4 +1,4 @@
-"""The benchmark (gbs.bench, gbs.peers): CLI, no-GPU exit, case selection, row maths, useful bytes.
+"""The benchmark (gbs.lab.bench, gbs.lab.peers): CLI, no-GPU exit, case selection, row maths, useful bytes.
 
 CPU tests: the ``bench`` parser and its --help, the no-GPU message and exit status 2, option
 validation, the quick / full case lists, rows and speed-up ratios built from fake timings, the
@@ -20,7 +20,7 @@ import types
 import numpy as np
 import pytest
 
-from gbs import bench, peers
+from gbs.lab import bench, peers
 from gbs.api import dispatch_for, gpu_available
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
 from gbs.numba_kernels import h200_stream as hs
@@ -72,7 +72,7 @@ def test_no_gpu_exits_2_with_a_message(monkeypatch, capsys):
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU: the no-GPU path is not taken")
 def test_no_gpu_in_a_fresh_process_prints_no_traceback():
-    script = ("import argparse, sys; from gbs.bench import add_bench_parser; p = argparse.ArgumentParser(); "
+    script = ("import argparse, sys; from gbs.lab.bench import add_bench_parser; p = argparse.ArgumentParser(); "
               "add_bench_parser(p.add_subparsers(dest='c')); a = p.parse_args(['bench', '--quick']); "
               "sys.exit(a.func(a))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

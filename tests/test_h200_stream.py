@@ -36,7 +36,7 @@ import pytest
 from numba import cuda
 
 from gbs import schedule
-from gbs.bench import synthetic_problem
+from gbs.lab.bench import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, grouped_matmul_nvfp4_dispatch
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import launch

@@ -638,7 +638,7 @@ def test_validated_routing_sets_the_split_of_few_swapped_tiles():
     With the routing validated (its host copies kept) the split counts the groups' own 30 tiles (4 runs); without
     (``validate=False``) the average's 40 (3 runs). Both match the reference and keep the poison in skipped rows."""
     pytest.importorskip("torch")
-    from gbs.bench import synthetic_problem
+    from gbs.lab.bench import synthetic_problem
     from gbs.numba_kernels import h200_wgmma
 
     lib = Library("torch")

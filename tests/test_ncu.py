@@ -1,4 +1,4 @@
-"""gbs.ncu: reading ncu's per-instruction counts into regions and shares (CPU only)."""
+"""gbs.lab.ncu: reading ncu's per-instruction counts into regions and shares (CPU only)."""
 from __future__ import annotations
 
 import gzip
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gbs import ncu
+from gbs.lab import ncu
 
 NOTES = Path(__file__).resolve().parent.parent / "notes" / "h200"
 HEADER = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"'

@@ -88,7 +88,7 @@ def test_readme_lists_every_notebook():
 
 
 # ---------------------------------------------------------------------------------------------
-# The shared plot helpers the notebooks draw with (gbs.plotting): pictures must match the library.
+# The shared plot helpers the notebooks draw with (gbs.lab.plotting): pictures must match the library.
 def _agg_axes():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -101,7 +101,7 @@ def _agg_axes():
 def test_scale_layout_picture_labels_every_byte_with_the_row_swizzle_scales_puts_there():
     import numpy as np
 
-    from gbs.plotting import scale_layout_picture
+    from gbs.lab.plotting import scale_layout_picture
     from gbs.formats import swizzle_scales
 
     figure, ax = _agg_axes()
@@ -116,7 +116,7 @@ def test_scale_layout_picture_labels_every_byte_with_the_row_swizzle_scales_puts
 
 def test_config_colours_follow_the_regime_whose_knobs_a_config_uses():
     from gbs import dispatch as dsp
-    from gbs.plotting import REGIME_COLORS, config_color
+    from gbs.lab.plotting import REGIME_COLORS, config_color
 
     kimi_decode = dsp.grouped_matmul_nvfp4_dispatch(n=512, k=7168, num_active_experts=8, estimated_total_m=8)
     default = dsp.grouped_matmul_block_scaled_sm100_dispatch(a_format="mxfp8", b_format="mxfp8", n=4096, k=7168,
@@ -128,7 +128,7 @@ def test_config_colours_follow_the_regime_whose_knobs_a_config_uses():
 
 
 def test_plot_helpers_reject_bad_input_with_a_clear_message():
-    from gbs.plotting import finding_title, regime_map, scale_layout_picture
+    from gbs.lab.plotting import finding_title, regime_map, scale_layout_picture
 
     _, ax = _agg_axes()
     with pytest.raises(ValueError, match="without a colour"):

@@ -1,4 +1,4 @@
-"""The analytic performance model (gbs.perfmodel): physical sanity, the tile-walk counts against
+"""The analytic performance model (gbs.lab.perfmodel): physical sanity, the tile-walk counts against
 gbs.schedule, the breakdown terms the issue names, and calibration on synthetic measurements.
 
 Every check can fail: they compare against hand-computed counts (tiles, padding, bytes), against
@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gbs import perfmodel as pm
-from gbs.bench import useful_bytes
+from gbs.lab import perfmodel as pm
+from gbs.lab.bench import useful_bytes
 from gbs.dispatch import B200_SMEM_PER_SM, H200_SMEM_PER_SM, classify_regime, grouped_matmul_nvfp4_dispatch
 from gbs.problem import make_routing, random_problem
 from gbs.schedule import TileConfig, assign_tiles

@@ -1,4 +1,4 @@
-"""The shared plot helpers (gbs.plotting) keep the promises their docstrings make.
+"""The shared plot helpers (gbs.lab.plotting) keep the promises their docstrings make.
 
 Every test draws with matplotlib's headless Agg backend and reads the artists back (patches,
 texts, lines, images, tick labels) instead of comparing images, which would break on any font or
@@ -21,7 +21,7 @@ from matplotlib.table import Table
 from matplotlib.text import Text
 
 from gbs import dispatch as dsp
-from gbs import plotting as gp
+from gbs.lab import plotting as gp
 from gbs.formats import (SF_ATOM_BYTES, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements, pad_group_scales, scale_byte_offset, unswizzle_scales)
 from gbs.schedule import TileConfig, TileShape, assign_tiles, total_tiles
 

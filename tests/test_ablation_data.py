@@ -1,4 +1,4 @@
-"""Ablation rows and derived dispatch tables (gbs.ablation): CSV schema and validation, modelled
+"""Ablation rows and derived dispatch tables (gbs.lab.ablation_data): CSV schema and validation, modelled
 sweeps, the derivation rule on synthetic rows with a known answer, the upstream table, and the
 side-by-side comparison with its disagreements.
 """
@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gbs import ablation as ab
-from gbs import perfmodel as pm
+from gbs.lab import ablation_data as ab
+from gbs.lab import perfmodel as pm
 from gbs.dispatch import REGIME_CONFIGS, grouped_matmul_nvfp4_dispatch
 from gbs.numba_kernels import h200_stream
 from gbs.schedule import TileConfig

@@ -45,7 +45,7 @@ into a ``DispatchTable`` with a stated rule:
 ``upstream_table`` builds the same object from ``gbs.dispatch`` (the upstream decisions);
 ``compare_tables`` puts upstream, H200-measured and B200-model tables side by side as markdown
 and lists every disagreement with upstream with its reason: the table's own evidence
-(slowdowns) and the performance model's breakdown (``gbs.perfmodel.explain_difference``).
+(slowdowns) and the performance model's breakdown (``gbs.lab.perfmodel.explain_difference``).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from gbs.bench import useful_bytes, useful_flops
+from gbs.lab.bench import useful_bytes, useful_flops
 from gbs.dispatch import (
     DECODE_AVG_M,
     LEGAL_MMA_BN,
@@ -77,7 +77,7 @@ from gbs.dispatch import (
     grouped_matmul_block_scaled_sm100_dispatch,
     grouped_matmul_mxfp8_dispatch,
 )
-from gbs.perfmodel import (
+from gbs.lab.perfmodel import (
     HARDWARE,
     HardwareParams,
     ModelConfig,
@@ -405,7 +405,7 @@ def make_row(key: ProblemKey, config, *, median_us: float, p10_us: float, p90_us
              mma_ceiling_tflops: float, config_source: str = CONFIG_SOURCE_SWEEP,
              stages_source: str = STAGES_OVERRIDE) -> AblationRow:
     """A row with the derived columns filled in: avg_m, regime, TFLOP/s and GB/s of the problem's
-    useful FLOPs and bytes (``gbs.bench.useful_flops`` / ``useful_bytes``) at the median time, and
+    useful FLOPs and bytes (``gbs.lab.bench.useful_flops`` / ``useful_bytes``) at the median time, and
     their fractions of the given ceilings (measured ones for measured rows)."""
     config = ModelConfig.of(config)
     shape = problem_shape(key)
@@ -461,7 +461,7 @@ def model_rows(hw: HardwareParams, problems: Iterable[ProblemKey], *, configs: S
     its knobs and stages are what the dispatch picks for the problem with ``hw``'s budget."""
     date = date or datetime.date.today().isoformat()
     if commit is None:
-        from gbs.bench import environment_fields
+        from gbs.lab.bench import environment_fields
 
         commit = environment_fields()["commit"]
     rows = []
@@ -485,7 +485,7 @@ def model_rows(hw: HardwareParams, problems: Iterable[ProblemKey], *, configs: S
 
 
 def calibrate_rows(measured_rows: Sequence[AblationRow], hw: HardwareParams, **kwargs):
-    """``gbs.perfmodel.calibrate`` on measured rows (their problems and configs, median times)."""
+    """``gbs.lab.perfmodel.calibrate`` on measured rows (their problems and configs, median times)."""
     rows = [r for r in measured_rows if r.source == SOURCE_MEASURED]
     if len(rows) != len(measured_rows):
         raise ValueError("calibrate_rows takes measured rows only (source='measured')")

@@ -28,7 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Polygon, Rectangle
 
-from .dispatch import (
+from ..dispatch import (
     DEFAULT_CONFIG,
     REGIME_CONFIGS,
     REGIME_DECODE,
@@ -37,7 +37,7 @@ from .dispatch import (
     REGIME_OVERRIDE,
     REGIME_SMALL_PREFILL,
 )
-from .formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements, padded_scale_rows
+from ..formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, ScaleLayout128x4, decode_elements, padded_scale_rows
 
 # ----------------------------------------------------------------------------------------------
 # Style and colours
@@ -645,7 +645,7 @@ def tile_walk_picture(ax: Axes, cta_works, a_offsets, expert_ids, n: int, shape,
     slots (expert id -1) are a grey band; empty slots a dashed line. Slot labels sit to the right
     of the axes; ``legend`` puts the CTA colours under it.
     """
-    from .schedule import TileShape
+    from ..schedule import TileShape
 
     if not isinstance(shape, TileShape):
         raise TypeError(f"shape must be a gbs.schedule.TileShape, got {type(shape).__name__}")
@@ -740,7 +740,7 @@ KNOB_SET_PALETTE = ("#393b79", "#2ca02c", "#98df8a", "#8c564b", "#c49c94", "#17b
 
 def _legal_knob_sets() -> list[tuple[bool, int, int]]:
     """Every legal (ab_swapped, mma_bn, cta_group) in a fixed order: CTA group, mma_bn, swapped first."""
-    from .dispatch import CTA_GROUPS, LEGAL_MMA_BN
+    from ..dispatch import CTA_GROUPS, LEGAL_MMA_BN
 
     return [(swapped, mma_bn, cta_group) for cta_group in CTA_GROUPS for mma_bn in LEGAL_MMA_BN[cta_group]
             for swapped in (True, False) if cta_group == 1 or swapped]

@@ -9,7 +9,7 @@ matmul) are measured in the same process as the kernels.
 
 The benchmark: for each (format, case) it builds a synthetic problem, asks the dispatch for its
 config, times each of our backends (``BACKEND_LOADERS``: ``prepare(problem, config)`` -> a launcher
-that takes no arguments) and each peer of ``gbs.peers`` (torch bf16 / FP8 grouped matmuls, a
+that takes no arguments) and each peer of ``gbs.lab.peers`` (torch bf16 / FP8 grouped matmuls, a
 Triton ``tl.dot_scaled`` grouped loop, a device copy of the same bytes) on the live groups, and
 makes one row per method: time, TFLOP/s and GB/s of the method's own useful bytes, percentages of
 the measured ceilings, speed-ups over each peer, the dispatch config, and the environment. It
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import peers as peer_lib
-from .problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from .formats import E4M3, group_scale_offsets, swizzle_scales
-from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
+from ..problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
+from ..formats import E4M3, group_scale_offsets, swizzle_scales
+from ..layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
 H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
@@ -151,7 +151,7 @@ def _timed_launches(launch, reps: int, first_input: int, num_inputs: int, spacer
 def _spacer_kernel():
     from numba import cuda
 
-    from .ptx_inline.common import read_globaltimer
+    from ..ptx_inline.common import read_globaltimer
 
     @cuda.jit
     def hold(duration_ns):
@@ -186,7 +186,7 @@ def _read_kernel():
     flight and XORs them; one word per thread goes out so the loads are not dead."""
     from numba import cuda
 
-    from .ptx_inline.copy import ld_global_nc_v4_u32
+    from ..ptx_inline.copy import ld_global_nc_v4_u32
 
     in_flight = READ_LOADS_IN_FLIGHT
 
@@ -457,7 +457,7 @@ def select_cases(quick: bool, formats=None, shapes=None) -> list[tuple[str, Benc
 # Our kernels
 # ----------------------------------------------------------------------------------------------
 def _load_simt():
-    from .numba_kernels import simt
+    from ..numba_kernels import simt
 
     def prepare(problem: GroupedProblem, config):
         prepared = simt.prepare(problem, config)
@@ -471,8 +471,8 @@ def _load_simt():
 def _load_h200_stream(plan: bool):
     """``h200_stream`` as ``gbs.grouped_matmul`` runs it (``plan``: the decision mapped onto the H200,
     ``h200_stream.h200_plan``), or with the SM100 decision's own knobs (stages capped to fit)."""
-    from .numba_kernels import h200_stream
-    from .numba_kernels.launch import to_device
+    from ..numba_kernels import h200_stream
+    from ..numba_kernels.launch import to_device
 
     knobs_for = h200_stream.h200_plan if plan else h200_stream.h200_stream_config
 
@@ -491,8 +491,8 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     quantization is not timed either), both untimed, before the runs; tiled weights need whole boxes
     (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive
     packed instead, and each timed launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
-    from .api import h200_kernel
-    from .numba_kernels.launch import to_device
+    from ..api import h200_kernel
+    from ..numba_kernels.launch import to_device
 
     last = [None, None]   # the last problem and its re-laid copy: one re-layout per bench case
 
@@ -535,7 +535,7 @@ class TokenRelayLaunch:
         self.launcher, self.packed_tokens, self.tokens, self.scales = launcher, packed_tokens, tokens, scales
 
     def __call__(self):
-        from .numba_kernels import relayout
+        from ..numba_kernels import relayout
 
         relayout.to_e2m1_h200(self.packed_tokens, self.tokens)
         if self.scales is not None:
@@ -556,7 +556,7 @@ def launch_knobs(launcher) -> str:
         return ""
     kernel = "wgmma " if getattr(launcher, "kernel", "") == "h200_wgmma" else ""
     warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
-    from .numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
+    from ..numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
     tokens = f" t{spec.m_rows}" if getattr(spec, "m_rows", TILE_M_ROWS) != TILE_M_ROWS else ""
     relaid = {}   # layout -> the operands in it
     for op in "ab":
@@ -820,7 +820,7 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
               measure_peaks: bool = True, seed: int = 0) -> int:
     """Run the benchmark on this GPU; print the table last, write the CSV. Returns 1 if one of our
     kernels crashed, else 0 (peer failures are reported in their rows)."""
-    from .api import dispatch_for
+    from ..api import dispatch_for
 
     env = environment_fields()
     csv_path = csv_path or default_csv_path(env)
@@ -907,7 +907,7 @@ NO_GPU_MESSAGE = ("python -m gbs bench needs a CUDA GPU and Numba finds none her
 
 def cmd_bench(args) -> int:
     """Handler of ``python -m gbs bench``: validates the options, then needs a GPU (status 2 without)."""
-    from .api import gpu_available
+    from ..api import gpu_available
 
     selection = select_cases(args.quick, args.formats, args.shapes)
     methods = select_methods(args.backends)

@@ -1,4 +1,4 @@
-"""``python -m gbs ablate`` (gbs.ablate): the grid and its legality filter, the order of work and the
+"""``python -m gbs ablate`` (gbs.lab.sweep): the grid and its legality filter, the order of work and the
 sharding by specialisation, resumability, the budget stop, CSV part files and merging, the
 device-side problem assembly (with numba's device copies stubbed), the --model / --plot /
 --tables / --calibrate modes end to end on modelled rows, the no-GPU message; and on a GPU a
@@ -15,11 +15,11 @@ import sys
 import numpy as np
 import pytest
 
-from gbs import ablate as sweep
-from gbs import ablation as ab
+from gbs.lab import sweep
+from gbs.lab import ablation_data as ab
 from gbs.api import gpu_available
-from gbs.bench import Timing
-from gbs.perfmodel import B200, H200, ModelConfig, model_config
+from gbs.lab.bench import Timing
+from gbs.lab.perfmodel import B200, H200, ModelConfig, model_config
 from gbs.schedule import TileConfig
 
 KIMI_UP = (512, 7168)
@@ -507,7 +507,7 @@ def test_no_gpu_is_a_message_with_status_2(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU: the no-GPU path is not taken")
 def test_no_gpu_in_a_fresh_process_prints_no_traceback(tmp_path):
-    script = ("import argparse, sys; from gbs.ablate import add_ablate_parser; p = argparse.ArgumentParser(); "
+    script = ("import argparse, sys; from gbs.lab.sweep import add_ablate_parser; p = argparse.ArgumentParser(); "
               "add_ablate_parser(p.add_subparsers(dest='c')); a = p.parse_args(['ablate', '--csv', sys.argv[1]]); "
               "sys.exit(a.func(a))")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.csv")], capture_output=True, text=True,

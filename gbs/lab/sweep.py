@@ -3,9 +3,9 @@
 The sweep times every legal ``ab_swapped`` x ``mma_bn`` x ``cta_group`` x ``num_pipeline_stages`` of
 the H200 kernel (``gbs.numba_kernels.h200_stream``) on a grid of problems, through the override
 path of the dispatch (``override_config``: the ``KernelConfig`` that ``override=True`` builds, the
-same object production hands the kernel), with the benchmark rules of ``gbs.bench``: CUDA events
+same object production hands the kernel), with the benchmark rules of ``gbs.lab.bench``: CUDA events
 after warm-up, inputs rotated past the L2, median / p10 / p90. Each timed launch becomes one
-``gbs.ablation.AblationRow`` (``source="measured"``) in the CSV.
+``gbs.lab.ablation_data.AblationRow`` (``source="measured"``) in the CSV.
 
 Grids (``--grid``):
 
@@ -14,7 +14,7 @@ Grids (``--grid``):
   prefill 16-64, large prefill 128, 512; fewer slots where the total would pass
   ``MINIMAL_MAX_TOTAL_TOKENS``) plus one ragged load per regime; every legal knob set with stages
   ``{2, 4, 6, deepest}``.
-* ``full``: every format and shape of ``gbs.ablation`` (``sweep_problems``: 8 and 64 slots, 1-4096
+* ``full``: every format and shape of ``gbs.lab.ablation_data`` (``sweep_problems``: 8 and 64 slots, 1-4096
   tokens per slot, uniform and ragged) with every stage count that fits.
 
 The deepest stage count of a knob set is the smaller of the SM100 formula with the H200 budget
@@ -39,7 +39,7 @@ are not run again. ``--budget-s`` stops every worker cleanly before a compile or
 pass the deadline (estimates from what was observed so far), so the next call continues.
 
 Other modes (no GPU needed): ``--plan`` prints the work and the expected device time; ``--model``
-writes ``source="model"`` rows for the H200 and the B200 (``gbs.perfmodel``) on the same grid;
+writes ``source="model"`` rows for the H200 and the B200 (``gbs.lab.perfmodel``) on the same grid;
 ``--calibrate`` fits the H200 model to the measured rows and prints its error; ``--tables``
 prints the upstream, H200-derived and B200-model-derived dispatch tables side by side;
 ``--plot [DIR]`` writes one heatmap PNG per (GPU, source, format, shape, regime).
@@ -63,9 +63,9 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from gbs import ablation as ab
-from gbs.ablation import ABLATION_COLUMNS, AblationRow, ProblemKey
-from gbs.bench import (
+from gbs.lab import ablation_data as ab
+from gbs.lab.ablation_data import ABLATION_COLUMNS, AblationRow, ProblemKey
+from gbs.lab.bench import (
     BACKEND_UNAVAILABLE,
     MIN_TIMED_LAUNCHES,
     QUICK_READ_CEILING_BYTES,
@@ -88,7 +88,7 @@ from gbs.dispatch import (
     KernelConfig,
     grouped_matmul_nvfp4_dispatch,
 )
-from gbs.perfmodel import B200, H200, HARDWARE, HardwareParams, ModelConfig, model_config, model_error, \
+from gbs.lab.perfmodel import B200, H200, HARDWARE, HardwareParams, ModelConfig, model_config, model_error, \
     resolve_names, tile_label
 from gbs.schedule import TileConfig
 
@@ -129,7 +129,7 @@ MINIMAL_STAGES = (2, 4, 6)                            # plus the knob set's deep
 # Order of work inside a grid: the deepest ring (auto) first, then these, then the rest ascending.
 STAGE_PRIORITY = (6, 4, 2)
 
-# Timing of one row (gbs.bench.time_launches with a budget): decode rows run ~0.1-1 ms.
+# Timing of one row (gbs.lab.bench.time_launches with a budget): decode rows run ~0.1-1 ms.
 ROW_WARMUP = 3
 ROW_REPS = 20
 ROW_TIMING_BUDGET_S = 0.05
@@ -276,7 +276,7 @@ def stage_counts(grid: str, deepest: int) -> tuple[int, ...]:
 
 def grid_configs(grid: str, fmt: str, hw: HardwareParams, kernel_stage_limit: StageLimit | None = None
                  ) -> tuple[ModelConfig, ...]:
-    """Every legal knob set (``gbs.ablation.legal_configs``) with the grid's stage counts up to the
+    """Every legal knob set (``gbs.lab.ablation_data.legal_configs``) with the grid's stage counts up to the
     deepest ring that fits both ``hw``'s budget (SM100 formula) and the kernel (``kernel_stage_limit``)."""
     tiles = dict.fromkeys(c.tile_config for c in ab.legal_configs(fmt, hw))
     configs = []
@@ -368,7 +368,7 @@ def shard_work(work: Sequence[WorkItem], num_workers: int, cost: Callable[[WorkI
 # Device-time estimate
 # ----------------------------------------------------------------------------------------------
 def row_seconds_estimate(kernel_us: float, row_budget_s: float = ROW_TIMING_BUDGET_S) -> float:
-    """Wall time of one row under ``gbs.bench.time_launches``' budget rule: a first call, one
+    """Wall time of one row under ``gbs.lab.bench.time_launches``' budget rule: a first call, one
     sizing launch, warm-up and timed launches, plus the row's overhead."""
     per_launch = max(kernel_us * 1e-6, HOST_LAUNCH_S)
     warmup = min(ROW_WARMUP, max(1, int(WARMUP_BUDGET_S / per_launch)))
@@ -504,7 +504,7 @@ def merge_rows(existing: Sequence[AblationRow], new: Sequence[AblationRow], *, r
 
 
 def write_rows_atomic(csv_path: str, rows: Sequence[AblationRow]) -> None:
-    """``gbs.ablation.write_ablations`` into a temporary file, then renamed over ``csv_path``."""
+    """``gbs.lab.ablation_data.write_ablations`` into a temporary file, then renamed over ``csv_path``."""
     tmp = f"{csv_path}.tmp-{os.getpid()}"
     ab.write_ablations(tmp, rows)
     os.replace(tmp, csv_path)
@@ -555,7 +555,7 @@ def override_config(key: ProblemKey, config: ModelConfig, smem_per_sm: int) -> K
 
 
 def dispatch_pick(key: ProblemKey, smem_per_sm: int) -> ModelConfig | None:
-    """What production's dtype routing (``gbs.ablation.dispatch_config``) picks for the problem with
+    """What production's dtype routing (``gbs.lab.ablation_data.dispatch_config``) picks for the problem with
     this shared-memory budget; None when its tuned stage count does not fit the budget."""
     try:
         return ModelConfig.of(ab.dispatch_config(key, smem_per_sm))
@@ -725,7 +725,7 @@ def describe_summary(summary: ShardSummary) -> str:
 # ----------------------------------------------------------------------------------------------
 def rotation_plan(problems: Sequence[ProblemKey], l2_bytes: int) -> tuple[dict, dict]:
     """(rotation copies per problem, weight experts per (format, N, K)): a problem's copies span
-    ``gbs.bench.L2_ROTATION_FACTOR`` x the L2 (``rotation_count`` of its useful bytes); copy ``c``
+    ``gbs.lab.bench.L2_ROTATION_FACTOR`` x the L2 (``rotation_count`` of its useful bytes); copy ``c``
     reads experts ``c * slots ... (c + 1) * slots - 1`` of its shape's shared weights."""
     copies = {key: rotation_count(useful_bytes(ab.problem_shape(key)), l2_bytes) for key in problems}
     experts: dict[tuple, int] = {}
@@ -771,7 +771,7 @@ class DeviceRunner:
             self._lock.release()
 
     def build_host(self) -> None:
-        """Synthetic operands on the host (``gbs.bench.synthetic_problem``), no GPU work."""
+        """Synthetic operands on the host (``gbs.lab.bench.synthetic_problem``), no GPU work."""
         for (fmt, n, k), experts in self.weight_experts.items():
             self._host[fmt, n, k] = synthetic_problem(fmt, n=n, k=k, group_sizes=[1], expert_ids=[0],
                                                       num_experts=experts, seed=self.seed)
@@ -815,7 +815,7 @@ class DeviceRunner:
         cuda.synchronize()
 
     def measure_ceiling(self) -> float:
-        """Streaming-read ceiling of this GPU in TB/s (``gbs.bench.measure_read_bandwidth``)."""
+        """Streaming-read ceiling of this GPU in TB/s (``gbs.lab.bench.measure_read_bandwidth``)."""
         return measure_read_bandwidth(QUICK_READ_CEILING_BYTES)[0]
 
     def _config(self, spec: Spec, key: ProblemKey) -> KernelConfig:
@@ -1176,7 +1176,7 @@ def heatmap_figure(rows: Sequence[AblationRow]):
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
-    from gbs import plotting
+    from gbs.lab import plotting
 
     first = rows[0]
     group = {(r.gpu, r.source, r.format, r.n, r.k, r.regime) for r in rows}
@@ -1204,7 +1204,7 @@ def heatmap_figure(rows: Sequence[AblationRow]):
 
     panels = [("geomean of " + (f"{len(keys)} loads" if len(keys) > 1 else "1 load"), geomean, regime_pick)]
     panels += [(f"{k.num_active_experts} x {k.avg_m:g} {k.routing}", ratios[k], picks[k]) for k in shown]
-    source = "modelled with gbs.perfmodel" if first.source == ab.SOURCE_MODEL else f"measured on {first.gpu_name}"
+    source = "modelled with gbs.lab.perfmodel" if first.source == ab.SOURCE_MODEL else f"measured on {first.gpu_name}"
     width = 2.0 + len(panels) * (0.55 * len(labels) + 0.3)
     with mpl.rc_context(plotting.STYLE):
         fig = Figure(figsize=(max(width, 8.0), 2.3 + 0.32 * len(tiles)), layout="constrained")
@@ -1248,7 +1248,7 @@ def heatmap_figure(rows: Sequence[AblationRow]):
 
 def _finding(first: AblationRow, keys, geomean: dict, pick: ModelConfig | None) -> str:
     """The title: what is fastest over the regime's loads and where the dispatch's pick stands."""
-    from gbs import plotting
+    from gbs.lab import plotting
 
     who = (f"Modelled {first.gpu.upper()}" if first.source == ab.SOURCE_MODEL else f"{first.gpu.upper()} measured")
     where = (f"{first.format.upper()} {_shape_title(first.n, first.k)}, "
@@ -1337,7 +1337,7 @@ def add_ablate_parser(subparsers):
                     "it runs the measured sweep (needs a CUDA GPU: exit status 2 without one).")
     p.add_argument("--grid", choices=GRIDS, default=GRID_MINIMAL,
                    help="minimal: NVFP4 and MXFP8, DeepSeek up/down and Kimi, avg_m 2-512, stages {2,4,6,deepest}; "
-                        "full: every format, shape, load of gbs.ablation and every stage count")
+                        "full: every format, shape, load of gbs.lab.ablation_data and every stage count")
     p.add_argument("--formats", default=None, help=f"comma-separated subset of {','.join(FULL_FORMATS)}")
     names = ", ".join(f"{name}={n}x{k}" for name, (n, k) in SHAPE_NAMES.items())
     p.add_argument("--shapes", default=None, help=f"comma-separated NxK or names ({names})")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import GroupedProblem, resolve_formats
-from .formats import UE8M0_BIAS, decode_elements, unpack_fp4
-from .reference import MAX_REL_TOL, RMS_REL_TOL, relative_errors
+from ..problem import GroupedProblem, resolve_formats
+from ..formats import UE8M0_BIAS, decode_elements, unpack_fp4
+from ..reference import MAX_REL_TOL, RMS_REL_TOL, relative_errors
 
 PEER_NAMES = ("torch_bf16", "torch_fp8_rowwise", "triton_dot_scaled", "copy")
 

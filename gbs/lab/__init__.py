@@ -1,0 +1,14 @@
+"""gbs.lab: how the project studies itself. None of it is needed to run a grouped matmul.
+
+* ``gbs.lab.bench`` / ``gbs.lab.peers``: ``python -m gbs bench``, CUDA-event timing with L2 rotation,
+  read and MMA ceilings, and the torch / Triton peers the kernels are measured against;
+* ``gbs.lab.perfmodel``: the analytic performance model (H200 measured, B200 from its datasheet);
+* ``gbs.lab.sweep``: ``python -m gbs ablate``, the GPU config sweep that times every legal knob set;
+* ``gbs.lab.ablation_data``: the rows of ``data/ablations.csv`` and the dispatch tables derived from them;
+* ``gbs.lab.plotting``: the shared plot helpers of the notebooks and the sweep's figures;
+* ``gbs.lab.ncu``: Nsight Compute's per-instruction counts cut into regions and shares.
+
+The lab imports the library (formats, layouts, problem, reference, dispatch, plan, kernels, api, interop);
+the library never imports the lab. Only the CLI (``gbs/__main__.py``) reaches into it, for its
+``bench`` and ``ablate`` subcommands.
+"""
