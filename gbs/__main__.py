@@ -9,7 +9,7 @@ import numpy as np
 
 from . import dispatch as dsp
 from .lab.sweep import add_ablate_parser
-from .api import BACKENDS
+from .backends import BACKENDS
 from .lab.bench import add_bench_parser
 from .problem import PROBLEM_FORMATS, problem_from_inputs, random_inputs, resolve_formats
 
@@ -78,21 +78,31 @@ def _print_regime_table(fmt: str) -> None:
 
 
 def _print_h200_plans(fmt: str) -> None:
-    """What ``"auto"`` runs on an H200 for the same shapes (``gbs.api.describe_h200_plan``: host metadata only)."""
-    from types import SimpleNamespace
+    """What ``"auto"`` runs on an H200 for the same shapes (``gbs.plan.plan_h200(...).describe()``: host metadata
+    only, FP4 operands re-laid as the H200 reads them)."""
+    from .plan import ProblemMeta, plan_h200
 
-    from .api import describe_h200_plan
-
-    a_format, b_format = resolve_formats(fmt)
     print(f"\n== What \"auto\" runs on an H200 for the same shapes, {fmt} (its plan, from host metadata) ==")
     for name, n, k, slots, avg_m in _demo_shapes():
-        meta = SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=k, num_active_experts=slots,
-                               estimated_total_m=avg_m * slots)
-        print(f"  {name:<14} {avg_m:>6}  {describe_h200_plan(meta)}")
+        print(f"  {name:<14} {avg_m:>6}  {plan_h200(ProblemMeta.of(fmt, n, k, slots, avg_m)).describe()}")
+
+
+def cmd_plan(args) -> int:
+    from .plan import ProblemMeta, plan_h200
+
+    meta = ProblemMeta.of(args.format, args.n, args.k, args.experts, args.tokens_per_expert, relaid=not args.packed)
+    tile = {name: getattr(args, name) for name in ("mma_bn", "stages") if getattr(args, name) is not None}
+    if args.swapped is not None:
+        tile["ab_swapped"] = args.swapped == "yes"
+    plan = plan_h200(meta, backend=args.backend, **tile)
+    print(plan.explain() if args.explain else plan.describe())
+    return 0
 
 
 def cmd_demo(args) -> int:
-    from .api import dispatch_for, grouped_matmul, select_backend
+    from .api import grouped_matmul
+    from .backends import select_backend
+    from .dispatch import dispatch_for
     from .reference import check_acceptance, reference_grouped_matmul, relative_errors
 
     backend = select_backend(args.backend)
@@ -167,6 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", default="auto", choices=list(BACKENDS))
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("plan", help="what an H200 runs for a shape: kernel, knobs, split-K runs, grid",
+                       description="The H200 plan (gbs.plan.plan_h200) for EXPERTS groups of TOKENS_PER_EXPERT "
+                                   "tokens, from host metadata (no GPU needed; without one the grid is estimated "
+                                   "from the launch bounds). --explain lists each rule and its evidence.")
+    p.add_argument("--format", default="nvfp4", choices=sorted(PROBLEM_FORMATS))
+    p.add_argument("--n", type=int, required=True, help="output columns (rows of each expert's weight)")
+    p.add_argument("--k", type=int, required=True, help="reduction length in elements")
+    p.add_argument("--experts", type=int, required=True, help="active group slots")
+    p.add_argument("--tokens-per-expert", type=int, required=True)
+    p.add_argument("--backend", default="auto", choices=("auto", "h200_stream", "h200_wgmma"))
+    p.add_argument("--swapped", choices=("yes", "no"), help="constrain ab_swapped")
+    p.add_argument("--mma-bn", type=int, help="constrain the MMA N tile")
+    p.add_argument("--stages", type=int, help="constrain the ring depth (-1: the deepest that fits)")
+    p.add_argument("--packed", action="store_true", help="operands as quantized, not re-laid for the H200")
+    p.add_argument("--explain", action="store_true", help="each rule that fired and the evidence behind it")
+    p.set_defaults(func=cmd_plan)
 
     add_bench_parser(sub)
     add_ablate_parser(sub)

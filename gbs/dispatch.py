@@ -636,3 +636,23 @@ def grouped_matmul_block_scaled_sm100_dispatch(*, a_format, b_format, n, k, num_
     reason = _auto_reason(problem, DEFAULT_CONFIG, "the default config always uses auto stages")
     return _make_config(problem, DEFAULT_CONFIG, stages=stages, stages_source=STAGES_AUTO,
                         stages_reason=reason, regime=REGIME_DEFAULT, rule=RULE_DEFAULT)
+
+
+# Upstream's SM100 routing has no E5M2 entry (an error there). Tiles, stages and scales do not depend on the FP8
+# flavour, so gbs's own kernels take the E4M3 route's decision for E5M2.
+ROUTE_AS = {"mxfp8_e5m2": "mxfp8"}
+
+
+def route_format_name(name: str) -> str:
+    """The format whose SM100 route decides for ``name`` (E5M2 takes E4M3's)."""
+    return ROUTE_AS.get(name, name)
+
+
+def dispatch_for(problem) -> KernelConfig:
+    """The SM100 decision for a problem (a ``GroupedProblem``, a device problem, or anything with its host
+    metadata: ``a_format``, ``b_format``, ``n``, ``k``, ``num_active_experts``, ``estimated_total_m``); MXFP8 E5M2
+    problems take the MXFP8 (E4M3) decision."""
+    return grouped_matmul_block_scaled_sm100_dispatch(
+        a_format=route_format_name(problem.a_format.name), b_format=route_format_name(problem.b_format.name),
+        n=problem.n, k=problem.k, num_active_experts=problem.num_active_experts,
+        estimated_total_m=problem.estimated_total_m)

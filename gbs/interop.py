@@ -31,13 +31,13 @@ in ``[-1, num_experts)``, the band count of ``a_scales``) need the values: ``dev
 ``a_offsets``, ``a_scale_offsets`` and ``expert_ids`` (``12 * slots + 4`` bytes) to the host on the
 stream, waits for it, and runs ``GroupedProblem.validate`` on them (with zero-byte stand-ins for the
 big arrays); the checked copies stay with the problem (``host_routing``), and the wgmma kernel's plan
-reads the group sizes from them (``h200_wgmma.tile_token_rows``). ``validate=False`` skips that copy and
+reads the group sizes from them (``gbs.plan.tile_token_rows``). ``validate=False`` skips that copy and
 its synchronisation (CUDA-graph style hot paths, routing produced on the device): the kernel then trusts
 the routing, bad offsets make it write out of bounds, and the plan sees only the average group.
 ``expert_scales`` values are never read on the host.
 
-Backends: only the H200 kernels (``"h200_stream"``, ``"h200_wgmma"``; ``"auto"`` on an sm_90 GPU picks
-between them as ``gbs.api.h200_kernel`` does) run device problems. ``"simt"`` and
+Backends: only the H200 kernels (``"h200_stream"``, ``"h200_wgmma"``; ``"auto"`` on an sm_90 GPU runs what
+``gbs.plan.plan_h200`` decides) run device problems. ``"simt"`` and
 ``"sm100"`` copy host ``GroupedProblem``s to the device themselves: a ``NotImplementedError`` says so;
 ``"reference"`` computes on the host: a ``TypeError`` points to ``to_host(problem)``, the explicit copy
 (every array, the whole weight stack included).
@@ -78,7 +78,6 @@ from .formats import BlockFormat, get_format
 from .layouts import LAYOUT_PACKED, stored_row_bytes, weight_bytes_layout
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
-DEVICE_BACKENDS = ("h200_stream", "h200_wgmma")
 # The arrays the routing checks read (copied to the host when validating).
 ROUTING_ARRAYS = ("a_offsets", "a_scale_offsets", "expert_ids")
 OUTPUT_DTYPE = np.dtype(np.uint16)   # the kernels store bf16 bits
@@ -373,7 +372,7 @@ class DeviceGroupedProblem(ProblemShape):
     b_layout: str = LAYOUT_PACKED   # the bytes of b (``gbs.formats.OPERAND_LAYOUTS``; re-lay on the host, once)
     a_layout: str = LAYOUT_PACKED   # the bytes of a (the same; written so by the tokens' quantizer)
     # not a field: the routing arrays' host copies ``validate_routing`` checked (``ROUTING_ARRAYS`` -> numpy
-    # arrays in the kernels' dtypes), which the H200 plans may read (``h200_wgmma.tile_token_rows``); None
+    # arrays in the kernels' dtypes), which the H200 plans may read (``gbs.plan.tile_token_rows``); None
     # until then. A launch prepared from them keeps its plan if the device routing changes later: only
     # the choice of tile can be stale, never the result.
     host_routing = None
@@ -526,24 +525,6 @@ def to_host(problem: DeviceGroupedProblem, stream=None) -> GroupedProblem:
 # ----------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------
-def check_device_backend(backend: str) -> str:
-    """The backend ``backend`` resolves to here, if it runs device problems; else the error that
-    says which do."""
-    from .api import select_backend
-
-    chosen = select_backend(backend)
-    resolved = "" if chosen == backend else f" (backend={backend!r} resolved to {chosen!r} here)"
-    if chosen == "reference":
-        raise TypeError(f"the reference backend computes on the host and device arrays are never copied "
-                        f"implicitly{resolved}: run gbs.grouped_matmul(gbs.interop.to_host(problem), "
-                        f"backend='reference') (copies every array), or a device backend: {DEVICE_BACKENDS}")
-    if chosen not in DEVICE_BACKENDS:
-        raise NotImplementedError(f"backend {chosen!r} takes host GroupedProblems only (it copies them to the "
-                                  f"device itself){resolved}; device problems run on {DEVICE_BACKENDS} (an sm_90 "
-                                  "GPU such as the H200), or copy explicitly with gbs.interop.to_host(problem)")
-    return chosen
-
-
 def _new_output(problem: DeviceGroupedProblem, nb_stream):
     """An uninitialised (total_tokens, N) output of the problem's kind (module docstring)."""
     shape = (problem.total_tokens, problem.n)
@@ -583,10 +564,15 @@ class DeviceLaunch:
     stream: int          # the CUDA stream handle the kernel is enqueued on (0: the legacy default stream)
     kernel_problem: Any  # launch.DeviceProblem: Numba views of the caller's memory, what the kernel reads
     kernel_out: Any      # the Numba view of ``out`` the kernel writes
-    stream_launch: Any   # h200_stream.StreamLaunch (both H200 kernels return one)
+    h200_launch: Any     # h200_launch.H200Launch: the plan, bound to these arrays
+
+    @property
+    def plan(self):
+        """The ``gbs.plan.H200Plan`` this launch runs."""
+        return self.h200_launch.plan
 
     def __call__(self) -> None:
-        self.stream_launch()
+        self.h200_launch()
 
     def kernel_addresses(self) -> dict[str, int]:
         """Device address of every array the kernel reads and of ``out``, by field name."""
@@ -601,20 +587,20 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
     dispatch's from host metadata unless given), the backend, the checks, the output, the stream,
     the tensor maps, the compile. Call the result to enqueue the kernel; call it again to rerun on
     the same arrays (their current contents)."""
-    from .api import h200_kernel
+    from .backends import check_device_backend, h200_request
+    from .plan import plan_h200
 
     if not isinstance(problem, DeviceGroupedProblem):
         raise TypeError(f"problem must be a DeviceGroupedProblem (gbs.interop.device_problem), "
                         f"got {type(problem).__name__}")
     chosen = check_device_backend(backend)
-    kernel, knobs = h200_kernel(problem, config, "auto" if backend == "auto" else chosen)
-    from .numba_kernels import h200_stream, launch
+    plan = plan_h200(problem, config, h200_request(backend if backend == "auto" else chosen))   # before device work
+    from .numba_kernels import h200_launch, launch
 
-    kernel.check_can_implement(problem.launch_view(), knobs)   # before any device work
     handle = problem.stream_for(stream)
     dlpack_stream = handle or DLPACK_LEGACY_DEFAULT_STREAM
     out_array = None if out is None else _output_array(problem, out, dlpack_stream)
-    launch.require_gpu(h200_stream.SM90, f"the H200 kernel ({kernel.__name__.rsplit('.', 1)[-1]})")
+    launch.require_gpu(h200_launch.SM90, f"the H200 kernel ({plan.kernel})")
     from numba import cuda
 
     current = cuda.get_current_device().id
@@ -626,5 +612,5 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
         out = _new_output(problem, nb_stream)
         out_array = _output_array(problem, out, dlpack_stream)
     kernel_problem = launch.to_device(problem)   # wraps the DeviceArrays: no copy, no sync
-    stream_launch = kernel.prepare(kernel_problem, knobs, out_array, stream=nb_stream)
-    return DeviceLaunch(problem, out, handle, kernel_problem, stream_launch.out, stream_launch)
+    prepared = h200_launch.prepare(kernel_problem, plan, out_array, stream=nb_stream)
+    return DeviceLaunch(problem, out, handle, kernel_problem, prepared.out, prepared)
