@@ -1,7 +1,7 @@
 """Test-suite wide settings: GPU-marked tests skip, with the reason, on machines without a CUDA GPU."""
 import pytest
 
-from gbs.api import gpu_available
+from gbs.backends import gpu_available
 
 GPU_SKIP_REASON = ("needs a CUDA GPU (none here); run `scripts/gpu_run.sh` on a GPU machine, "
                    "e.g. the H200 through the device tool")

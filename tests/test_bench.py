@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from gbs.lab import bench, peers
-from gbs.api import dispatch_for, gpu_available
+from gbs.backends import gpu_available
+from gbs.dispatch import dispatch_for
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
 from gbs.numba_kernels import h200_stream as hs
 from gbs.problem import PROBLEM_FORMATS
@@ -63,7 +64,7 @@ def test_parser_defaults_and_values():
 
 
 def test_no_gpu_exits_2_with_a_message(monkeypatch, capsys):
-    monkeypatch.setattr("gbs.api.gpu_available", lambda: False)
+    monkeypatch.setattr("gbs.backends.gpu_available", lambda: False)
     args = bench_parser().parse_args(["bench", "--quick"])
     assert bench.cmd_bench(args) == bench.NO_GPU_STATUS == 2
     err = capsys.readouterr().err
@@ -90,7 +91,7 @@ def test_bad_names_are_value_errors_naming_the_allowed_ones(monkeypatch):
     with pytest.raises(ValueError, match="unknown formats"):
         bench.select_cases(True, ",")
     # options are checked before the GPU: a typo is a message (status 2 from the CLI), not a GPU hunt
-    monkeypatch.setattr("gbs.api.gpu_available", lambda: pytest.fail("GPU looked up before the options"))
+    monkeypatch.setattr("gbs.backends.gpu_available", lambda: pytest.fail("GPU looked up before the options"))
     with pytest.raises(ValueError, match="unknown backends"):
         bench.cmd_bench(bench_parser().parse_args(["bench", "--backends", "cutlass"]))
 

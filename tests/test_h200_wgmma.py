@@ -575,7 +575,7 @@ def test_plan_counts_each_ragged_group_s_own_tiles_on_host_problems():
 
 
 def test_a_kernel_config_decided_for_other_formats_is_refused():
-    from gbs.api import dispatch_for
+    from gbs.dispatch import dispatch_for
 
     problem = _problem("w4a8")
     mxfp8 = dispatch_for(_problem("mxfp8"))

@@ -16,7 +16,8 @@ import pytest
 
 import gbs
 from gbs import interop
-from gbs.api import dispatch_for, resolve_config
+from gbs.api import resolve_config
+from gbs.dispatch import dispatch_for
 from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_problem
 from gbs.formats import BF16
@@ -404,14 +405,14 @@ def test_only_device_backends_take_device_problems():
     for backend in ("simt", "sm100"):
         with pytest.raises(NotImplementedError, match=r"host GroupedProblems only.*h200_stream"):
             gbs.grouped_matmul(dp, backend=backend)
-    if not gbs.api.gpu_available():
+    if not gbs.backends.gpu_available():
         with pytest.raises(TypeError, match="backend='auto' resolved to 'reference'"):
             gbs.grouped_matmul(dp)
     with pytest.raises(TypeError, match="DeviceGroupedProblem"):
         interop.to_host(ragged())
 
 
-@pytest.mark.skipif(gbs.api.gpu_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(gbs.backends.gpu_available(), reason="checks the refusal on a machine without a GPU")
 def test_h200_stream_checks_everything_host_side_before_asking_for_the_gpu():
     p = ragged()
     dp = interop.device_problem(**fake_arrays(p), validate=False)

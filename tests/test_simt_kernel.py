@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from gbs import schedule
-from gbs.api import dispatch_for
+from gbs.dispatch import dispatch_for
 from gbs.dispatch import LEGAL_MMA_BN, grouped_matmul_mxfp8_dispatch
 from gbs.numba_kernels import simt
 from gbs.problem import (

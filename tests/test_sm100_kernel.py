@@ -200,7 +200,7 @@ def _tiny(fmt="nvfp4", k_dim=256, n=128, sizes=(3, 0, 9), ids=(0, -1, 1)):
 
 
 def _sm100_present() -> bool:
-    from gbs.api import gpu_available
+    from gbs.backends import gpu_available
 
     if not gpu_available():
         return False

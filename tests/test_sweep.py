@@ -17,7 +17,7 @@ import pytest
 
 from gbs.lab import sweep
 from gbs.lab import ablation_data as ab
-from gbs.api import gpu_available
+from gbs.backends import gpu_available
 from gbs.lab.bench import Timing
 from gbs.lab.perfmodel import B200, H200, ModelConfig, model_config
 from gbs.schedule import TileConfig
@@ -495,7 +495,7 @@ def test_calibrate_on_measured_rows(tmp_path, capsys):
 
 
 def test_no_gpu_is_a_message_with_status_2(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr("gbs.api.gpu_available", lambda: False)
+    monkeypatch.setattr("gbs.backends.gpu_available", lambda: False)
     assert run_cli("--csv", str(tmp_path / "a.csv")) == sweep.NO_GPU_STATUS == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     # options are checked first: a typo is an error, not a GPU hunt

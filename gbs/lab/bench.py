@@ -820,7 +820,7 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
               measure_peaks: bool = True, seed: int = 0) -> int:
     """Run the benchmark on this GPU; print the table last, write the CSV. Returns 1 if one of our
     kernels crashed, else 0 (peer failures are reported in their rows)."""
-    from ..api import dispatch_for
+    from ..dispatch import dispatch_for
 
     env = environment_fields()
     csv_path = csv_path or default_csv_path(env)
@@ -907,7 +907,7 @@ NO_GPU_MESSAGE = ("python -m gbs bench needs a CUDA GPU and Numba finds none her
 
 def cmd_bench(args) -> int:
     """Handler of ``python -m gbs bench``: validates the options, then needs a GPU (status 2 without)."""
-    from ..api import gpu_available
+    from ..backends import gpu_available
 
     selection = select_cases(args.quick, args.formats, args.shapes)
     methods = select_methods(args.backends)

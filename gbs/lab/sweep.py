@@ -999,7 +999,7 @@ def cmd_plan(args) -> int:
 
 def cmd_measure(args) -> int:
     """The measured sweep (needs a CUDA GPU of compute capability 9.0 and the commit)."""
-    from gbs.api import gpu_available
+    from gbs.backends import gpu_available
 
     grid_formats, shapes = parse_formats(args.formats, args.grid), parse_shapes(args.shapes)
     if args.budget_s is not None and args.budget_s <= MERGE_MARGIN_S:
