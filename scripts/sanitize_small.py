@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from gbs.numba_kernels import h200_stream, h200_wgmma, simt
-from gbs.numba_kernels.h200_stream import StreamConfig
+from gbs.numba_kernels import h200_launch, simt
+from gbs.plan import plan_h200
 from gbs.problem import build_problem, random_activations, random_weights
 from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
 from gbs.reference import check_acceptance
@@ -51,6 +51,19 @@ def problem_for(fmt, seed, group_sizes=GROUP_SIZES, n=N):
                          group_sizes, EXPERT_IDS, fmt=fmt)
 
 
+def stream(problem, ab_swapped, mma_bn, cta_group, stages, *, warps=4, k_splits=None, num_ctas=None):
+    """The streaming kernel with these knobs (``gbs.plan`` constraints), run on the host problem."""
+    return h200_launch.run(problem, plan_h200(problem, backend="h200_stream", ab_swapped=ab_swapped, mma_bn=mma_bn,
+                                              cta_group=cta_group, stages=stages, small_n_warps=warps,
+                                              k_splits=k_splits, num_ctas=num_ctas))
+
+
+def wgmma(problem, mma_bn, *, tile_tokens=128, ab_swapped=False, k_splits=None):
+    """The wgmma kernel with these knobs (deepest ring; split-K as its plan decides unless given)."""
+    return h200_launch.run(problem, plan_h200(problem, backend="h200_wgmma", mma_bn=mma_bn, tile_tokens=tile_tokens,
+                                              ab_swapped=ab_swapped, k_splits=k_splits))
+
+
 def main(argv=None) -> int:
     args = set(sys.argv[1:] if argv is None else argv)
     unknown = args - set(KERNELS) - set(ALL_FORMATS) - {SWAPPED_ONLY}
@@ -67,43 +80,38 @@ def main(argv=None) -> int:
             continue
         p = problem_for(fmt, seed)
         cases = [("h200_stream", (c, splits, ctas, warps), p,
-                  lambda c=c, splits=splits, ctas=ctas, warps=warps: h200_stream.grouped_matmul_h200(
-                      p, StreamConfig(*c, small_n_warps=warps), k_splits=splits, num_ctas=ctas))
+                  lambda c=c, splits=splits, ctas=ctas, warps=warps: stream(
+                      p, *c, warps=warps, k_splits=splits, num_ctas=ctas))
                  for c, splits, ctas, warps in STREAM_CONFIGS]
-        cases += [("h200_wgmma", (bn, tokens), p, lambda bn=bn, tokens=tokens: h200_wgmma.grouped_matmul_h200(
-                      p, h200_wgmma.WgmmaConfig(bn, tile_tokens=tokens))) for bn, tokens in WGMMA_CONFIGS]
-        cases += [("h200_wgmma", (bn, "swapped"), p, lambda bn=bn: h200_wgmma.grouped_matmul_h200(
-                      p, h200_wgmma.WgmmaConfig(bn, ab_swapped=True))) for bn in WGMMA_SWAPPED_MMA_BN]
-        cases.append(("h200_wgmma", (32, "swapped", "2 split-K runs"), p, lambda: h200_wgmma.grouped_matmul_h200(
-                      p, h200_wgmma.WgmmaConfig(32, ab_swapped=True), k_splits=2)))
+        cases += [("h200_wgmma", (bn, tokens), p, lambda bn=bn, tokens=tokens: wgmma(
+                      p, bn, tile_tokens=tokens)) for bn, tokens in WGMMA_CONFIGS]
+        cases += [("h200_wgmma", (bn, "swapped"), p, lambda bn=bn: wgmma(
+                      p, bn, ab_swapped=True)) for bn in WGMMA_SWAPPED_MMA_BN]
+        cases.append(("h200_wgmma", (32, "swapped", "2 split-K runs"), p, lambda: wgmma(
+                      p, 32, ab_swapped=True, k_splits=2)))
         if "h200_wgmma" in kernels:   # its own problem, built only when it runs
             wide = problem_for(fmt, seed, TWO_M_GROUP_SIZES)
             cases.append(("h200_wgmma", (128, 256, TWO_M_GROUP_SIZES), wide,
-                          lambda: h200_wgmma.grouped_matmul_h200(wide, h200_wgmma.WgmmaConfig(128, tile_tokens=256))))
+                          lambda: wgmma(wide, 128, tile_tokens=256)))
         if p.a_format.packed:   # FP4 tokens and weights in the H200 order (a_layout / b_layout): the short decode
             relaid = p.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
             cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200), relaid,
-                          lambda: h200_stream.grouped_matmul_h200(relaid, StreamConfig(True, 8, 1, 2))))
+                          lambda: stream(relaid, True, 8, 1, 2)))
             boxed = problem_for(fmt, seed, n=TILED_N).with_b_layout(LAYOUT_E2M1_H200_TILED)
             cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_TILED), boxed,
-                          lambda: h200_stream.grouped_matmul_h200(boxed, StreamConfig(True, 8, 1, 2))))
+                          lambda: stream(boxed, True, 8, 1, 2)))
             fused = boxed.with_b_layout(LAYOUT_E2M1_H200_FUSED)   # each box followed by its scale atoms
             cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_FUSED), fused,
-                          lambda: h200_stream.grouped_matmul_h200(fused, StreamConfig(True, 8, 1, 2))))
+                          lambda: stream(fused, True, 8, 1, 2)))
             if "h200_wgmma" in kernels:   # two boxes and two scale bands per stage; swapped: the fused boxes on M
                 cases.append(("h200_wgmma", (256, 128, LAYOUT_E2M1_H200_FUSED), fused,
-                              lambda: h200_wgmma.grouped_matmul_h200(fused, h200_wgmma.WgmmaConfig(256))))
-                swapped_32 = h200_wgmma.WgmmaConfig(32, ab_swapped=True)
+                              lambda: wgmma(fused, 256)))
                 cases.append(("h200_wgmma", (32, "swapped", LAYOUT_E2M1_H200_FUSED), fused,
-                              lambda: h200_wgmma.grouped_matmul_h200(fused, swapped_32)))
+                              lambda: wgmma(fused, 32, ab_swapped=True)))
             if "h200_wgmma" in kernels:
                 wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,
-                              lambda: h200_wgmma.grouped_matmul_h200(wide_relaid,
-                                                                     h200_wgmma.WgmmaConfig(128, tile_tokens=256))))
-        if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)
-            e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
-            cases.append(("h200_wgmma", (128, "e4m3"), p, lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
+                              lambda: wgmma(wide_relaid, 128, tile_tokens=256)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:

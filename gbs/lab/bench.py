@@ -469,30 +469,30 @@ def _load_simt():
 
 
 def _load_h200_stream(plan: bool):
-    """``h200_stream`` as ``gbs.grouped_matmul`` runs it (``plan``: the decision mapped onto the H200,
-    ``h200_stream.h200_plan``), or with the SM100 decision's own knobs (stages capped to fit)."""
-    from ..numba_kernels import h200_stream
+    """``h200_stream`` as ``gbs.grouped_matmul`` runs it (``plan``: the decision mapped onto the H200 by
+    ``gbs.plan``), or with the SM100 decision's own knobs (stages capped to fit)."""
+    from ..numba_kernels import h200_launch
     from ..numba_kernels.launch import to_device
-
-    knobs_for = h200_stream.h200_plan if plan else h200_stream.h200_stream_config
+    from ..plan import plan_h200
 
     def prepare(problem: GroupedProblem, config):
-        return h200_stream.prepare(to_device(problem), knobs_for(problem, config))
+        return h200_launch.prepare(to_device(problem), plan_h200(problem, None if plan else config, "h200_stream"))
 
     return prepare
 
 
 def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens: bool = False):
-    """``gbs.api.h200_kernel``'s kernel and knobs for ``backend`` without a config: ``"auto"`` is what
-    ``gbs.grouped_matmul(problem)`` runs on an H200 (the wgmma kernel for prefill, the streaming kernel
-    otherwise, each with its measured plan), ``"h200_wgmma"`` the wgmma kernel with ``wgmma_plan``.
+    """``gbs.plan.plan_h200`` for ``backend`` without a config: ``"auto"`` is what ``gbs.grouped_matmul(problem)``
+    runs on an H200 (the wgmma kernel for prefill, the streaming kernel otherwise, each with its measured plan),
+    ``"h200_wgmma"`` the wgmma kernel with its plan.
     ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
     word order (``with_a_layout``, ``gbs.formats.word_order``: their quantizer would write it, and the
     quantization is not timed either), both untimed, before the runs; tiled weights need whole boxes
     (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive
     packed instead, and each timed launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
-    from ..api import h200_kernel
+    from ..numba_kernels import h200_launch
     from ..numba_kernels.launch import to_device
+    from ..plan import plan_h200
 
     last = [None, None]   # the last problem and its re-laid copy: one re-layout per bench case
 
@@ -511,9 +511,8 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
                     raise NotImplementedError(str(error)) from error
                 last[:] = [problem, relaid.with_a_layout(word_order(layout)) if problem.a_format.packed else relaid]
             problem = last[1]
-        kernel, knobs = h200_kernel(problem, None, backend)
         device = to_device(problem)
-        launcher = kernel.prepare(device, knobs)
+        launcher = h200_launch.prepare(device, plan_h200(problem, None, backend))
         if not relay_tokens:
             return launcher
         from numba import cuda
@@ -551,10 +550,11 @@ def launch_knobs(launcher) -> str:
     ``w8`` for 8 small-N consumer warps; ``t256`` for the wgmma kernel's 256-token tiles; ``e2m1_h200:ab``
     for the operands it reads in ``E2M1H200Order``, ``b`` weights, ``a`` tokens; ``e2m1_h200_tiled:b`` tiled
     weights)."""
-    spec = getattr(launcher, "spec", None)
-    if spec is None:
+    plan = getattr(launcher, "plan", None)
+    if plan is None:
         return ""
-    kernel = "wgmma " if getattr(launcher, "kernel", "") == "h200_wgmma" else ""
+    spec = plan.ring
+    kernel = "wgmma " if plan.kernel == "h200_wgmma" else ""
     warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
     from ..numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
     tokens = f" t{spec.m_rows}" if getattr(spec, "m_rows", TILE_M_ROWS) != TILE_M_ROWS else ""
@@ -565,7 +565,7 @@ def launch_knobs(launcher) -> str:
             relaid[layout] = relaid.get(layout, "") + op
     layouts = "".join(f" {layout}:{ops}" for layout, ops in relaid.items())
     return (f"{kernel}{'swap' if spec.ab_swapped else 'noswap'} bn{spec.mma_bn} cg{spec.cta_group} st{spec.stages} "
-            f"splits{launcher.k_splits} ctas{launcher.num_ctas}{warps}{tokens}{layouts}")
+            f"splits{plan.k_splits} ctas{plan.num_ctas}{warps}{tokens}{layouts}")
 
 
 # Backend name -> loader returning ``prepare(problem, config) -> launch()`` (``gbs_auto_h200_layout``: what
