@@ -286,19 +286,19 @@ def test_validated_routing_stays_on_the_host_for_the_plans(routing_copies):
     """``validate_routing`` keeps the copies it checked (``host_routing``), so the wgmma plan counts each
     group's own tiles for a device problem as it does for the host one; without validation it has the
     average only."""
-    from gbs.numba_kernels import h200_wgmma
+    from gbs.plan import tile_token_rows
 
     p = ragged()
     dp = interop.device_problem(**fake_arrays(p))
     assert set(dp.host_routing) == set(interop.ROUTING_ARRAYS)
     for name in interop.ROUTING_ARRAYS:
         np.testing.assert_array_equal(dp.host_routing[name], getattr(p, name))
-    assert h200_wgmma.tile_token_rows(dp, 128) == h200_wgmma.tile_token_rows(p, 128)
+    assert tile_token_rows(dp, 128) == tile_token_rows(p, 128)
     blind = interop.device_problem(**fake_arrays(p), validate=False)
     assert blind.host_routing is None
     average = -(-p.total_tokens // p.num_active_experts)
-    assert h200_wgmma.tile_token_rows(blind, 128) == p.num_active_experts * -(-average // 128) * 128
-    assert h200_wgmma.tile_token_rows(blind, 128) != h200_wgmma.tile_token_rows(dp, 128)   # the empty / -1 slots
+    assert tile_token_rows(blind, 128) == p.num_active_experts * -(-average // 128) * 128
+    assert tile_token_rows(blind, 128) != tile_token_rows(dp, 128)   # the empty / -1 slots
 
 
 def test_validate_false_reads_nothing(routing_copies):
@@ -529,17 +529,17 @@ class Library:
 
 @pytest.fixture
 def kernel_spy(monkeypatch):
-    """Record what h200_stream.prepare was handed (the problem the kernel reads, out, stream)."""
-    from gbs.numba_kernels import h200_stream
+    """Record what h200_launch.prepare was handed (the problem the kernel reads, out, stream)."""
+    from gbs.numba_kernels import h200_launch
 
     calls = []
-    real_prepare = h200_stream.prepare
+    real_prepare = h200_launch.prepare
 
-    def spy(problem_device, config, out=None, **kwargs):
+    def spy(problem_device, plan, out=None, **kwargs):
         calls.append((problem_device, out, kwargs))
-        return real_prepare(problem_device, config, out, **kwargs)
+        return real_prepare(problem_device, plan, out, **kwargs)
 
-    monkeypatch.setattr(h200_stream, "prepare", spy)
+    monkeypatch.setattr(h200_launch, "prepare", spy)
     return calls
 
 
@@ -640,7 +640,6 @@ def test_validated_routing_sets_the_split_of_few_swapped_tiles():
     (``validate=False``) the average's 40 (3 runs). Both match the reference and keep the poison in skipped rows."""
     pytest.importorskip("torch")
     from gbs.lab.bench import synthetic_problem
-    from gbs.numba_kernels import h200_wgmma
 
     lib = Library("torch")
     p = synthetic_problem("nvfp4", n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
@@ -649,7 +648,7 @@ def test_validated_routing_sets_the_split_of_few_swapped_tiles():
     for validate, runs in ((True, 4), (False, 3)):
         out = lib.poisoned_out(p.total_tokens, p.n)
         prepared = interop.prepare(gbs.device_problem(**device, fmt="nvfp4", validate=validate), out=out)
-        assert prepared.stream_launch.kernel == h200_wgmma.KERNEL_NAME and prepared.stream_launch.k_splits == runs
+        assert prepared.plan.kernel == "h200_wgmma" and prepared.plan.k_splits == runs
         prepared()
         lib.synchronize()
         host = lib.to_bf16(out)

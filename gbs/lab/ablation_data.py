@@ -11,7 +11,7 @@ were timed on a GPU say ``measured``; those must carry the GPU's name and the co
 Stage limits (``row_max_stages``). A row's ``stages`` must fit the shared memory of what produced
 it. A measured H200 row was timed on the H200 kernel (``gbs.numba_kernels.h200_stream``), whose
 real bytes per stage differ from SM100's, so its limit is that kernel's deepest ring
-(``h200_stream.max_pipeline_stages``): deeper than the SM100 formula for most knob sets (W4A8
+(``h200_launch.max_pipeline_stages``): deeper than the SM100 formula for most knob sets (W4A8
 decode: 21 vs 12), shallower for a few (the NVFP4 large-prefill pair: 6 vs 7). Validation accepts a
 measured H200 row within either limit: the kernel's layout, and so its deepest ring, moves between
 commits, and the rows of earlier sweeps (capped by the formula) record what ran then. Modelled rows, and
@@ -228,9 +228,10 @@ def tuned_dispatch_config(key: ProblemKey, smem_per_sm: int):
 @functools.lru_cache(maxsize=256)
 def _h200_kernel_max_stages(fmt: str, tile: TileConfig) -> int:
     # imported here: numba-cuda's import costs about a second and only measured H200 rows need it
-    from gbs.numba_kernels import h200_stream
+    from gbs.numba_kernels import h200_launch, h200_stream
 
-    return h200_stream.max_pipeline_stages(*resolve_names(fmt), tile)
+    one_stage = h200_stream.StreamSpec(*resolve_names(fmt), tile.ab_swapped, tile.mma_bn, tile.cta_group, 1)
+    return h200_launch.max_pipeline_stages(one_stage)
 
 
 def row_max_stages(gpu: str, source: str, fmt: str, config) -> int | None:
@@ -238,7 +239,7 @@ def row_max_stages(gpu: str, source: str, fmt: str, config) -> int | None:
     for a GPU without a model (nothing to check against).
 
     Measured H200 rows: the H200 kernel's own limit from its real shared-memory bytes
-    (``h200_stream.max_pipeline_stages``), since that kernel timed them. Modelled rows and other
+    (``h200_launch.max_pipeline_stages``), since that kernel timed them. Modelled rows and other
     GPUs: the SM100 stage formula with the GPU's budget (``HARDWARE[gpu].max_stages``)."""
     tile = TileConfig.of(config)
     if gpu == H200_KERNEL_GPU and source == SOURCE_MEASURED:
@@ -352,7 +353,7 @@ class AblationRow:
             if self.stages <= formula:
                 return
             raise ValueError(f"{self.stages} stages exceed the H200 kernel's maximum {max_stages} {where} (its real "
-                             f"shared-memory bytes, h200_stream.max_pipeline_stages) and the SM100 formula's "
+                             f"shared-memory bytes, h200_launch.max_pipeline_stages) and the SM100 formula's "
                              f"{formula} with the {self.gpu} budget (the bound of sweeps before the kernel's own)")
         raise ValueError(f"{self.stages} stages exceed the {self.gpu} maximum {max_stages} {where} (the SM100 "
                          f"stage formula with the {self.gpu} budget, which bounds {self.source} rows)")

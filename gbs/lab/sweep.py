@@ -19,7 +19,7 @@ Grids (``--grid``):
 
 The deepest stage count of a knob set is the smaller of the SM100 formula with the H200 budget
 (what the dispatch and the CSV schema allow) and the kernel's own shared-memory limit
-(``h200_stream.max_pipeline_stages``); a config the kernel still refuses is not recorded.
+(``h200_launch.max_pipeline_stages``); a config the kernel still refuses is not recorded.
 
 How the device time is spent. A JIT compile per kernel specialisation (format x knobs x stages)
 costs seconds, so the work is ordered by specialisation: each compiled kernel times every problem
@@ -206,13 +206,13 @@ def h200_kernel_stage_limit() -> StageLimit | None:
     """The H200 kernel's deepest ring per (format, knobs) from its real shared-memory bytes, or None
     when ``gbs.numba_kernels.h200_stream`` does not import."""
     try:
-        from gbs.numba_kernels import h200_stream
-        limit = h200_stream.max_pipeline_stages
+        from gbs.numba_kernels import h200_launch, h200_stream
     except BACKEND_UNAVAILABLE:
         return None
 
     def stage_limit(fmt: str, tile: TileConfig) -> int:
-        return limit(*resolve_names(fmt), tile)
+        one_stage = h200_stream.StreamSpec(*resolve_names(fmt), tile.ab_swapped, tile.mma_bn, tile.cta_group, 1)
+        return h200_launch.max_pipeline_stages(one_stage)
 
     return stage_limit
 
@@ -824,22 +824,31 @@ class DeviceRunner:
         except ValueError as err:
             raise ConfigNotRunnable(str(err)) from None
 
+    def _plan(self, problem, spec: Spec, key: ProblemKey):
+        """The streaming kernel with exactly this row's knobs and stages (``gbs.plan`` constraints: a ring that
+        does not fit is refused, not capped)."""
+        from gbs.plan import plan_h200
+
+        config = self._config(spec, key)
+        return plan_h200(problem, backend="h200_stream", ab_swapped=config.ab_swapped, mma_bn=config.mma_bn,
+                         cta_group=config.cta_group, stages=config.num_pipeline_stages)
+
     def compile(self, spec: Spec) -> None:
-        from gbs.numba_kernels import h200_stream
+        from gbs.numba_kernels import h200_launch
 
         key = next(k for k in self.problems if k.format == spec.format)
         try:
-            stream_spec = h200_stream.check_can_implement(self._inputs[key][0][0], self._config(spec, key))
+            plan = self._plan(self._inputs[key][0][0], spec, key)
         except (TypeError, ValueError) as err:
             raise ConfigNotRunnable(str(err)) from None
-        h200_stream.compiled_kernel(stream_spec)
+        h200_launch.compiled_kernel(plan.spec)
 
     def measure(self, spec: Spec, key: ProblemKey) -> Timing:
-        from gbs.numba_kernels import h200_stream
+        from gbs.numba_kernels import h200_launch
 
-        config = self._config(spec, key)
         try:
-            launchers = [h200_stream.prepare(problem, config, out) for problem, out in self._inputs[key]]
+            launchers = [h200_launch.prepare(problem, self._plan(problem, spec, key), out)
+                         for problem, out in self._inputs[key]]
         except (TypeError, ValueError, NotImplementedError) as err:
             raise ConfigNotRunnable(str(err)) from None
         return time_launches(lambda i: launchers[i](), num_inputs=len(launchers), warmup=ROW_WARMUP,
