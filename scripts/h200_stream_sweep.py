@@ -7,11 +7,11 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
 
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
 or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
-``h200_stream.StreamConfig.small_n_warps``),
+``StreamSpec.small_n_warps``),
 ``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
-tile, ``:kauto`` = ``h200_wgmma.swapped_k_splits``), or ``plan:backend:format:case`` for
-what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
+tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case`` for
+what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.lab.bench.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
@@ -26,11 +26,11 @@ import sys
 from typing import NamedTuple
 
 from gbs.lab import bench
-from gbs.api import h200_kernel
 from gbs.dispatch import AUTO_STAGES
-from gbs.numba_kernels import h200_stream, h200_wgmma
-from gbs.numba_kernels.launch import to_device
 from gbs.layouts import LAYOUT_PACKED, OPERAND_LAYOUTS
+from gbs.numba_kernels import h200_launch, h200_stream, h200_wgmma
+from gbs.numba_kernels.launch import to_device
+from gbs.plan import plan_h200
 
 
 PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
@@ -39,7 +39,7 @@ PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
 class SweepPoint(NamedTuple):
     fmt: str
     case: bench.BenchCase
-    config: object          # StreamConfig, WgmmaConfig, or a plan's backend name
+    config: object          # gbs.plan constraints (a dict with the backend), or a plan's backend name
     k_splits: int | None = None
     num_ctas: int | None = None
 
@@ -67,13 +67,15 @@ def parse_wgmma_point(text: str):
     tile_tokens = h200_wgmma.TILE_TOKENS[0]
     if parts[-1].startswith("t") and parts[-1][1:].isdigit():
         tile_tokens = int(parts.pop()[1:])
-    operands = parts.pop() if parts[-1] in h200_wgmma.MMA_OPERANDS else "bf16"
     if len(parts) not in (5, 6):
-        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]"
+        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap]"
                          f"[:k<runs>|:kauto]")
     _, fmt, case, bn, stages = parts[:5]
-    config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages), operands,
-                                    tile_tokens, swapped)
+    legal = h200_wgmma.SWAPPED_MMA_BN if swapped else h200_wgmma.WGMMA_MMA_BN
+    if int(bn) not in legal:
+        raise ValueError(f"point {text!r}: the wgmma kernel takes mma_bn in {legal} with ab_swapped={swapped}")
+    config = dict(backend="h200_wgmma", mma_bn=int(bn), stages=AUTO_STAGES if stages == "auto" else int(stages),
+                  tile_tokens=tile_tokens, ab_swapped=swapped)
     num_ctas = int(parts[5]) if len(parts) == 6 else None
     return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas=num_ctas)
 
@@ -100,7 +102,8 @@ def parse_point(text: str):
     fmt, case, swapped, bn, cg, stages, splits = parts[:7]
     if swapped not in ("T", "F"):
         raise ValueError(f"point {text!r}: ab_swapped T or F")
-    config = h200_stream.StreamConfig(swapped == "T", int(bn), int(cg), int(stages), small_n_warps)
+    config = dict(backend="h200_stream", ab_swapped=swapped == "T", mma_bn=int(bn), cta_group=int(cg),
+                  stages=int(stages), small_n_warps=small_n_warps)
     k_splits = None if splits == "auto" else int(splits)
     num_ctas = int(parts[7]) if len(parts) == 8 else None
     return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas)
@@ -114,10 +117,11 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
     import numpy as np
     from numba import cuda
 
-    spec = first.spec
-    config = h200_stream.StreamConfig(spec.ab_swapped, spec.mma_bn, spec.cta_group, spec.stages, spec.small_n_warps)
-    traced = [h200_stream.prepare(to_device(problem), config, num_ctas=first.num_ctas, k_splits=first.k_splits,
-                                  trace=True) for _ in range(copies)]
+    spec, plan = first.plan.spec, first.plan
+    traced_plan = plan_h200(problem, backend="h200_stream", ab_swapped=spec.ab_swapped, mma_bn=spec.mma_bn,
+                            cta_group=spec.cta_group, stages=spec.stages, small_n_warps=spec.small_n_warps,
+                            num_ctas=plan.num_ctas, k_splits=plan.k_splits, trace=True)
+    traced = [h200_launch.prepare(to_device(problem), traced_plan) for _ in range(copies)]
     timing = bench.time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
     cuda.synchronize()
     records = np.stack([launch.trace_buffer.copy_to_host() for launch in traced])   # (copies, ctas, events, 2)
@@ -188,23 +192,21 @@ def main(argv=None) -> int:
         copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
         try:
             if isinstance(config, str):
-                kernel, knobs = h200_kernel(problem, None, config)
-                launches = [kernel.prepare(to_device(problem), knobs) for _ in range(copies)]
-            elif isinstance(config, h200_wgmma.WgmmaConfig):
-                launches = [h200_wgmma.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
-                            for _ in range(copies)]
+                plan = plan_h200(problem, None, config)
             else:
-                launches = [h200_stream.prepare(to_device(problem), config, num_ctas=num_ctas, k_splits=k_splits)
-                            for _ in range(copies)]
+                constraints = dict(config)
+                plan = plan_h200(problem, backend=constraints.pop("backend"), num_ctas=num_ctas, k_splits=k_splits,
+                                 **constraints)
+            launches = [h200_launch.prepare(to_device(problem), plan) for _ in range(copies)]
             timing = bench.time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
             print(f"{text:44} {type(err).__name__}: {err}", flush=True)
             rows.append(dict(point=text, status="fail", note=f"{type(err).__name__}: {err}"))
             continue
-        first = launches[0]
+        first = launches[0].plan
         gbps = bench.useful_bytes(problem) / (timing.median_us * 1e3)
         tflops = bench.useful_flops(problem) / (timing.median_us * 1e6)
-        spec = first.spec
+        spec = first.ring
         row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, a_layout=problem.a_layout, ab_swapped=spec.ab_swapped,
                    mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
                    k_splits=first.k_splits, num_ctas=first.num_ctas,
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
         print(f"{text:44} {timing.median_us:9.1f} us  {gbps:7.0f} GB/s  {100 * row['read_ceiling_fraction']:5.1f} %"
               f"  {tflops:6.1f} TFLOP/s  ctas {first.num_ctas} splits {first.k_splits}", flush=True)
         if args.trace and first.kernel == "h200_stream" and first.max_tiles:
-            trace_point(args.trace, text, problem, first, copies, args.budget_s)
+            trace_point(args.trace, text, problem, launches[0], copies, args.budget_s)
     if args.csv:
         bench.write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
     if args.series:

@@ -30,17 +30,13 @@ def sweep():
 
 
 @pytest.mark.parametrize("point, config, num_ctas, k_splits", [
-    ("wgmma:mxfp8:large_prefill_up:256:auto", h200_wgmma.WgmmaConfig(256, AUTO_STAGES), None, 1),
-    ("wgmma:mxfp8:large_prefill_up:128:4:e4m3", h200_wgmma.WgmmaConfig(128, 4, "e4m3"), None, 1),
-    ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66, 1),
-    ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132, 1),
-    ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None,
-     1),
-    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None, 1),
-    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", h200_wgmma.WgmmaConfig(64, 6, ab_swapped=True), 132, 1),
-    ("wgmma:nvfp4:kimi_decode:32:auto:swap:k4", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None, 4),
-    ("wgmma:nvfp4:kimi_decode:32:auto:swap:kauto", h200_wgmma.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True), None,
-     None),
+    ("wgmma:mxfp8:large_prefill_up:256:auto", dict(backend="h200_wgmma", mma_bn=256, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=False), None, 1),
+    ("wgmma:nvfp4:decode_up:128:3:132", dict(backend="h200_wgmma", mma_bn=128, stages=3, tile_tokens=128, ab_swapped=False), 132, 1),
+    ("wgmma:nvfp4:large_prefill_up:128:auto:t256", dict(backend="h200_wgmma", mma_bn=128, stages=AUTO_STAGES, tile_tokens=256, ab_swapped=False), None, 1),
+    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, 1),
+    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", dict(backend="h200_wgmma", mma_bn=64, stages=6, tile_tokens=128, ab_swapped=True), 132, 1),
+    ("wgmma:nvfp4:kimi_decode:32:auto:swap:k4", dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, 4),
+    ("wgmma:nvfp4:kimi_decode:32:auto:swap:kauto", dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, None),
 ])
 def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas, k_splits):
     parsed = sweep.parse_point(point)
@@ -51,10 +47,11 @@ def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas, k_splits):
 def test_sweep_parses_stream_and_plan_points(sweep):
     fmt, case, config, k_splits, ctas = sweep.parse_point("nvfp4:512,256,8,1:T:8:1:2:4:144")
     assert (fmt, case.n, case.k, config, k_splits, ctas) == (
-        "nvfp4", 512, 256, h200_stream.StreamConfig(True, 8, 1, 2), 4, 144)
-    assert sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:w8").config.small_n_warps == 8
+        "nvfp4", 512, 256, dict(backend="h200_stream", ab_swapped=True, mma_bn=8, cta_group=1, stages=2,
+                                small_n_warps=4), 4, 144)
+    assert sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:w8").config["small_n_warps"] == 8
     point = sweep.parse_point("nvfp4:kimi_decode:T:8:1:2:4:128:w8")
-    assert (point.k_splits, point.num_ctas, point.config.small_n_warps) == (4, 128, 8)
+    assert (point.k_splits, point.num_ctas, point.config["small_n_warps"]) == (4, 128, 8)
     assert sweep.parse_point("plan:auto:w4a8:kimi_decode").config == "auto"
 
 
@@ -112,9 +109,9 @@ def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeyp
     from gbs.reference import reference_grouped_matmul
 
     calls = []
-    monkeypatch.setattr(sanitize.h200_wgmma, "grouped_matmul_h200",
-                        lambda p, config, k_splits=1: calls.append((p.total_tokens, config.tile_tokens, p.a_layout,
-                                                                    config.ab_swapped)) or reference_grouped_matmul(p))
+    monkeypatch.setattr(sanitize.h200_launch, "run",
+                        lambda p, plan: calls.append((p.total_tokens, plan.spec.tile_tokens, p.a_layout,
+                                                      plan.spec.ab_swapped)) or reference_grouped_matmul(p))
     assert sanitize.main(["h200_wgmma", "nvfp4"]) == 0
     small, wide = sum(sanitize.GROUP_SIZES), sum(sanitize.TWO_M_GROUP_SIZES)
     assert max(sanitize.TWO_M_GROUP_SIZES) > 128
