@@ -20,7 +20,6 @@ committed text differs from the rendering.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from dataclasses import dataclass
