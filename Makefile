@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test lab gpu clean
+.PHONY: venv demo test report lab gpu clean
 
 venv: $(VENV)/.installed
 
@@ -18,6 +18,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# the README's results block and docs/results.md, rendered again from data/bench/*.csv (tests/test_report.py checks them)
+report: venv
+	$(BIN)/python -m gbs report --write
 
 lab: venv
 	$(BIN)/python -m pip install -q -e ".[test,notebooks]"

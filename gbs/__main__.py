@@ -11,6 +11,7 @@ from . import dispatch as dsp
 from .lab.sweep import add_ablate_parser
 from .backends import BACKENDS
 from .lab.bench import add_bench_parser
+from .lab.report import add_report_parser
 from .problem import PROBLEM_FORMATS, problem_from_inputs, random_inputs, resolve_formats
 
 # The demo's shapes (workloads.md): DeepSeek-V3 up / down projections and Kimi K2.5's TP-8 up-projection.
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_ablate_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

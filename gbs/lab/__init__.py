@@ -6,9 +6,11 @@
 * ``gbs.lab.sweep``: ``python -m gbs ablate``, the GPU config sweep that times every legal knob set;
 * ``gbs.lab.ablation_data``: the rows of ``data/ablations.csv`` and the dispatch tables derived from them;
 * ``gbs.lab.plotting``: the shared plot helpers of the notebooks and the sweep's figures;
-* ``gbs.lab.ncu``: Nsight Compute's per-instruction counts cut into regions and shares.
+* ``gbs.lab.ncu``: Nsight Compute's per-instruction counts cut into regions and shares;
+* ``gbs.lab.report``: ``python -m gbs report``, the results tables of README.md and docs/results.md rendered
+  from the bench CSVs of ``data/bench/``.
 
 The lab imports the library (formats, layouts, problem, reference, dispatch, plan, kernels, api, interop);
 the library never imports the lab. Only the CLI (``gbs/__main__.py``) reaches into it, for its
-``bench`` and ``ablate`` subcommands.
+``bench``, ``ablate`` and ``report`` subcommands.
 """
