@@ -8,7 +8,7 @@ import pytest
 
 from gbs.lab import ncu
 
-NOTES = Path(__file__).resolve().parent.parent / "notes" / "h200"
+NOTES = Path(__file__).resolve().parent.parent / "data" / "artifacts"
 HEADER = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"'
 
 
