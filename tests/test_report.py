@@ -121,7 +121,7 @@ def test_a_readme_without_markers_is_reported(tmp_path):
 def test_a_changed_csv_is_reported(tmp_path):
     """Data changed and text not re-rendered: both files differ."""
     root = _copy_repo_texts(tmp_path)
-    path = sorted((root / report.BENCH_DIR).glob("*.csv"))[0]
+    path = sorted((root / report.BENCH_DIR).glob("*.csv"))[-1]   # the newest: the one the README renders
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     ours = next(r for r in rows if r["kind"] == "ours")
