@@ -38,11 +38,19 @@ def test_dispatch_errors_are_messages_not_tracebacks():
 
 
 def test_demo_runs_and_verifies_on_the_cpu():
+    """Without a GPU the demo checks the SIMT kernel (simulator) and the SM100 emulator against the
+    exact reference in every format; tests/test_demo.py plants faults in them."""
     res = run_cli("demo", "--format", "nvfp4", "--backend", "reference")
     assert res.returncode == 0, res.stdout + res.stderr
     for regime in ("decode", "small_prefill", "large_prefill"):
         assert regime in res.stdout
-    assert "PASS" in res.stdout and res.stdout.strip().endswith("verified")
+    assert "No GPU here: kernel models on the CPU against the exact reference (simt, emulator)" in res.stdout
+    for fmt in ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2", "w4a8"):
+        for model in ("simt", "emulator"):
+            line = next(x for x in res.stdout.splitlines() if x.startswith(f"  [{model:<8} {fmt:<10}]"))
+            assert ": ok: bit-identical to the reference" in line, line
+    assert "MISMATCH" not in res.stdout + res.stderr
+    assert res.stdout.strip().endswith("emulator and simt: 10 outputs checked against the exact reference\nverified")
     # the H200 plans of the same shapes, from host metadata (no GPU here)
     assert "kimi_up            32  h200_wgmma swapped bn32, 4 split-K runs per tile" in res.stdout
     assert "deepseek_up         4  h200_stream swapped bn8" in res.stdout

@@ -1,0 +1,422 @@
+"""The demo's kernel check: kernel models (or the real kernel) against the exact reference, with the
+exactness each one has, asserted element by element.
+
+Without a GPU, ``python -m gbs demo`` runs two kernel models on one small routed problem
+(``demo_problem``: ragged groups, an empty group, a ``-1`` slot, a 1-token group, a low-magnitude
+group, N and token counts that are not tile multiples) in every format, with the dispatch's config:
+
+* ``simt``: the SIMT kernel (``gbs.numba_kernels.simt``) in Numba's CUDA simulator. It decodes the
+  operands itself (integer arithmetic), walks the tiles and sums in fp32.
+* ``emulator``: the SM100 emulator (``gbs.sm100_emulator``): the tcgen05 kernel's host logic (tile
+  walk, TMA boxes, swizzles, descriptors, TMEM scale placement, epilogue stores) replayed on a model
+  of the hardware, with exact (float64) MMA sums; it computes ``C``, so ``C`` is what is compared.
+
+With a GPU the demo checks the real kernel's output the same way (``check_output``).
+
+What is asserted (``Exactness``): a model computes, per output, an fp32 value ``y`` in which every
+term ``a*b*sa*sb*s`` (element products, the two block scales, the expert scale) went through at most
+``n`` fp32 operations of unit roundoff ``u``; so ``|y - exact| <= gamma_n * sum|terms|``
+(``gamma_n = n u / (1 - n u)``, Higham, Accuracy and Stability of Numerical Algorithms, 3.1), and
+``out = RNE_bf16(y)``. Hence ``out`` lies between ``RNE_bf16(exact - bound)`` and
+``RNE_bf16(exact + bound)``: for most elements that interval holds one bf16 value, so the check is
+bit-exact except where the bound straddles a bf16 rounding boundary (the count is printed; with FP4
+operands many exact values are bf16 ties, which it always straddles).
+``exact`` is the reference's float64 value before its rounding (``exact_values``, checked to round to
+``gbs.reference``'s bits), ``sum|terms|`` is computed per element from the problem. Where the model's
+summation order makes it so, bit equality with ``gbs.reference`` is asserted as well. Rows of
+skipped slots must still hold the poison sentinel, every written row must be written.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .formats import BF16, dequantize
+from .problem import PROBLEM_FORMATS, GroupedProblem, build_problem, random_activations, random_weights
+from .reference import is_poison, poison_output, reference_grouped_matmul
+
+# The small routed problem: slot sizes and expert ids. Slot 1 is empty, slot 2 has one token, slot 3
+# is skipped (-1: its rows must keep the poison), slot 4's 9 tokens cross an 8-token tile by one.
+DEMO_GROUP_SIZES = (5, 0, 1, 2, 9)
+DEMO_EXPERT_IDS = (0, 1, 2, -1, 3)
+DEMO_NUM_EXPERTS = 4
+DEMO_N = 144             # one full 128-row weight tile and a 16-row partial one
+DEMO_K = 128             # W4A8 needs K % 128 == 0; a partial K tile for the FP4 formats' 256-element tiles
+DEMO_QUIET_EXPERT = 0    # its weights are scaled down: a low-magnitude group, where a global tolerance sees nothing
+DEMO_QUIET_GAIN = 2.0 ** -10
+DEMO_FORMATS = tuple(sorted(PROBLEM_FORMATS))
+CPU_MODELS = ("simt", "emulator")
+
+FP32_UNIT = 2.0 ** -24          # unit roundoff of fp32 round-to-nearest
+TENSOR_CORE_UNIT = 2.0 ** -22   # per product, of a tensor core's aligned, truncated sum (TENSOR_CORE_EXACTNESS)
+FP64_UNIT = 2.0 ** -53
+FP32_TINY = 2.0 ** -149         # bounds the absolute error an fp32 operation can make in the subnormal range
+
+
+class Mismatch(AssertionError):
+    """A kernel (model) output disagrees with the reference beyond what the kernel guarantees."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The problem
+# ----------------------------------------------------------------------------------------------
+def demo_problem(fmt: str, seed: int = 0) -> GroupedProblem:
+    """The demo's small routed problem in format ``fmt`` (deterministic in ``seed``)."""
+    rng = np.random.default_rng(seed)
+    activations = random_activations(rng, sum(DEMO_GROUP_SIZES), DEMO_K)
+    weights = random_weights(rng, DEMO_NUM_EXPERTS, DEMO_N, DEMO_K)
+    weights[DEMO_QUIET_EXPERT] *= np.float32(DEMO_QUIET_GAIN)
+    return build_problem(activations, weights, np.array(DEMO_GROUP_SIZES), np.array(DEMO_EXPERT_IDS), fmt=fmt)
+
+
+def demo_config(problem: GroupedProblem):
+    """What the kernels run the problem with: the dispatch's decision (E5M2: the E4M3 route's tile knobs)."""
+    from .api import resolve_config
+
+    return resolve_config(problem)
+
+
+def describe_problem() -> str:
+    return (f"N={DEMO_N}, K={DEMO_K}, {sum(DEMO_GROUP_SIZES)} token rows in slots of {list(DEMO_GROUP_SIZES)} "
+            f"tokens, expert ids {list(DEMO_EXPERT_IDS)} (an empty slot, a 1-token slot, a -1 slot, expert "
+            f"{DEMO_QUIET_EXPERT}'s weights scaled by 2^{int(np.log2(DEMO_QUIET_GAIN))})")
+
+
+def fingerprint(problem: GroupedProblem) -> str:
+    """A hash of the problem's arrays: the simulator's child process must have run the same problem."""
+    h = hashlib.sha256()
+    for name in ("a", "b", "a_scales", "b_scales", "a_offsets", "a_scale_offsets", "expert_ids", "expert_scales"):
+        h.update(np.ascontiguousarray(getattr(problem, name)).tobytes())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactness of each kernel (model)
+# ----------------------------------------------------------------------------------------------
+def _is_power_of_two(x) -> np.ndarray:
+    mantissa, _ = np.frexp(np.asarray(x, np.float64))
+    return np.abs(mantissa) == 0.5
+
+
+@dataclass(frozen=True)
+class Exactness:
+    """``roundings(problem)``: fp32 operations any one term goes through (``n``); ``unit``: their
+    unit roundoff; ``bit_exact_pow2``: bits equal the reference's where the expert scale is a power of two."""
+
+    model: str
+    claim: str
+    unit: float
+    bit_exact_pow2: bool = False
+    roundings_kind: str = "simt"
+
+    def roundings(self, problem: GroupedProblem) -> int:
+        block, k = problem.a_format.block_size, problem.k
+        if self.roundings_kind == "simt":
+            # block-sum adds, x a-scale, x b-scale, the adds over K's blocks, x expert scale
+            return block + 2 + -(-k // block) + 1
+        if self.roundings_kind == "epilogue":
+            return 2          # fp32(accumulator), x expert scale in fp32
+        return 2 * k + 8      # see TENSOR_CORE_EXACTNESS
+
+
+SIMT_EXACTNESS = Exactness(
+    "simt", "fp32 sum of each block's products, x both block scales, fp32 adds over the K blocks, x expert "
+    "scale: n = block + 2 + K/block + 1 roundings", FP32_UNIT)
+EMULATOR_EXACTNESS = Exactness(
+    "emulator", "exact (float64) MMA sums, fp32 accumulator x fp32 expert scale: n = 2 roundings; "
+    "bit-identical to the reference where the expert scale is a power of two", FP32_UNIT, True, "epilogue")
+# Tensor cores add each MMA step's k >= 16 exact products to the fp32 accumulator with alignment and
+# truncation: at most (k + 1) 2^-22 of the step's magnitude (Fasi et al. 2021, "Numerical behavior of
+# NVIDIA tensor cores"), so at most 1.07 K 2^-22 sum|terms| over K, in any order or split. Asserted as
+# n = 2K + 8 roundings of 2^-22 (slack for split-K partial sums and the epilogue): a worst case, loose
+# for large K; the kernels' own tight bounds belong to their GPU tests.
+TENSOR_CORE_EXACTNESS = Exactness(
+    "tensor cores", "fp32 tensor-core accumulation (truncating, any order or split over K): n = 2K + 8 "
+    "roundings of 2^-22", TENSOR_CORE_UNIT, False, "any")
+EXACTNESS = {"simt": SIMT_EXACTNESS, "emulator": EMULATOR_EXACTNESS, "sm100": TENSOR_CORE_EXACTNESS,
+             "h200_stream": TENSOR_CORE_EXACTNESS, "h200_wgmma": TENSOR_CORE_EXACTNESS}
+
+
+def exact_values(problem: GroupedProblem) -> tuple[np.ndarray, np.ndarray]:
+    """(exact, magnitude), float64 (total_tokens, N), NaN on unwritten rows: the reference's value before
+    its rounding (``expert_scale * A_deq @ B_deq^T``) and ``sum_k |a_k b_k| * |expert_scale|``."""
+    p = problem
+    exact = np.full((p.total_tokens, p.n), np.nan)
+    magnitude = np.full((p.total_tokens, p.n), np.nan)
+    a = dequantize(p.a_operand()).astype(np.float64)
+    for g in p.active_slots():
+        e = int(p.expert_ids[g])
+        lo, hi = int(p.a_offsets[g]), int(p.a_offsets[g + 1])
+        b = dequantize(p.b_operand(e)).astype(np.float64)
+        s = np.float64(p.expert_scales[e])
+        exact[lo:hi] = (a[lo:hi] @ b.T) * s
+        magnitude[lo:hi] = (np.abs(a[lo:hi]) @ np.abs(b).T) * abs(s)
+    return exact, magnitude
+
+
+def round_to_bf16(x) -> np.ndarray:
+    """float64 ``x`` rounded once to the nearest bf16 (ties to even), as float64 (exact)."""
+    x = np.asarray(x, np.float64)
+    _, exponent = np.frexp(np.abs(x))
+    quantum = np.ldexp(1.0, np.maximum(exponent - 1, -126) - 7)   # bf16: 8 significant bits, min exponent -126
+    return np.round(x / quantum) * quantum                          # np.round: half to even; /quantum is exact
+
+
+def gamma(n: int, unit: float) -> float:
+    if n * unit >= 1:
+        raise ValueError(f"{n} roundings of unit {unit} leave no bound")
+    return n * unit / (1 - n * unit)
+
+
+@dataclass
+class ModelCheck:
+    """The outcome of one output's check."""
+
+    model: str
+    fmt: str
+    claim: str
+    elements: int = 0                # written outputs
+    bit_identical: int = 0           # ... equal to the reference's bits
+    outside: int = 0                 # ... outside the bound
+    ambiguous: int = 0               # ... where the bound admits more than one bf16 value
+    max_row_error: float = 0.0       # max over rows of max|out - ref| / max|ref| in the row
+    roundings: int = 0
+    mismatches: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatches
+
+    def summary(self) -> str:
+        verdict = "ok" if self.passed else "MISMATCH"
+        within = "all" if not self.outside else f"{self.elements - self.outside}/{self.elements}"
+        return (f"{verdict}: bit-identical to the reference {self.bit_identical}/{self.elements}, {within} within "
+                f"the bound (n={self.roundings}; it admits more than one bf16 value at {self.ambiguous}), max "
+                f"per-row normalised error {self.max_row_error:.2e}")
+
+
+def _where(problem: GroupedProblem, row: int, col: int) -> str:
+    slot = int(np.searchsorted(problem.a_offsets, row, side="right")) - 1
+    return f"row {row} (slot {slot}, expert {int(problem.expert_ids[slot])}) column {col}"
+
+
+def check_output(problem: GroupedProblem, out: np.ndarray, model: str, fmt: str | None = None,
+                 ref: np.ndarray | None = None, exact: tuple | None = None) -> ModelCheck:
+    """Check ``out`` (poisoned before the run) against the reference with ``model``'s exactness
+    (``EXACTNESS``); the mismatches are listed in the result (``raise_on_mismatch`` raises them)."""
+    spec = EXACTNESS[model]
+    fmt = fmt or problem.a_format.name
+    if ref is None:
+        ref = reference_grouped_matmul(problem)
+    exact_v, magnitude = exact_values(problem) if exact is None else exact
+    n = spec.roundings(problem)
+    result = ModelCheck(model, fmt, spec.claim, roundings=n)
+    out = np.asarray(out)
+    if out.shape != ref.shape or out.dtype != BF16:
+        result.mismatches.append(f"MISMATCH: {model} {fmt}: output {out.shape} {out.dtype}, expected {ref.shape} "
+                                 f"bfloat16")
+        return result
+    written = problem.written_rows()
+    skipped = np.flatnonzero(~written)
+    clobbered = skipped[~np.all(is_poison(out[skipped]), axis=1)]
+    if clobbered.size:
+        result.mismatches.append(f"MISMATCH: {model} {fmt}: rows {clobbered.tolist()} of skipped (-1) slots were "
+                                 f"written (the poison sentinel is gone)")
+    unwritten = np.flatnonzero(written & np.any(is_poison(out), axis=1))
+    if unwritten.size:
+        result.mismatches.append(f"MISMATCH: {model} {fmt}: rows {unwritten.tolist()} were not (fully) written "
+                                 f"(they still hold the poison sentinel)")
+    rows = np.flatnonzero(written)
+    ref_bits = ref.view(np.uint16)[rows]
+    if not np.array_equal(exact_v[rows].astype(np.float32).astype(BF16).view(np.uint16), ref_bits):
+        raise RuntimeError("the demo's exact values do not round to gbs.reference's bits: the check is broken")
+    with np.errstate(invalid="ignore"):
+        o = out[rows].astype(np.float64)
+    r = ref[rows].astype(np.float64)
+    e, t = exact_v[rows], magnitude[rows]
+    # The model's fp32 value is within `bound` of exact; the float64 `exact` itself is within
+    # gamma_{K+1} (float64) of the true value, and so is the emulator's float64 accumulator.
+    bound = (gamma(n, spec.unit) + 2 * gamma(problem.k + 1, FP64_UNIT)) * t + n * FP32_TINY * max(
+        1.0, float(np.max(np.abs(problem.expert_scales))))
+    lo, hi = round_to_bf16(e - bound), round_to_bf16(e + bound)
+    with np.errstate(invalid="ignore"):
+        inside = (o >= lo) & (o <= hi)
+    identical = out.view(np.uint16)[rows] == ref_bits
+    result.elements = int(o.size)
+    result.bit_identical = int(identical.sum())
+    result.ambiguous = int(np.sum(lo != hi))
+    result.outside = int(np.sum(~inside))
+    with np.errstate(invalid="ignore"):
+        row_error = np.max(np.abs(o - r), axis=1) / np.maximum(np.max(np.abs(r), axis=1), np.finfo(float).tiny)
+    result.max_row_error = float(np.max(row_error, initial=0.0)) if np.all(np.isfinite(o)) else float("inf")
+    bad = np.argwhere(~inside)
+    if bad.size:
+        i, j = bad[0]
+        result.mismatches.append(
+            f"MISMATCH: {model} {fmt}: {len(bad)} of {o.size} outputs outside what the kernel guarantees "
+            f"({spec.claim}); first at {_where(problem, int(rows[i]), int(j))}: out {o[i, j]!r}, reference "
+            f"{r[i, j]!r}, exact {e[i, j]:.9g}, allowed [{lo[i, j]!r}, {hi[i, j]!r}]")
+    if spec.bit_exact_pow2:
+        pow2 = _is_power_of_two(problem.expert_scales[np.maximum(problem.expert_ids, 0)])
+        must = np.zeros(problem.total_tokens, bool)
+        for g in problem.active_slots():
+            must[problem.a_offsets[g]:problem.a_offsets[g + 1]] = pow2[g]
+        differ = np.argwhere(~identical & must[rows][:, None])
+        if differ.size:
+            i, j = differ[0]
+            result.mismatches.append(
+                f"MISMATCH: {model} {fmt}: {len(differ)} outputs not bit-identical to the reference although "
+                f"their expert scale is a power of two; first at {_where(problem, int(rows[i]), int(j))}: "
+                f"out {o[i, j]!r}, reference {r[i, j]!r}")
+    return result
+
+
+def raise_on_mismatch(checks) -> None:
+    lines = [m for c in checks for m in c.mismatches]
+    if lines:
+        raise Mismatch("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the models
+# ----------------------------------------------------------------------------------------------
+def run_emulator(problem: GroupedProblem, config) -> np.ndarray:
+    from . import sm100_emulator
+
+    return sm100_emulator.emulate(problem, config, out=poison_output(problem.total_tokens, problem.n)).out
+
+
+def run_simt(problem: GroupedProblem, config) -> np.ndarray:
+    """The SIMT kernel in this process (a GPU, or Numba's simulator if this process imported numba with it)."""
+    from .numba_kernels import simt
+
+    return simt.grouped_matmul_simt(problem, config, out=poison_output(problem.total_tokens, problem.n))
+
+
+def simulator_active() -> bool:
+    from numba import config as numba_config
+
+    return bool(numba_config.ENABLE_CUDASIM)
+
+
+class SimtRun:
+    """The SIMT kernel's outputs on the demo problems, from Numba's CUDA simulator.
+
+    Numba reads ``NUMBA_ENABLE_CUDASIM`` once, when it is first imported; by the time the demo runs,
+    ``gbs`` has imported numba for the real CUDA target (``gbs.api`` probes the GPU with it), and
+    setting the variable earlier (before any import in ``__main__``) would take the real CUDA target
+    from the whole process, and would depend on nobody importing numba first. So the simulator runs
+    in a child process started with the variable set: the one place it reliably takes effect,
+    whatever imported what. The child runs alongside the parent's own work (the tables, the
+    emulator, the reference), saves each output with a hash of its problem, and the checks are made
+    here. In a process whose numba already simulates (tests, the child) it runs in-process.
+    """
+
+    def __init__(self, formats, seed: int = 0):
+        self.formats, self.seed = tuple(formats), seed
+        self.seconds = float("nan")    # the simulator's wall time, once ``result`` returned
+        self._proc = self._tmp = self._outputs = None
+        if simulator_active():
+            return
+        self._tmp = tempfile.TemporaryDirectory(prefix="gbs-demo-")
+        self._path = Path(self._tmp.name) / "simt.npz"
+        package_root = str(Path(__file__).resolve().parent.parent)   # the child imports this gbs
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gbs.demo", "simt-worker", "--out", str(self._path), "--seed", str(seed),
+             "--formats", ",".join(self.formats)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def result(self) -> dict:
+        """{format: (output, problem fingerprint)}; RuntimeError if the simulator run failed."""
+        if self._outputs is None:
+            self._outputs = self._run()
+        return self._outputs
+
+    def _run(self) -> dict:
+        if self._proc is None:
+            outs, t0 = {}, time.perf_counter()
+            for fmt in self.formats:
+                problem = demo_problem(fmt, self.seed)
+                outs[fmt] = (run_simt(problem, demo_config(problem)), fingerprint(problem))
+            self.seconds = time.perf_counter() - t0
+            return outs
+        try:
+            log, _ = self._proc.communicate()
+            if self._proc.returncode != 0:
+                raise RuntimeError(f"the SIMT simulator run exited with {self._proc.returncode}:\n{log[-3000:]}")
+            with np.load(self._path) as saved:
+                self.seconds = float(saved["seconds"])
+                return {fmt: (saved[f"out_{fmt}"].view(BF16), str(saved[f"fingerprint_{fmt}"]))
+                        for fmt in self.formats}
+        finally:
+            self._tmp.cleanup()
+
+    def cancel(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def verify_cpu_models(formats=DEMO_FORMATS, seed: int = 0, models=CPU_MODELS, simt_run: SimtRun | None = None,
+                      echo=print) -> list:
+    """Run ``models`` on the demo problem in each format and check them; prints a line per run and
+    returns the ``ModelCheck``s (``raise_on_mismatch`` turns failures into an exception)."""
+    checks = []
+    simt_outputs = None
+    if "simt" in models:
+        simt_outputs = (simt_run or SimtRun(formats, seed)).result()
+    for fmt in formats:
+        problem = demo_problem(fmt, seed)
+        config = demo_config(problem)
+        ref = reference_grouped_matmul(problem)
+        exact = exact_values(problem)
+        knobs = (f"swapped={config.ab_swapped} mma_bn={config.mma_bn} cta_group={config.cta_group}")
+        for model in models:
+            if model == "simt":
+                out, digest = simt_outputs[fmt]
+                if digest != fingerprint(problem):
+                    raise RuntimeError(f"the simulator ran another {fmt} problem than this process built")
+            else:
+                out = run_emulator(problem, config)
+            check = check_output(problem, out, model, fmt, ref, exact)
+            checks.append(check)
+            echo(f"  [{model:<8} {fmt:<10}] {knobs}: {check.summary()}")
+            for line in check.mismatches:
+                echo(f"    {line}")
+    return checks
+
+
+def _worker(argv) -> int:
+    """``python -m gbs.demo simt-worker``: run the SIMT kernel on the demo problems, save the outputs."""
+    parser = argparse.ArgumentParser(prog="python -m gbs.demo simt-worker")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--formats", default=",".join(DEMO_FORMATS))
+    args = parser.parse_args(argv)
+    if not simulator_active():
+        raise SystemExit("the SIMT worker needs NUMBA_ENABLE_CUDASIM=1 in its environment")
+    run = SimtRun(args.formats.split(","), args.seed)
+    saved = {}
+    for fmt, (out, digest) in run.result().items():
+        saved[f"out_{fmt}"], saved[f"fingerprint_{fmt}"] = out.view(np.uint16), np.array(digest)
+    np.savez(args.out, seconds=np.array(run.seconds), **saved)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["simt-worker"]:
+        raise SystemExit("usage: python -m gbs.demo simt-worker --out FILE [--seed S] [--formats a,b]")
+    sys.exit(_worker(sys.argv[2:]))
