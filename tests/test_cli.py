@@ -52,5 +52,5 @@ def test_demo_runs_and_verifies_on_the_cpu():
     assert "MISMATCH" not in res.stdout + res.stderr
     assert res.stdout.strip().endswith("emulator and simt: 10 outputs checked against the exact reference\nverified")
     # the H200 plans of the same shapes, from host metadata (no GPU here)
-    assert "kimi_up            32  h200_wgmma swapped bn32, 4 split-K runs per tile" in res.stdout
+    assert "kimi_up            32  h200_wgmma swapped bn32, 8 stages; 4 split-K runs of 7 slices; 132 CTAs" in res.stdout
     assert "deepseek_up         4  h200_stream swapped bn8" in res.stdout
