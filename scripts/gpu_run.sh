@@ -8,6 +8,11 @@
 #   scripts/gpu_run.sh bench      # benchmark only; BENCH_ARGS replaces --quick (e.g. BENCH_ARGS="--skip-peaks")
 #   scripts/gpu_run.sh verify     # tests and sanitize side by side (separate processes), then nothing else
 #
+# Records kept under $OUT for each mode (so a claim can cite the test that backs it): tests -> gpu_tests-<mode>.xml
+# (JUnit, one testcase per test id) and gpu_tests-<mode>.log (-rap: a PASSED / FAILED / SKIPPED line per test id);
+# sanitize -> sanitize-<tool>-<kernel>.xml (JUnit, one testcase per case of scripts/sanitize_small.py) and .log,
+# and sanitize-summary.txt (one PASS / FAIL line per tool and kernel with compute-sanitizer's summary).
+#
 # GPU tests run in GBS_TEST_WORKERS pytest-xdist workers where pytest-xdist is installed (default 8: the
 # workers' time is mostly Numba / ptxas compiles, which are per process; correctness only, nothing is timed).
 # Python packages: your own environment (`make venv`, then PYTHON=.venv/bin/python), or, on the project's H200
@@ -38,34 +43,43 @@ run_tests() {
     local workers=()
     "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${GBS_TEST_WORKERS:-8}")
     # notebooks run in CI (their harness, nbclient, is not on GPU images and they need no GPU)
-    "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider "${workers[@]}" --ignore=tests/test_notebooks.py \
-        --junitxml="$OUT/gpu_tests.xml" tests > "$OUT/gpu_tests.log" 2>&1
+    # -rap: every test id with its outcome in the log (no captured output), beside the JUnit XML; sm100 tests skip
+    # off Blackwell
+    "$PY" -m pytest -q -m gpu -rap -p no:cacheprovider "${workers[@]}" --ignore=tests/test_notebooks.py \
+        --junitxml="$OUT/gpu_tests-$what.xml" tests > "$OUT/gpu_tests-$what.log" 2>&1
 }
 
 # one process per (tool, kernel): each compiles only its own kernel's builds
 run_sanitize() {
-    local pids=() tool kernel rc=0
+    local pids=() names=() tool kernel rc=0
     for tool in memcheck racecheck; do
         for kernel in h200_stream h200_wgmma simt; do
             compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" scripts/sanitize_small.py "$kernel" \
-                > "$OUT/sanitize-$tool-$kernel.log" 2>&1 &
+                --junitxml "$OUT/sanitize-$tool-$kernel.xml" > "$OUT/sanitize-$tool-$kernel.log" 2>&1 &
             pids+=($!)
+            names+=("$tool $kernel")
         done
     done
-    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-    grep -H "ERROR SUMMARY\|RACECHECK SUMMARY\|failed$" "$OUT"/sanitize-*.log
+    : > "$OUT/sanitize-summary.txt"
+    for i in "${!pids[@]}"; do
+        local verdict=PASS log="$OUT/sanitize-${names[$i]// /-}.log"
+        wait "${pids[$i]}" || { verdict=FAIL; rc=1; }
+        echo "$verdict ${names[$i]}: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\|failed$" "$log" | tr '\n' ' ')" \
+            >> "$OUT/sanitize-summary.txt"
+    done
+    cat "$OUT/sanitize-summary.txt"
     return $rc
 }
 
 rc=0
 case "$what" in
-    all|tests) run_tests; rc=$?; tail -4 "$OUT/gpu_tests.log" ;;
+    all|tests) run_tests; rc=$?; tail -4 "$OUT/gpu_tests-$what.log" ;;
     sanitize) run_sanitize; rc=$? ;;
     verify)
         run_tests & tests_pid=$!
         run_sanitize; rc=$?
         wait "$tests_pid" || rc=1
-        tail -4 "$OUT/gpu_tests.log" ;;
+        tail -4 "$OUT/gpu_tests-$what.log" ;;
     bench) ;;
     *) echo "unknown mode $what: all, tests, sanitize, bench or verify"; exit 2 ;;
 esac

@@ -9,9 +9,12 @@
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference. FP4 tokens
 also run with both operands in the H200 order (``E2M1H200Order``: ``a_layout`` / ``b_layout``).
-Exit status 1 if any case fails the acceptance check.
+Exit status 1 if any case fails the acceptance check. One line per case (``PASS`` / ``FAIL`` with its id);
+``--junitxml PATH`` also writes them as JUnit XML (one testcase per case, the id as its name; a case that
+raises is an error there, written before the exception goes on), as ``scripts/gpu_run.sh sanitize`` does.
 """
 import sys
+import xml.etree.ElementTree as ET
 
 import numpy as np
 
@@ -64,8 +67,50 @@ def wgmma(problem, mma_bn, *, tile_tokens=128, ab_swapped=False, k_splits=None):
                                               ab_swapped=ab_swapped, k_splits=k_splits))
 
 
+def case_id(fmt: str, name: str, knobs) -> str:
+    return f"{fmt}-{name}-{knobs}"
+
+
+def write_junit(path: str, suite: str, results: list) -> None:
+    """``results``: (case id, kernel, passed, message, error) per case, in order; JUnit XML at ``path``."""
+    root = ET.Element("testsuite", name=suite, tests=str(len(results)),
+                      failures=str(sum(1 for r in results if not r[2] and not r[4])),
+                      errors=str(sum(1 for r in results if r[4])))
+    for cid, kernel, passed, message, error in results:
+        case = ET.SubElement(root, "testcase", classname=f"{suite}.{kernel}", name=cid)
+        if error:
+            ET.SubElement(case, "error", message=message).text = message
+        elif not passed:
+            ET.SubElement(case, "failure", message=message).text = message
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def split_junit(argv: list[str]) -> tuple[list[str], str | None]:
+    """(the other arguments, the ``--junitxml`` path or None); ``--junitxml PATH`` or ``--junitxml=PATH``."""
+    rest, path, it = [], None, iter(argv)
+    for arg in it:
+        if arg == "--junitxml":
+            path = next(it, None)
+            if path is None:
+                raise SystemExit("--junitxml needs a path")
+        elif arg.startswith("--junitxml="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return rest, path
+
+
 def main(argv=None) -> int:
-    args = set(sys.argv[1:] if argv is None else argv)
+    argv, junit_path = split_junit(list(sys.argv[1:] if argv is None else argv))
+    results = []
+    try:
+        return run_cases(set(argv), results)
+    finally:
+        if junit_path:
+            write_junit(junit_path, "sanitize_small", results)
+
+
+def run_cases(args: set, results: list) -> int:
     unknown = args - set(KERNELS) - set(ALL_FORMATS) - {SWAPPED_ONLY}
     if unknown:
         raise SystemExit(f"unknown arguments {sorted(unknown)}: give kernels {KERNELS} and / or formats "
@@ -115,7 +160,14 @@ def main(argv=None) -> int:
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:
-            verdict = check_acceptance(problem, run())
+            cid = case_id(fmt, name, knobs)
+            try:
+                verdict = check_acceptance(problem, run())
+            except BaseException as err:
+                results.append((cid, name, False, f"{type(err).__name__}: {err}", True))
+                print(f"{fmt:6} {name:12} {str(knobs):30} ERROR: {type(err).__name__}: {err}", flush=True)
+                raise
+            results.append((cid, name, verdict.passed, str(verdict), False))
             failures += not verdict.passed
             print(f"{fmt:6} {name:12} {str(knobs):30} {verdict}", flush=True)
     print(f"{failures} failed")

@@ -4,8 +4,14 @@ CPU tests: the ``bench`` parser and its --help, the no-GPU message and exit stat
 validation, the quick / full case lists, rows and speed-up ratios built from fake timings, the
 table, the CSV, useful bytes / FLOPs of our problems and of every peer worked out by hand,
 rotation counts, synthetic problems of every format (valid, no NaN codes, scales in range, also
-when an operand repeats its random block), the spacer kernel compiled for sm_90.
-GPU test (``@pytest.mark.gpu``): a tiny benchmark run end to end that writes a CSV.
+when an operand repeats its random block), the spacer kernel compiled for sm_90. The output checks
+(issue 32): the per-row metric by hand, stub kernels with planted faults (a corrupted element, a
+clobbered skipped row, a launch that goes wrong after the timing, no output array) that must make the
+row a FAIL with ``verified`` False and never be timed, one reference per case, a whole ``run_bench`` on
+stubs; host-bound retries on stub events; the peers' settings (the fastest verified one is the row),
+the FP8 peer's ``use_fast_accum`` flag and the Triton peer's non-headline label.
+GPU tests (``@pytest.mark.gpu``): a tiny benchmark run end to end that writes a CSV, and each peer's
+device reference against its host reference.
 """
 from __future__ import annotations
 
@@ -435,6 +441,15 @@ def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
     assert all(float(r["median_us"]) > 0 and float(r["gbps"]) > 0 for r in simt)
     assert all(r["gpu"] != "none" and float(r["read_ceiling_tbps"]) > 1.0 for r in rows)
     assert out.rstrip().splitlines()[-1].startswith("tiny")   # the table comes last
+    # every timed row was checked first, and says whether its timing was host-bound (issue 32, items 3, 4)
+    timed = [r for r in rows if r["median_us"]]
+    assert timed and all(r["verified"] == "True" and float(r["max_row_err"]) <= 2 ** -7 + 2 ** -9 for r in timed
+                         if r["method"] != "torch_fp8_rowwise"), out
+    assert all(r["host_bound"] in ("True", "False") for r in timed)
+    assert all(r["verified"] == "" for r in rows if r["status"] == "skipped")
+    fp8 = [r for r in rows if r["method"] == "torch_fp8_rowwise" and r["status"] == "ok"]
+    assert all(r["peer_setting"] in peers.TorchFp8RowwisePeer.settings for r in fp8)
+    assert {r["peer_headline"] for r in rows if r["method"] == "triton_dot_scaled"} <= {"False"}
 
 
 @pytest.mark.gpu
@@ -545,3 +560,419 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
         with pytest.raises(NotImplementedError, match="128 rows"):
             prepare(bench.BenchCase("t", 200, 256, 2, 3).problem(fmt), None)
     np.testing.assert_array_equal(seen[0].a_operand().data, problem.a)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output checks (issue 32, item 3): the metric, our launches, the peers
+# ----------------------------------------------------------------------------------------------
+from gbs.formats import BF16  # noqa: E402
+from gbs.lab import verify  # noqa: E402
+from gbs.reference import POISON_BITS, check_acceptance, poison_output, reference_grouped_matmul  # noqa: E402
+
+
+def test_row_errors_by_hand():
+    ref = np.array([[1.0, -4.0, 2.0], [0.0, 0.0, 0.0], [0.5, 0.25, 0.0], [0.0, 0.0, 0.0]])
+    out = np.array([[1.0, -4.0, 2.5], [0.0, 0.0, 0.0], [0.5, 0.25, np.nan], [0.0, 1e-30, 0.0]])
+    np.testing.assert_array_equal(verify.row_errors(out, ref), [0.5 / 4.0, 0.0, np.inf, np.inf])
+    assert verify.row_errors(np.array([1.0, 2.0]), np.array([1.0, 4.0])).tolist() == [0.5]   # 1-D: one row
+    with pytest.raises(ValueError, match="shape"):
+        verify.row_errors(np.zeros((2, 3)), np.zeros((3, 2)))
+    assert verify.ROW_ERR_BOUND == pytest.approx(2 ** -7 + 2 ** -9)
+
+
+def test_one_bf16_ulp_passes_and_a_corrupted_element_fails():
+    ref = np.array([[1.0, 3.0, -0.75], [100.0, 7.0, 1.0]]).astype(BF16)
+    ulp = ref.copy()
+    ulp.view(np.uint16)[0, 1] += 1   # 3.0 -> the next bf16 up: one ulp of the row's largest element
+    check = verify.check_output(ulp, ref)
+    assert check.passed and 0 < check.max_row_err <= 2 ** -7 and check.worst_row == 0
+    bad = ref.copy()
+    bad[1, 1] = 9.0   # 2.0 off in a row whose largest element is 100: 2 % of it
+    check = verify.check_output(bad, ref)
+    assert not check.passed and check.max_row_err == pytest.approx(0.02) and check.worst_row == 1
+    assert "FAIL" in str(check) and "row 1" in str(check)
+
+
+def low_magnitude_group_problem():
+    """Slots: expert 0 with 6 tokens, a -1 slot with 3, expert 1 with 4 tokens at 1/1000 of expert 0's scale."""
+    p = bench.synthetic_problem("nvfp4", n=256, k=128, group_sizes=[6, 3, 4], expert_ids=[0, -1, 1], num_experts=2,
+                                seed=3)
+    return dataclasses.replace(p, expert_scales=np.array([1.0, 1e-3], np.float32))
+
+
+def test_per_row_check_catches_a_fault_the_global_acceptance_misses():
+    """A corrupted element in a low-magnitude group: far under 1 % of the global maximum (check_acceptance
+    passes), but the whole size of its own row's largest element (the per-row check fails)."""
+    p = low_magnitude_group_problem()
+    ref = reference_grouped_matmul(p)
+    out = ref.copy()
+    row = 10   # the low-magnitude group's rows are 9..12
+    col = int(np.argmax(np.abs(ref[row].astype(np.float64))))
+    out[row, col] = BF16.type(-2 * float(ref[row, col]))
+    assert check_acceptance(p, out, ref).passed, "the global metric must miss it for this test to mean anything"
+    check = verify.check_output(out, ref, written=p.written_rows())
+    assert not check.passed and check.worst_row == row and check.max_row_err == pytest.approx(3.0)
+    assert verify.check_output(ref, ref, written=p.written_rows()).max_row_err == 0.0
+
+
+def test_check_output_counts_unwritten_and_clobbered_rows():
+    p = low_magnitude_group_problem()
+    ref = reference_grouped_matmul(p)   # the -1 slot's rows 6..8 hold the poison
+    check = verify.check_output(ref, ref, written=p.written_rows())
+    assert check.passed and check.rows == 10 and (check.unwritten_rows, check.clobbered_rows) == (0, 0)
+    clobbered = ref.copy()
+    clobbered[7, 3] = BF16.type(0.0)
+    assert verify.check_output(clobbered, ref, written=p.written_rows()).clobbered_rows == 1
+    unwritten = ref.copy()
+    unwritten.view(np.uint16)[2, 5] = POISON_BITS
+    check = verify.check_output(unwritten, ref, written=p.written_rows())
+    assert not check.passed and check.unwritten_rows == 1 and check.max_row_err == np.inf
+
+
+class FakeDeviceArray:
+    """The host side of a numba device array as the bench uses it: shape, dtype, copies both ways."""
+
+    def __init__(self, shape):
+        self.host = np.zeros(shape, np.uint16)
+        self.shape, self.dtype = shape, self.host.dtype
+
+    def copy_to_device(self, host):
+        assert host.dtype == self.dtype and host.shape == self.shape
+        self.host[...] = host
+
+    def copy_to_host(self):
+        return self.host.copy()
+
+
+class FakeLaunch:
+    """A prepared launch writing the exact reference's bits into the written rows of ``out``. Planted faults:
+    ``corrupt`` = (row, col) doubled plus one from call ``corrupt_from`` on; ``clobber``: also writes a skipped row."""
+
+    def __init__(self, problem, corrupt=None, corrupt_from=1, clobber=None, output="out"):
+        setattr(self, output, FakeDeviceArray((problem.total_tokens, problem.n)))
+        self._out = getattr(self, output)
+        self.ref_bits = reference_grouped_matmul(problem).view(np.uint16)
+        self.written = problem.written_rows()
+        self.corrupt, self.corrupt_from, self.clobber = corrupt, corrupt_from, clobber
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        bits = self._out.host
+        bits[self.written] = self.ref_bits[self.written]
+        if self.corrupt and self.calls >= self.corrupt_from:
+            row, col = self.corrupt
+            value = np.array(bits[row, col]).view(BF16).astype(np.float32)
+            bits[row, col] = np.array(2 * value + 1).astype(BF16).view(np.uint16)
+        if self.clobber is not None:
+            bits[self.clobber] = 0
+
+
+class Bare:
+    """A launch with no output array: the bench cannot check it, so it must not time it."""
+
+    def __call__(self):
+        pass
+
+
+@pytest.fixture
+def no_gpu_sync(monkeypatch):
+    from numba import cuda
+
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+
+
+def fake_timer(calls):
+    """time_launches' stand-in: three launches, a fixed timing; records that it ran."""
+    def time_launches(launch, *, num_inputs=1, budget_s=None, **_):
+        calls.append(num_inputs)
+        for i in range(3):
+            launch(i % num_inputs)
+        return bench.Timing(10.0, 9.0, 11.0, 3)
+
+    return time_launches
+
+
+def measure_ours(problem, make_launch, monkeypatch, reference=None):
+    timed = []
+    monkeypatch.setattr(bench, "time_launches", fake_timer(timed))
+    reference = reference or bench.CaseReference(problem)
+    m = bench._our_measurement("simt", lambda p, c: make_launch(p), problem, None, 1.0, 1, reference)
+    return m, timed
+
+
+def test_our_output_is_verified_before_it_is_timed(monkeypatch, no_gpu_sync):
+    p = low_magnitude_group_problem()
+    launches = []
+    m, timed = measure_ours(p, lambda q: launches.append(FakeLaunch(q)) or launches[-1], monkeypatch)
+    assert m.status == bench.STATUS_OK and m.verified is True and m.max_row_err == 0.0 and timed == [1]
+    assert launches[0].calls == 1 + 3 + 1   # checked, timed, checked again
+    # the SIMT kernel's prepared launch names its output device_out
+    m, _ = measure_ours(p, lambda q: FakeLaunch(q, output="device_out"), monkeypatch)
+    assert m.verified is True
+
+
+@pytest.mark.parametrize("fault, note", [
+    (dict(corrupt=(10, 0)), "OUTPUT CHECK FAILED, not timed"),       # the low-magnitude group
+    (dict(corrupt=(0, 0)), "OUTPUT CHECK FAILED, not timed"),
+    (dict(clobber=7), "clobbered skipped rows 1"),                     # the -1 slot's rows
+    (dict(corrupt=(2, 5), corrupt_from=3), "after the timed launches"),   # right once, wrong after the timing
+])
+def test_a_planted_fault_makes_the_row_a_fail_never_timed_as_good(fault, note, monkeypatch, no_gpu_sync):
+    p = low_magnitude_group_problem()
+    m, timed = measure_ours(p, lambda q: FakeLaunch(q, **fault), monkeypatch)
+    assert m.status == bench.STATUS_FAIL and m.verified is False and m.timing is None, m
+    assert note in m.note
+    assert timed == ([1] if "after" in note else [])   # a first check that fails: never timed
+    row = bench.build_rows("nvfp4", bench.BENCH_CASES["kimi_decode"], dispatch_for(p), [m], CEILINGS, {})[0]
+    assert row["verified"] is False and row["median_us"] is None and row["status"] == "FAIL"
+    assert bench.format_table([row]).splitlines()[2].split(None, 3)[3].startswith("FAIL: ")
+
+
+def test_a_launch_without_an_output_array_is_a_fail_not_a_skip(monkeypatch, no_gpu_sync):
+    m, timed = measure_ours(low_magnitude_group_problem(), lambda q: Bare(), monkeypatch)
+    assert m.status == bench.STATUS_FAIL and m.verified is False and timed == []
+    assert "exposes no output array" in m.note
+    with pytest.raises(bench.VerificationError, match="out / device_out"):
+        bench.launcher_output(Bare())
+
+
+def test_the_reference_is_computed_once_per_case_for_every_method(monkeypatch, no_gpu_sync):
+    p = low_magnitude_group_problem()
+    made = []
+    monkeypatch.setattr(bench, "reference_grouped_matmul", lambda q: made.append(q) or reference_grouped_matmul(q))
+    reference = bench.CaseReference(p)
+    for _ in range(3):
+        assert measure_ours(p, FakeLaunch, monkeypatch, reference)[0].verified
+    assert made == [p] and reference.seconds is not None
+    # a method that is skipped at prepare never costs a reference
+    lazy = bench.CaseReference(p)
+    m = bench._our_measurement("simt", lambda q, c: (_ for _ in ()).throw(NotImplementedError("no")), p, None, 1.0,
+                               1, lazy)
+    assert m.status == bench.STATUS_SKIPPED and m.verified is None and lazy.seconds is None and len(made) == 1
+
+
+def test_run_bench_with_stub_kernels_records_the_checks_and_fails_loudly(tmp_path, monkeypatch, capsys, no_gpu_sync):
+    """The whole run on the host: a right kernel and one with a planted fault; the CSV says which is which,
+    the faulty one is not timed, and the run exits 1 with a message."""
+    monkeypatch.setattr(bench, "measure_ceilings", lambda *a: CEILINGS)
+    monkeypatch.setattr(bench, "device_l2_bytes", lambda: 1)
+    monkeypatch.setattr(bench, "time_launches", fake_timer([]))
+    monkeypatch.setattr(peers, "load_peers", lambda names: ([], {}))
+    monkeypatch.setattr(bench, "load_backends", lambda names: (
+        {"simt": lambda p, c: FakeLaunch(p), "gbs_auto": lambda p, c: FakeLaunch(p, corrupt=(1, 2))}, {}))
+    case = bench.BenchCase("tiny", n=256, k=256, slots=3, tokens_per_expert=5)
+    path = tmp_path / "tiny.csv"
+    status = bench.run_bench([("nvfp4", case)], ("simt", "gbs_auto"), str(path), budget_s=0.05, read_bytes=1,
+                             measure_peaks=False)
+    out, err = capsys.readouterr()
+    assert status == 1
+    assert "OUTPUT CHECK FAILED (1 rows, not timed as good): nvfp4 tiny gbs_auto" in err
+    assert "exact reference computed in" in out and "verified, max row err 0.00e+00" in out
+    with open(path, newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert (rows["simt"]["verified"], rows["simt"]["max_row_err"], rows["simt"]["host_bound"]) == ("True", "0.0", "False")
+    assert rows["gbs_auto"]["verified"] == "False" and rows["gbs_auto"]["median_us"] == ""
+    assert float(rows["gbs_auto"]["max_row_err"]) > verify.ROW_ERR_BOUND
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-bound timings (issue 32, item 4)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_events(monkeypatch):
+    """numba.cuda's events and sync, host-only: every event pair reads 0.01 ms."""
+    from numba import cuda
+
+    class Event:
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(cuda, "event", Event)
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "event_elapsed_time", lambda a, b: 0.01)
+
+
+def scripted_batches(monkeypatch, verdicts):
+    """_timed_launches' stand-in: host-bound or not per batch, from ``verdicts``; records (reps, spacer_s)."""
+    batches = []
+
+    def timed(launch, reps, first_input, num_inputs, spacer_s):
+        batches.append((reps, spacer_s))
+        for i in range(reps):
+            launch((first_input + i) % num_inputs)
+        return np.full(reps, 5.0 + len(batches)), verdicts[len(batches) - 1]
+
+    monkeypatch.setattr(bench, "_timed_launches", timed)
+    return batches
+
+
+def test_a_host_bound_batch_is_retried_with_more_warmup_and_a_longer_spacer(monkeypatch, fake_events):
+    batches = scripted_batches(monkeypatch, [True, True, False])
+    issued = []
+    timing = bench.time_launches(issued.append, num_inputs=2, warmup=3, reps=10)
+    assert timing.host_bound is False and timing.attempts == 3 and timing.median_us == 8.0   # the third batch's
+    assert len(batches) == 3 and batches[1][1] > batches[0][1] and batches[2][1] > batches[1][1]
+    # 1 first call + 1 host-time probe + 3 warm-up + 10 timed, then 6 + 10 and 12 + 10 (warm-up doubles)
+    assert len(issued) == 2 + 3 + 10 + 6 + 10 + 12 + 10
+
+
+def test_still_host_bound_after_the_retries_is_marked_and_warned(monkeypatch, fake_events):
+    batches = scripted_batches(monkeypatch, [True] * (1 + bench.HOST_BOUND_RETRIES))
+    with pytest.warns(RuntimeWarning, match="include host gaps"):
+        timing = bench.time_launches(lambda i: None, reps=10)
+    assert timing.host_bound is True and timing.attempts == 1 + bench.HOST_BOUND_RETRIES == len(batches)
+    assert all(spacer <= bench.SPACER_MAX_S for _, spacer in batches)
+
+
+def test_a_retry_at_the_spacer_cap_queues_only_what_the_spacer_covers(monkeypatch, fake_events):
+    monkeypatch.setattr(bench, "SPACER_MAX_S", 1e-9)   # any host time exceeds it: the cap binds at once
+    batches = scripted_batches(monkeypatch, [True, False])
+    timing = bench.time_launches(lambda i: None, reps=50)
+    assert [reps for reps, _ in batches] == [50, bench.MIN_TIMED_LAUNCHES]
+    assert timing.launches == bench.MIN_TIMED_LAUNCHES and not timing.host_bound
+
+
+def test_host_bound_rows_are_marked_in_the_csv_and_the_table():
+    case = bench.BENCH_CASES["kimi_decode"]
+    problem = case.problem("nvfp4")
+    ms = fake_measurements(problem)
+    ms[0] = dataclasses.replace(ms[0], timing=bench.Timing(100.0, 99.0, 101.0, 40, host_bound=True, attempts=3))
+    rows = bench.build_rows("nvfp4", case, dispatch_for(problem), ms, CEILINGS, {})
+    assert [r["host_bound"] for r in rows] == [True, None, False, False, None, False]
+    assert rows[0]["timing_attempts"] == 3 and rows[2]["timing_attempts"] == 1
+    table = bench.format_table(rows).splitlines()
+    assert "HOST-BOUND (times include host gaps after 3 batches)" in table[2]
+    assert not any("HOST-BOUND" in line for line in table[3:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Peers: settings, checks at the bench shape, headline (issue 32, items 3, 5, 6)
+# ----------------------------------------------------------------------------------------------
+class FakePeer(peers.Peer):
+    """A numpy peer with two settings; ``wrong``: settings whose output is corrupted."""
+
+    name = "torch_fp8_rowwise"
+    settings = ("slow", "fast")
+
+    def __init__(self, wrong=()):
+        self.wrong, self.launched = set(wrong), []
+
+    def method_format(self, fmt):
+        return "fake"
+
+    def useful_bytes(self, shape, fmt, our_useful_bytes):
+        return 1000
+
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed):
+        rng = np.random.default_rng(seed)
+        return {"a": rng.standard_normal((shape.tokens, shape.k)), "b": rng.standard_normal((shape.n, shape.k)),
+                "k": shape.k}
+
+    def device_reference(self, inputs):
+        return inputs["a"] @ inputs["b"].T
+
+    def launch(self, inputs, setting=""):
+        self.launched.append(setting)
+        out = (inputs["a"] @ inputs["b"].T).astype(np.float32)
+        if setting in self.wrong:
+            out[1, 1] += 10 * np.abs(out[1]).max()
+        return out
+
+
+@pytest.mark.parametrize("wrong, us, expect_setting, expect_note", [
+    ((), {"slow": 20.0, "fast": 12.0}, "fast", "other settings: slow: 20.0 us (max row err"),
+    ((), {"slow": 9.0, "fast": 12.0}, "slow", "other settings: fast: 12.0 us"),
+    (("fast",), {"slow": 20.0, "fast": 12.0}, "slow", "fast: OUTPUT CHECK FAILED, not timed"),   # planted fault
+])
+def test_the_peer_row_is_its_fastest_verified_setting(wrong, us, expect_setting, expect_note, monkeypatch):
+    peer = FakePeer(wrong)
+    timed = []
+
+    def time_launches(launch, *, num_inputs=1, budget_s=None, **_):
+        launch(0)
+        timed.append(peer.launched[-1])
+        return bench.Timing(us[peer.launched[-1]], 1.0, 1.0, 5)
+
+    monkeypatch.setattr(bench, "time_launches", time_launches)
+    m = bench._peer_measurement(peer, peers.PeerShape(32, 64, (3, 5)), "nvfp4", 1000, 1.0, 1)
+    assert m.status == bench.STATUS_OK and m.verified is True and m.setting == expect_setting
+    assert m.timing.median_us == us[expect_setting] and expect_note in m.note
+    assert timed == [s for s in peer.settings if s not in wrong]   # a setting that fails its check is not timed
+    row = bench.build_rows("nvfp4", bench.BENCH_CASES["kimi_decode"], dispatch_for(bench.BENCH_CASES["kimi_decode"]
+                           .problem("nvfp4")), [m], CEILINGS, {})[0]
+    assert row["peer_setting"] == expect_setting and row["verified"] is True and row["peer_headline"] is True
+
+
+def test_a_peer_whose_every_setting_fails_is_a_fail_row(monkeypatch):
+    monkeypatch.setattr(bench, "time_launches", lambda *a, **k: pytest.fail("a failed output was timed"))
+    m = bench._peer_measurement(FakePeer(("slow", "fast")), peers.PeerShape(32, 64, (3, 5)), "nvfp4", 1000, 1.0, 1)
+    assert m.status == bench.STATUS_FAIL and m.verified is False and m.timing is None
+    assert m.note.count("OUTPUT CHECK FAILED") == 2 and m.max_row_err > 1
+
+
+def test_check_at_shape_uses_the_peers_bound():
+    peer = FakePeer()
+    inputs = peer.make_inputs(peers.PeerShape(16, 32, (4,)), "nvfp4", 0, seed=0)
+    reference = peer.device_reference(inputs)
+    assert peers.check_at_shape(peer, inputs, reference, "slow").passed
+    assert not peers.check_at_shape(FakePeer(("slow",)), inputs, reference, "slow").passed
+    copy = peers.CopyPeer()
+    assert copy.row_err_bound("", 0) == 0.0   # a copy with one wrong byte fails
+
+
+def test_fp8_peer_settings_flag_and_bounds(monkeypatch):
+    fp8 = peers.TorchFp8RowwisePeer()
+    assert fp8.settings == (peers.FP8_ACCURATE, peers.FP8_FAST) == ("use_fast_accum=False", "use_fast_accum=True")
+    assert fp8.row_err_bound(peers.FP8_ACCURATE, 7168) == verify.ROW_ERR_BOUND
+    assert fp8.row_err_bound(peers.FP8_FAST, 7168) == pytest.approx(verify.ROW_ERR_BOUND + 224 * 2 ** -13)
+    calls = []
+    fake_torch = types.SimpleNamespace(bfloat16="bf16", _scaled_grouped_mm=lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(peers, "_torch", lambda: fake_torch)
+    b = types.SimpleNamespace(transpose=lambda *dims: "b^T")
+    inputs = {"a": "a", "b": b, "scale_a": "sa", "scale_b": "sb", "offs": "offs"}
+    for setting in fp8.settings:
+        fp8.launch(inputs, setting)
+    fp8.launch(inputs)   # the small-shape check's default: torch's default
+    assert [kw["use_fast_accum"] for kw in calls] == [False, True, False]
+    with pytest.raises(ValueError, match="setting must be one of"):
+        fp8.launch(inputs, "use_fast_accum=maybe")
+
+
+def test_triton_peer_is_labelled_not_headline():
+    assert peers.TritonDotScaledPeer.headline is False and "not headline" in peers.TritonDotScaledPeer.label
+    assert "Not a headline peer" in peers.TritonDotScaledPeer.__doc__
+    assert [n for n, cls in peers.PEER_CLASSES.items() if not cls.headline] == ["triton_dot_scaled"]
+    case = bench.BENCH_CASES["kimi_decode"]
+    problem = case.problem("nvfp4")
+    ms = [dataclasses.replace(m, headline=peers.PEER_CLASSES[m.method].headline) if m.kind == bench.KIND_PEER
+          else m for m in fake_measurements(problem)]
+    ms[4] = dataclasses.replace(ms[4], status=bench.STATUS_OK, note="", timing=bench.Timing(500.0, 490.0, 510.0, 5))
+    rows = bench.build_rows("nvfp4", case, dispatch_for(problem), ms, CEILINGS, {})
+    assert [r["peer_headline"] for r in rows] == [None, None, True, True, False, True]
+    table = bench.format_table(rows).splitlines()
+    assert "NOT HEADLINE" in table[6] and sum("NOT HEADLINE" in line for line in table) == 1
+    assert "NOT HEADLINE" in bench.TABLE_LEGEND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", peers.PEER_NAMES)
+def test_peer_device_reference_matches_the_host_reference(name):
+    """On the GPU with torch: each peer's float64 reference computed on the device (the bench shape's) equals the
+    host one (the small check's) on the check shape, and every setting's output passes ``check_at_shape``."""
+    loaded, skipped = peers.load_peers([name])
+    if not loaded:
+        pytest.skip(skipped[name])
+    peer = loaded[0]
+    shape = peers.PeerShape(peers.CHECK_N, peers.CHECK_K, peers.CHECK_GROUP_SIZES)
+    for fmt in ("nvfp4", "w4a8"):
+        inputs = peer.make_inputs(shape, fmt, 1 << 20, seed=peers.CHECK_SEED)
+        device = peer.device_reference(inputs)
+        host = peer.reference(inputs)   # float64 sums in another order: equal to ~1e-16 of the largest term
+        np.testing.assert_allclose(peers._host64(device), host, rtol=0, atol=1e-12 * np.abs(host).max())
+        for setting in peer.settings:
+            check = peers.check_at_shape(peer, inputs, device, setting)
+            assert check.passed, f"{name} {fmt} {setting}: {check}"

@@ -235,3 +235,36 @@ def test_overlap_probe_refuses_bad_cases(overlap_probe):
         overlap_probe.make_kernel(overlap_probe.Case("base"), 6, True)
     with pytest.raises(ValueError):
         overlap_probe.make_work("int64")
+
+
+def test_sanitize_small_writes_a_junit_testcase_per_case(monkeypatch, capsys, tmp_path):
+    """``--junitxml``: one testcase per case, named by its id; a case that fails its check (a planted fault: the
+    reference with one element changed) is a failure there and in the exit status."""
+    import xml.etree.ElementTree as ET
+
+    from gbs.reference import reference_grouped_matmul
+
+    sanitize = load_script("sanitize_small")
+
+    def simt(problem, config):
+        out = reference_grouped_matmul(problem)
+        if problem.a_format.name == "mxfp4":
+            out[0, 0] = 1e4
+        return out
+
+    monkeypatch.setattr(sanitize.simt, "grouped_matmul_simt", simt)
+    path = tmp_path / "sanitize.xml"
+    assert sanitize.main(["simt", "--junitxml", str(path)]) == 1
+    suite = ET.parse(path).getroot()
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert sorted(cases) == sorted(f"{fmt}-simt-(True, 8, 1)" for fmt in sanitize.FORMATS)
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == (str(len(sanitize.FORMATS)), "1", "0")
+    assert cases["mxfp4-simt-(True, 8, 1)"].find("failure") is not None
+    assert cases["nvfp4-simt-(True, 8, 1)"].find("failure") is None
+    assert "1 failed" in capsys.readouterr().out
+    # a case that raises: an error in the XML, written before the exception goes on
+    monkeypatch.setattr(sanitize.simt, "grouped_matmul_simt", lambda p, c: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        sanitize.main(["simt", "nvfp4", f"--junitxml={path}"])
+    suite = ET.parse(path).getroot()
+    assert suite.get("errors") == "1" and "ZeroDivisionError" in suite.find("testcase/error").get("message")

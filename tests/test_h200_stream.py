@@ -620,6 +620,7 @@ def test_split_spec_is_its_own_kernel():
 
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 def test_split_k_epilogue_reads_every_sum_before_it_stores():
     """The split-K build's last run reads its sums with plain L2 loads (``ld.global.cg``), every one issued before
     the first output store, so their latencies overlap; no ``atom.exch`` per word, which waited for each in turn.
@@ -976,6 +977,7 @@ def test_tiled_weights_are_refused_where_they_cannot_be_read():
         hs.tensor_map_args(hs.StreamSpec(a, b, True, 8, 1, 2, b_layout=LAYOUT_E2M1_H200_TILED), shapes, addresses)
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 def test_tiled_weights_build_only_the_producer_differently():
     """Offline SASS: tiled and fused weights change the producer's loads only: the hot K-slice loop, registers
     and local memory are the row-major build's; tiled, 2-D weight loads replace the 3-D ones, fused, the weight
@@ -1197,6 +1199,7 @@ def compiled():
     return {r["case"]: r for r in results}
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 @pytest.mark.parametrize("case", COMPILE_MATRIX, ids=lambda c: "-".join(map(str, c)))
 def test_compiles_for_sm90a_with_the_promised_sass(compiled, case):
     r = compiled[case]
@@ -1692,6 +1695,7 @@ def test_h200_token_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply
         dataclasses.replace(problem, a_layout="tiled")
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 def test_h200_weight_layout_shortens_the_decode_loop():
     """The point of the re-layout, read from the SASS (ptxas, sm_90a): the decode config's hot loop
     (4 groups of 16 registers) loses at least 50 of its ~358 instructions, with no spills."""
@@ -1911,6 +1915,7 @@ def test_trace_phases_are_the_gaps_between_reached_events():
         hs.trace_phases(records[None])
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 def test_trace_build_stamps_and_the_plain_build_does_not():
     """Offline (sm_90a): the trace build reads %globaltimer / %clock64 (SASS S2UR / CS2R of them); the plain
     build reads no timer in its K loop or anywhere but the bounded waits' deadlock timer."""

@@ -308,6 +308,7 @@ LOCAL_IN_K_LOOP = {(128, 128): 0, (256, 128): 8, (128, 256): 0, (32, 128): 0, (6
 LOCAL_TOTAL = {(128, 128): 64, (256, 128): 256, (128, 256): 160, (32, 128): 64, (64, 128): 64}
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 @pytest.mark.parametrize("fmt, bn, tile_tokens, swapped", [
     ("nvfp4", 128, 128, False), ("mxfp8", 128, 128, False), ("w4a8", 128, 128, False), ("mxfp8", 256, 128, False),
     ("w4a8", 256, 128, False), ("nvfp4", 128, 256, False), ("mxfp4", 128, 256, False), ("nvfp4", 32, 128, True),
@@ -332,6 +333,7 @@ def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens, swapped):
         assert any(ins.startswith("STS.64") for ins in instructions[hgmma[0] - 400:hgmma[-1]])
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 def test_h200_token_layout_shortens_the_256_token_k_loop():
     """FP4 tokens in ``E2M1H200Order`` (``a_layout``): the token decode, two thirds of the elements a
     256-token K loop decodes, takes 9 instead of 13 integer instructions per word. Offline (ptxas 13.5,
@@ -444,6 +446,7 @@ def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots,
         assert plan.tile_tokens == 128
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
 @pytest.mark.parametrize("fmt, bn", [("nvfp4", 32), ("mxfp8", 32), ("w4a8", 64)])   # FP8 tokens: run 125's plan
 def test_swapped_split_k_build_reads_every_sum_before_it_stores(fmt, bn):
     """``WgmmaSpec.split_k`` (swapped tiles only): the K loop is no longer than the plain swapped build's and has no

@@ -59,6 +59,7 @@ def test_notebook_is_stored_stripped(path):
     assert not dirty, f"{path.name}: code cells {dirty} hold outputs or execution counts; store notebooks stripped"
 
 
+@pytest.mark.slow   # nbclient runs each notebook in a kernel: 5-30 s each on a 2-core CPU
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")

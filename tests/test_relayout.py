@@ -106,6 +106,7 @@ def simulated():
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # Numba's CUDA simulator in a subprocess: ~100 s on a 2-core CPU
 def test_device_relayout_is_the_host_swizzle_in_the_simulator(simulated):
     for shape, (host, fresh, given, returned, untouched) in zip(SHAPES, simulated["outputs"]):
         host = np.array(host, np.uint8).reshape(shape)

@@ -270,6 +270,7 @@ def expected_nan_mask(problem, nan_scale):
     return mask
 
 
+@pytest.mark.slow   # Numba's CUDA simulator in a subprocess: ~30 s on a 2-core CPU
 @pytest.mark.parametrize("run", RUNS, ids=[r.run_id for r in RUNS])
 def test_simulated_kernel_passes_acceptance(simulated, run):
     out = output_of(simulated, run)

@@ -80,6 +80,7 @@ def test_dispatch_outcomes_cover_every_rule():
     assert len(KERNEL_SPECS) == 11
 
 
+@pytest.mark.slow   # offline compiles: 5-9 s per build, ~80 s for the 11 on a 2-core CPU
 @pytest.mark.parametrize("spec", KERNEL_SPECS, ids=_spec_id)
 def test_kernel_assembles_with_the_expected_sass(spec):
     kernel = assembled(spec)
@@ -240,11 +241,10 @@ def test_bad_grid_is_rejected():
 
 
 @pytest.mark.gpu
+@pytest.mark.sm100   # skips (conftest) unless the GPU is a compute capability 10.0 one (B200 / GB200)
 @pytest.mark.parametrize("fmt, knobs", [("nvfp4", (True, 8, 1)), ("nvfp4", (True, 128, 2)),
                                         ("mxfp8", (False, 128, 1)), ("w4a8", (True, 64, 2))])
 def test_kernel_on_sm100(fmt, knobs):
-    if not _sm100_present():
-        pytest.skip("needs a compute capability 10.0 GPU (B200 / GB200)")
     problem = _tiny(fmt, k_dim=512, n=256, sizes=(5, 0, 140, 1, 30), ids=(0, 1, -1, 1, 0))
     out = k.grouped_matmul_sm100(problem, TileConfig(*knobs))
     assert check_acceptance(problem, out).passed

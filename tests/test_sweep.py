@@ -297,6 +297,7 @@ def fake_worker(label, work, part_path, *, hw_key, seed, row_budget_s, deadline,
     return summary
 
 
+@pytest.mark.slow   # spawns worker processes: ~17 s on a 2-core CPU
 def test_workers_are_spawned_one_gpu_each_and_a_dead_one_is_reported(tmp_path):
     csv_path = str(tmp_path / "ablations.csv")
     work = sweep.pending_work(tiny_grid(), set(), "h200")

@@ -9,11 +9,20 @@ matmul) are measured in the same process as the kernels.
 
 The benchmark: for each (format, case) it builds a synthetic problem, asks the dispatch for its
 config, times each of our backends (``BACKEND_LOADERS``: ``prepare(problem, config)`` -> a launcher
-that takes no arguments) and each peer of ``gbs.lab.peers`` (torch bf16 / FP8 grouped matmuls, a
-Triton ``tl.dot_scaled`` grouped loop, a device copy of the same bytes) on the live groups, and
-makes one row per method: time, TFLOP/s and GB/s of the method's own useful bytes, percentages of
-the measured ceilings, speed-ups over each peer, the dispatch config, and the environment. It
-prints the table last and writes the rows as CSV (default ``bench/results/<date>-<gpu>.csv``).
+that takes no arguments and writes its output into ``launcher.out`` or ``launcher.device_out``) and
+each peer of ``gbs.lab.peers`` (torch bf16 / FP8 grouped matmuls, a Triton ``tl.dot_scaled`` grouped
+loop, a device copy of the same bytes) on the live groups, and makes one row per method: time,
+TFLOP/s and GB/s of the method's own useful bytes, percentages of the measured ceilings, speed-ups
+over each peer, the dispatch config, and the environment. It prints the table last and writes the
+rows as CSV (default ``bench/results/<date>-<gpu>.csv``).
+
+Nothing is timed unchecked (issue 32): each of our methods first runs once on a poisoned output and
+is compared with the case's exact reference (``CaseReference``: computed once per (case, format) on
+the host, shared by every method) by ``gbs.lab.verify`` (per-row normalised max error within
+``ROW_ERR_BOUND``, skipped rows still poisoned), and once more after its timed launches; each peer
+setting is compared with a float64 reference of its own inputs at the bench shape. A failure is a
+FAIL row with ``verified`` False and its ``max_row_err``, and the run exits 1. A timing that stays
+host-bound after ``HOST_BOUND_RETRIES`` retries is marked (``host_bound``) in the CSV and the table.
 
 ``python -m gbs bench --quick`` runs the short benchmark of the GPU runner (``scripts/gpu_run.sh``);
 ``add_bench_parser`` registers the subcommand. Without a GPU it exits with status 2 and a message.
@@ -36,7 +45,9 @@ import numpy as np
 
 from . import peers as peer_lib
 from ..problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from ..formats import E4M3, group_scale_offsets, swizzle_scales
+from ..formats import BF16, E4M3, group_scale_offsets, swizzle_scales
+from ..reference import poison_output, reference_grouped_matmul
+from .verify import check_output
 from ..layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
 
 L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
@@ -60,9 +71,13 @@ READ_LOADS_IN_FLIGHT = 4        # 16-byte loads issued per thread before the fir
 SPACER_MARGIN = 2.0
 SPACER_MAX_S = 0.5
 SPACER_SLEEP_NS = np.uint32(1000)
-# If the GPU still drained the queue before the last timed launch was issued, time once more with
-# this many times the spacer, then warn (``Timing.host_bound``).
+# If the GPU still drained the queue before the last timed launch was issued, time again (at most
+# HOST_BOUND_RETRIES more batches) after more warm-up, behind this many times the spacer (and, once the
+# spacer is at SPACER_MAX_S, with only as many launches as it covers); still host-bound: the Timing says
+# so (``Timing.host_bound``), the CSV's ``host_bound`` column and the table mark the row.
 SPACER_RETRY_FACTOR = 4.0
+HOST_BOUND_RETRIES = 2
+RETRY_WARMUP_FACTOR = 2          # a retry warms up with this many times the launches of the one before
 
 # Realistic scale bytes for synthetic problems: UE8M0 exponents near 1.0, UE4M3 values near the
 # NVFP4 recipe's (amax_block / 6 * S_enc lands in [~16, 448]).
@@ -81,6 +96,7 @@ class Timing:
     host_bound: bool = False   # the GPU ran out of queued launches: the times include host gaps
     # every timed launch in issue order, (input set, us): for streaks or modes a median hides
     series: tuple[tuple[int, float], ...] = field(default=(), repr=False, compare=False)
+    attempts: int = 1          # timed batches run: 1, or more after host-bound batches (HOST_BOUND_RETRIES)
 
 
 def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
@@ -89,7 +105,15 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
     of events per launch, after one untimed first call (compilation, module load) and ``warmup``
     untimed launches. With ``budget_s``, warm-up and timed launches are cut to about
     ``WARMUP_BUDGET_S`` and ``budget_s`` of the slower of host and GPU (at least 1 and
-    ``MIN_TIMED_LAUNCHES``). Events go on the legacy default stream, which torch and Triton use too."""
+    ``MIN_TIMED_LAUNCHES``). Events go on the legacy default stream, which torch and Triton use too.
+
+    A batch during which the GPU ran out of queued launches (host-bound: its times include the host's
+    launch gaps) is timed again, up to ``HOST_BOUND_RETRIES`` times, each after ``RETRY_WARMUP_FACTOR``
+    times more warm-up launches (which also re-measure the host's time per launch), behind a spacer
+    ``SPACER_RETRY_FACTOR`` times longer (at least ``SPACER_MARGIN`` x the launches' host time), at most
+    ``SPACER_MAX_S``, with no more launches than such a spacer covers (at least ``MIN_TIMED_LAUNCHES``).
+    The last batch is returned; ``Timing.host_bound`` says whether it was still host-bound (with a
+    RuntimeWarning), ``Timing.attempts`` how many batches ran."""
     from numba import cuda
 
     if num_inputs < 1 or reps < 1 or warmup < 0:
@@ -116,16 +140,26 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
     spacer_s = min(SPACER_MAX_S, SPACER_MARGIN * reps * host_s)
     first_input = 2 + warmup
     times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
-    if host_bound:   # once more behind a longer spacer
-        spacer_s = min(SPACER_MAX_S, SPACER_RETRY_FACTOR * spacer_s)
+    attempts = 1
+    retry_warmup = max(1, warmup)
+    while host_bound and attempts <= HOST_BOUND_RETRIES:
+        retry_warmup *= RETRY_WARMUP_FACTOR
+        t0 = time.perf_counter()
+        for i in range(retry_warmup):
+            launch((first_input + i) % num_inputs)
+        host_s = max(host_s, (time.perf_counter() - t0) / retry_warmup)
+        cuda.synchronize()
+        spacer_s = min(SPACER_MAX_S, max(SPACER_RETRY_FACTOR * spacer_s, SPACER_MARGIN * reps * host_s))
+        reps = max(MIN_TIMED_LAUNCHES, min(reps, int(spacer_s / (SPACER_MARGIN * max(host_s, 1e-9)))))
         times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
+        attempts += 1
     if host_bound:
         warnings.warn(f"time_launches: the GPU drained the queue before the host issued the last of {reps} "
-                      f"launches even after a {spacer_s * 1e3:.1f} ms spacer: the times include host gaps",
-                      RuntimeWarning, stacklevel=2)
+                      f"launches in {attempts} batches, the last behind a {spacer_s * 1e3:.1f} ms spacer: the times "
+                      f"include host gaps (marked host_bound)", RuntimeWarning, stacklevel=2)
     series = tuple(((first_input + i) % num_inputs, float(t)) for i, t in enumerate(times_us))
     return Timing(float(np.median(times_us)), float(np.percentile(times_us, 10)),
-                  float(np.percentile(times_us, 90)), reps, host_bound, series)
+                  float(np.percentile(times_us, 90)), reps, bool(host_bound), series, attempts)
 
 
 def _timed_launches(launch, reps: int, first_input: int, num_inputs: int, spacer_s: float):
@@ -463,7 +497,7 @@ def _load_simt():
         prepared = simt.prepare(problem, config)
         if prepared.num_tiles == 0:
             raise ValueError("the problem has no tiles (every slot is -1 or empty)")
-        return prepared.launch
+        return prepared   # callable; ``device_out`` is what ``launcher_output`` reads back
 
     return prepare
 
@@ -626,6 +660,11 @@ class Measurement:
     note: str = ""
     input_sets: int = 0        # rotated input copies
     knobs: str = ""            # what our kernel ran (``launch_knobs``)
+    # the output check before the timing (``gbs.lab.verify``): None where nothing ran
+    verified: bool | None = None
+    max_row_err: float | None = None
+    setting: str = ""          # peers: the launch setting timed (the fastest verified one)
+    headline: bool | None = None   # peers: may the headline tables quote this peer (``Peer.headline``)
 
 
 @dataclass(frozen=True)
@@ -663,8 +702,11 @@ def build_rows(fmt: str, case: BenchCase, config, measurements: list[Measurement
             "slots": case.slots, "tokens_per_expert": case.tokens_per_expert, "total_tokens": case.total_tokens,
             "regime": config.regime, "method": m.method, "kind": m.kind, "method_format": m.method_format,
             "status": m.status, "note": m.note,
+            "verified": m.verified, "max_row_err": m.max_row_err,
             "median_us": us, "p10_us": m.timing.p10_us if m.timing else None,
             "p90_us": m.timing.p90_us if m.timing else None, "launches": m.timing.launches if m.timing else None,
+            "host_bound": m.timing.host_bound if m.timing else None,
+            "timing_attempts": m.timing.attempts if m.timing else None,
             "input_sets": m.input_sets, "useful_flops": m.useful_flops, "useful_bytes": m.useful_bytes,
             "tflops": tflops, "gbps": gbps,
             "pct_read_ceiling": _percent(gbps, ceilings.read_tbps * 1e3),
@@ -677,6 +719,7 @@ def build_rows(fmt: str, case: BenchCase, config, measurements: list[Measurement
             "ab_swapped": config.ab_swapped if ours else None, "mma_bn": config.mma_bn if ours else None,
             "cta_group": config.cta_group if ours else None,
             "stages": config.num_pipeline_stages if ours else None, "ran_knobs": m.knobs,
+            "peer_setting": m.setting, "peer_headline": None if ours else m.headline,
             "earlier_figure": f"{earlier[0]:g} {earlier[1]}" if earlier else "",
             "read_ceiling_tbps": ceilings.read_tbps, "bf16_peak_tflops": ceilings.bf16_tflops,
             "bf16_peak_source": ceilings.bf16_source, "fp8_peak_tflops": ceilings.fp8_tflops,
@@ -723,7 +766,11 @@ def format_table(rows: list[dict]) -> str:
             decided = f"swap{int(r['ab_swapped'])} bn{r['mma_bn']} cg{r['cta_group']} st{r['stages']}"
             extra = f"{r['ran_knobs'] or decided} ({r['regime']}: decided {decided})"
         else:
-            extra = r["method_format"] + (f"; earlier {r['earlier_figure']}" if r["earlier_figure"] else "")
+            extra = r["method_format"] + (f", {r['peer_setting']}" if r["peer_setting"] else "")
+            extra += "; NOT HEADLINE" if r["peer_headline"] is False else ""
+            extra += f"; earlier {r['earlier_figure']}" if r["earlier_figure"] else ""
+        if r["host_bound"]:
+            extra = f"HOST-BOUND (times include host gaps after {r['timing_attempts']} batches); {extra}"
         if r["note"]:
             extra += f"; {r['note']}"
         spread_fraction = (r["p90_us"] - r["p10_us"]) / r["median_us"]
@@ -743,8 +790,13 @@ TFLOP/s: 2 x live tokens x N x K / time. GB/s: the fewest bytes THIS method move
 %read: of the streaming-read ceiling measured in this run; %bf16, %fp8: of the dense matmul peaks above.
 x_<peer>: the peer's time / this row's time (> 1: this row is faster). "wide spread": p10-p90 above 8 % of the
     median (two modes, or noise at a few us): its ratios may move between runs.
-Peers run only the live groups (torch has no -1 skip semantics) on their own random data; torch_fp8_rowwise uses
-    use_fast_accum=False; the Triton peer launches one kernel per group from Python (MX scales only)."""
+Every timed row's output was checked first (CSV verified, max_row_err): ours against the exact reference of the
+    case (per-row max |err| / max |ref| <= 2^-7 + 2^-9, skipped rows untouched), each peer against a float64
+    reference of its own inputs; a failing output is a FAIL row, never timed. HOST-BOUND: the GPU ran out of
+    queued launches even after the retries, so the time includes host gaps (CSV host_bound).
+Peers run only the live groups (torch has no -1 skip semantics) on their own random data; torch_fp8_rowwise is
+    timed with and without use_fast_accum and the faster verified setting is its row (the other in its note);
+    triton_dot_scaled (NOT HEADLINE) launches one untuned kernel per group from Python (MX scales only)."""
 
 
 def default_csv_path(env: dict, root: str = "bench/results") -> str:
@@ -778,32 +830,151 @@ def measure_ceilings(read_bytes: int, measure_peaks: bool, budget_s: float) -> C
     return Ceilings(read_tbps, peaks["bf16"][0], peaks["fp8"][0], peaks["bf16"][1], peaks["fp8"][1])
 
 
-def _our_measurement(name: str, prepare, problem: GroupedProblem, config, budget_s: float, l2: int) -> Measurement:
+class CaseReference:
+    """The exact reference (``gbs.reference.reference_grouped_matmul``: float64, rounded once to bf16, skipped
+    rows poisoned) of one (case, format), computed on first use, on the host (seconds for a large prefill case),
+    then shared by every one of our methods of that case."""
+
+    def __init__(self, problem: GroupedProblem):
+        self.problem = problem
+        self.seconds: float | None = None
+        self._out: np.ndarray | None = None
+
+    def get(self) -> np.ndarray:
+        if self._out is None:
+            t0 = time.perf_counter()
+            self._out = reference_grouped_matmul(self.problem)
+            self.seconds = time.perf_counter() - t0
+        return self._out
+
+
+class VerificationError(RuntimeError):
+    """The bench cannot read back or check a method's output (no output array, wrong shape or dtype)."""
+
+
+# Attributes of a prepared launch holding its output on the device, bf16 bits, (total_tokens, N): the H200
+# kernels' ``StreamLaunch`` / ``H200Launch`` (``out``), the SIMT kernel's ``PreparedSimt`` (``device_out``).
+OUTPUT_ATTRIBUTES = ("out", "device_out")
+
+
+def launcher_output(launcher):
+    """The device array a prepared launch writes its output into; ``VerificationError`` if it has none."""
+    for name in OUTPUT_ATTRIBUTES:
+        array = getattr(launcher, name, None)
+        if array is not None:
+            return array
+    raise VerificationError(f"{type(launcher).__name__} exposes no output array ({' / '.join(OUTPUT_ATTRIBUTES)}): "
+                            "the bench cannot check what it computes, so it does not time it")
+
+
+def verify_launch(launcher, problem: GroupedProblem, reference: np.ndarray, *, poison: bool = True):
+    """Run ``launcher`` once and compare its output with ``reference`` (``gbs.lab.verify.check_output``: per-row
+    normalised max error within ``ROW_ERR_BOUND``, rows of skipped slots still poisoned, written rows not).
+    ``poison``: fill the output with the sentinel first (False: check what the launches before left, e.g. after
+    the timed ones; the skipped rows still hold the first check's poison)."""
+    from numba import cuda
+
+    device_out = launcher_output(launcher)
+    shape = (problem.total_tokens, problem.n)
+    if tuple(device_out.shape) != shape or np.dtype(device_out.dtype).itemsize != 2:
+        raise VerificationError(f"output on the device is {tuple(device_out.shape)} {device_out.dtype}, want {shape} "
+                                "of bf16 bits (2-byte elements)")
+    if poison:
+        device_out.copy_to_device(poison_output(*shape).view(np.uint16).view(device_out.dtype))
+    launcher()
+    cuda.synchronize()
+    out = np.ascontiguousarray(device_out.copy_to_host()).view(np.uint16).view(BF16)
+    return check_output(out, reference, written=problem.written_rows())
+
+
+def _our_measurement(name: str, prepare, problem: GroupedProblem, config, budget_s: float, l2: int,
+                     reference: CaseReference) -> Measurement:
+    """Prepare ``copies`` launches (unsupported: skipped), check the first one's output against the case's
+    reference (a failure: a FAIL row, not timed), time them, and check that output again after the timed
+    launches (a launch that leaves state behind: a FAIL row)."""
     base = dict(method=name, kind=KIND_OURS, method_format=problem.format_name,
                 useful_flops=useful_flops(problem), useful_bytes=useful_bytes(problem))
     copies = rotation_count(sum(problem.nbytes().values()), l2)
     try:
         launchers = [prepare(problem, config) for _ in range(copies)]
         base["knobs"] = launch_knobs(launchers[0])
-        timing = time_launches(lambda i: launchers[i](), num_inputs=copies, budget_s=budget_s)
     except (NotImplementedError, ValueError, TypeError) as err:   # this config / format is not supported
         return Measurement(**base, status=STATUS_SKIPPED, note=f"{type(err).__name__}: {err}")
     except Exception as err:   # a crash: recorded, the run goes on
         return Measurement(**base, status=STATUS_FAIL, note=f"{type(err).__name__}: {err}")
-    return Measurement(**base, timing=timing, input_sets=copies)
+    try:
+        before = verify_launch(launchers[0], problem, reference.get())
+    except Exception as err:   # no output to read, or a crash in the checked launch
+        return Measurement(**base, status=STATUS_FAIL, verified=False,
+                           note=f"output check could not run, not timed ({type(err).__name__}: {err})")
+    if not before.passed:
+        return Measurement(**base, status=STATUS_FAIL, verified=False, max_row_err=before.max_row_err,
+                           note=f"OUTPUT CHECK FAILED, not timed: {before}")
+    try:
+        timing = time_launches(lambda i: launchers[i](), num_inputs=copies, budget_s=budget_s)
+        after = verify_launch(launchers[0], problem, reference.get(), poison=False)
+    except Exception as err:
+        return Measurement(**base, status=STATUS_FAIL, verified=True, max_row_err=before.max_row_err,
+                           note=f"checked, then crashed while timed ({type(err).__name__}: {err})")
+    if not after.passed:
+        return Measurement(**base, status=STATUS_FAIL, verified=False, max_row_err=after.max_row_err,
+                           note=f"OUTPUT CHECK FAILED after the timed launches (a launch left state behind?): {after}")
+    return Measurement(**base, timing=timing, input_sets=copies, verified=True,
+                       max_row_err=max(before.max_row_err, after.max_row_err))
 
 
 def _peer_measurement(peer, shape, fmt: str, ours_bytes: int, budget_s: float, l2: int) -> Measurement:
+    """Build the peer's rotated inputs, compute the float64 reference of the first set once (on the GPU,
+    ``Peer.device_reference``), then for each of its launch settings check the output at this shape
+    (``peer_lib.check_at_shape``; a failure is not timed) and time it. The row is the fastest verified
+    setting's; the note gives the others."""
     nbytes = peer.useful_bytes(shape, fmt, ours_bytes)
     base = dict(method=peer.name, kind=KIND_PEER, method_format=peer.method_format(fmt),
-                useful_flops=peer.useful_flops(shape), useful_bytes=nbytes)
+                useful_flops=peer.useful_flops(shape), useful_bytes=nbytes, headline=peer.headline)
     copies = rotation_count(nbytes, l2)
     try:
         inputs = [peer.make_inputs(shape, fmt, ours_bytes, seed=i) for i in range(copies)]
-        timing = time_launches(lambda i: peer.launch(inputs[i]), num_inputs=copies, budget_s=budget_s)
+        reference = peer.device_reference(inputs[0])
     except Exception as err:   # peers are others' code: any failure is recorded, the run goes on
         return Measurement(**base, status=STATUS_FAIL, note=f"{type(err).__name__}: {err}")
-    return Measurement(**base, timing=timing, input_sets=copies)
+    results = []   # (setting, check or None, timing or None, why not timed)
+    for setting in peer.settings:
+        try:
+            check = peer_lib.check_at_shape(peer, inputs[0], reference, setting)
+        except Exception as err:
+            results.append((setting, None, None, f"output check could not run ({type(err).__name__}: {err})"))
+            continue
+        if not check.passed:
+            results.append((setting, check, None, f"OUTPUT CHECK FAILED, not timed: {check}"))
+            continue
+        try:
+            timing = time_launches(lambda i, s=setting: peer.launch(inputs[i], s), num_inputs=copies,
+                                   budget_s=budget_s)
+        except Exception as err:
+            results.append((setting, check, None, f"crashed while timed ({type(err).__name__}: {err})"))
+            continue
+        results.append((setting, check, timing, ""))
+    return _peer_row(base, copies, results)
+
+
+def _peer_row(base: dict, copies: int, results: list) -> Measurement:
+    """The measurement of a peer from its settings' (setting, check, timing, why not timed): the fastest
+    verified setting's timing, or a FAIL naming every setting's reason; the note lists the other settings."""
+    def describe(setting, check, timing, why):
+        head = f"{setting}: " if setting else ""
+        if timing is not None:
+            return f"{head}{timing.median_us:.1f} us (max row err {check.max_row_err:.2e})"
+        return head + why
+
+    timed = [r for r in results if r[2] is not None]
+    if not timed:
+        worst = max((r[1].max_row_err for r in results if r[1] is not None), default=None)
+        return Measurement(**base, status=STATUS_FAIL, verified=False, max_row_err=worst,
+                           note="; ".join(describe(*r) for r in results))
+    best = min(timed, key=lambda r: r[2].median_us)
+    others = "; ".join(describe(*r) for r in results if r is not best)
+    return Measurement(**base, timing=best[2], input_sets=copies, verified=True, max_row_err=best[1].max_row_err,
+                       setting=best[0], note=f"other settings: {others}" if others else "")
 
 
 def _progress(fmt: str, case: BenchCase, m: Measurement) -> str:
@@ -811,8 +982,11 @@ def _progress(fmt: str, case: BenchCase, m: Measurement) -> str:
     if m.timing is None:
         return f"{where} {m.status}: {m.note}"
     t = m.timing
-    return (f"{where} {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f}; {t.launches} launches, "
-            f"{m.input_sets} input sets)")
+    checked = f"verified, max row err {m.max_row_err:.2e}" if m.verified else "NOT VERIFIED"
+    bound = f"; HOST-BOUND after {t.attempts} batches" if t.host_bound else ""
+    setting = f" [{m.setting}]" if m.setting else ""
+    return (f"{where}{setting} {t.median_us:.1f} us (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f}; {t.launches} launches, "
+            f"{m.input_sets} input sets; {checked}{bound})" + (f"; {m.note}" if m.note else ""))
 
 
 def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | None, *,
@@ -855,9 +1029,10 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
               f"mma_bn={config.mma_bn} cta_group={config.cta_group} stages={config.num_pipeline_stages}")
         ours_bytes = useful_bytes(problem)
         measurements = []
+        reference = CaseReference(problem)   # computed once, on the first method that prepares
         for name in our_names:
             if name in prepares:
-                m = _our_measurement(name, prepares[name], problem, config, budget_s, l2)
+                m = _our_measurement(name, prepares[name], problem, config, budget_s, l2, reference)
             else:
                 m = Measurement(name, KIND_OURS, problem.format_name, useful_flops(problem), ours_bytes,
                                 status=STATUS_SKIPPED, note=skipped[name])
@@ -868,8 +1043,8 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
             key = (peer.name, shape)
             if not check.passed:
                 m = Measurement(peer.name, KIND_PEER, peer.method_format(fmt), peer.useful_flops(shape),
-                                peer.useful_bytes(shape, fmt, ours_bytes), status=STATUS_FAIL,
-                                note=f"correctness check failed, not timed ({check.message})")
+                                peer.useful_bytes(shape, fmt, ours_bytes), status=STATUS_FAIL, verified=False,
+                                headline=peer.headline, note=f"correctness check failed, not timed ({check.message})")
             elif not peer.format_dependent and key in shape_timings:
                 m = shape_timings[key]   # the same computation as for the previous format
             else:
@@ -880,7 +1055,9 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
         for name in methods:
             if name in peer_skips:
                 measurements.append(Measurement(name, KIND_PEER, "", 0, 0, status=STATUS_SKIPPED,
-                                                note=peer_skips[name]))
+                                                note=peer_skips[name], headline=peer_lib.PEER_CLASSES[name].headline))
+        if reference.seconds is not None:
+            print(f"  [{fmt} {case.name}] exact reference computed in {reference.seconds:.1f} s (host)")
         for m in measurements:
             print(_progress(fmt, case, m))
         rows += build_rows(fmt, case, config, measurements, ceilings, env)
@@ -893,8 +1070,17 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
     print(f"read ceiling {ceilings.read_tbps:.2f} TB/s; bf16 peak {ceilings.bf16_tflops:.0f} TFLOP/s "
           f"({ceilings.bf16_source}); fp8 peak {ceilings.fp8_tflops:.0f} TFLOP/s ({ceilings.fp8_source})\n")
     print(format_table(rows))
-    crashed = any(r["kind"] == KIND_OURS and r["status"] == STATUS_FAIL for r in rows)
-    return 1 if crashed else 0
+    failed = [f"{r['format']} {r['case']} {r['method']}" for r in rows
+              if r["kind"] == KIND_OURS and r["status"] == STATUS_FAIL]
+    wrong = [f"{r['format']} {r['case']} {r['method']}" for r in rows if r["verified"] is False]
+    if wrong:
+        print(f"\nOUTPUT CHECK FAILED ({len(wrong)} rows, not timed as good): {', '.join(wrong)}", file=sys.stderr)
+    if failed:
+        print(f"\nour methods failed on {len(failed)} rows: {', '.join(failed)}", file=sys.stderr)
+    host_bound = [f"{r['format']} {r['case']} {r['method']}" for r in rows if r["host_bound"]]
+    if host_bound:
+        print(f"\nhost-bound timings (marked in the CSV and the table): {', '.join(host_bound)}")
+    return 1 if failed else 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,17 +4,21 @@
   are bf16, 4x the bytes of FP4 weights.
 * ``torch_fp8_rowwise``: ``torch._scaled_grouped_mm`` with E4M3 operands and float32 row-wise
   scales (one per token row, one per weight row): the FP8 baseline, coarser than MX block scales.
+  Timed with ``use_fast_accum=False`` and ``=True`` (torch's fastest setting: the FP8 MMAs accumulate
+  without promotion to fp32); each output is checked, and the faster verified setting is the peer's row.
 * ``triton_dot_scaled``: a Triton kernel around ``tl.dot_scaled`` (which Hopper emulates by
-  upcasting to bf16), launched once per live group from a Python loop. Its operands are the
-  problem's element formats with UE8M0 block-32 scales, which is all ``tl.dot_scaled`` takes:
-  NVFP4 rows run the MXFP4 proxy (same E2M1 bytes, block-32 UE8M0 scales).
+  upcasting to bf16), launched once per live group from a Python loop, with fixed tiles. NOT a
+  headline peer (``headline = False``): see ``TritonDotScaledPeer``.
 * ``copy``: a device-to-device copy (``Tensor.copy_``) that reads half of our kernel's useful bytes
   and writes the other half: the same DRAM traffic, at the rate a copy reaches.
 
 Every peer sees only the live groups (slots with an expert and at least one token): torch's grouped
 matmuls have no ``-1`` skip semantics. Peers build their own random inputs on the GPU for a shape
 (N, K, live group sizes); none of them reads our problem's bytes. Before timing, ``check_peer`` runs
-each peer once on a small shape against a float64 reference of its own inputs.
+each peer once on a small shape against a float64 reference of its own inputs, and the bench checks
+each setting's output at the bench shape too (``check_at_shape``, against ``Peer.device_reference``:
+the float64 result of the first input set, computed once on the GPU), with the per-row metric of
+``gbs.lab.verify``; an output that fails is not timed.
 
 torch and Triton are imported only when a peer is loaded: both are on the H200 image (torch 2.11 +
 cu130, Triton 3.6), neither is in the CPU CI environment. Triton compiles its kernel on first use.
@@ -30,6 +34,7 @@ import numpy as np
 from ..problem import GroupedProblem, resolve_formats
 from ..formats import UE8M0_BIAS, decode_elements, unpack_fp4
 from ..reference import MAX_REL_TOL, RMS_REL_TOL, relative_errors
+from .verify import ROW_ERR_BOUND, OutputCheck, check_output
 
 PEER_NAMES = ("torch_bf16", "torch_fp8_rowwise", "triton_dot_scaled", "copy")
 
@@ -51,6 +56,16 @@ TRITON_NUM_WARPS = 4
 TRITON_NUM_STAGES = 3
 # Random scale bytes near 1.0 (2^-7 .. 2^3): products stay far from bf16 / fp32 overflow.
 TRITON_UE8M0_RANGE = (120, 131)
+
+# torch_fp8_rowwise's launch settings (``Peer.settings``): torch's default, and its fastest.
+FP8_ACCURATE = "use_fast_accum=False"
+FP8_FAST = "use_fast_accum=True"
+# Fast accumulation on Hopper: the FP8 MMAs keep the running sum in an accumulator of ~13 mantissa bits,
+# truncated (e8m13, not fp32), for each K=32 MMA step; unpromoted, each of the K/32 adds may lose up to
+# 2^-13 of the running sum. The check's bound for it is ``ROW_ERR_BOUND + (K / 32) * FAST_ACCUM_LOSS_PER_ADD``
+# (K=7168: 3.7e-2): a worst case, not an estimate; the measured max_row_err is in the CSV.
+FAST_ACCUM_MMA_K = 32
+FAST_ACCUM_LOSS_PER_ADD = 2.0 ** -13
 
 # The correctness check's shape: ragged groups, one longer than the large tile, N and K multiples
 # of every alignment above.
@@ -144,9 +159,15 @@ class Peer:
     name = ""
     label = ""
     format_dependent = False   # False: one timing of a shape serves every problem format
+    headline = True            # False: a labelled, non-headline peer (CSV peer_headline; say why in the class)
+    settings: tuple[str, ...] = ("",)   # launch settings the bench checks and times; the fastest verified is the row
 
     def method_format(self, fmt: str) -> str:
         raise NotImplementedError
+
+    def row_err_bound(self, setting: str, k: int) -> float:
+        """The per-row normalised error an output of ``setting`` must stay within (``gbs.lab.verify``)."""
+        return ROW_ERR_BOUND
 
     def useful_flops(self, shape: PeerShape) -> int:
         return shape.flops
@@ -158,12 +179,17 @@ class Peer:
     def make_inputs(self, shape: PeerShape, fmt: str, our_useful_bytes: int, seed: int):
         raise NotImplementedError
 
-    def launch(self, inputs):
-        """Run once (asynchronously; no host copies, no syncs); returns the output tensor."""
+    def launch(self, inputs, setting: str = ""):
+        """Run once (asynchronously; no host copies, no syncs) with launch ``setting`` (one of
+        ``settings``); returns the output tensor."""
         raise NotImplementedError
 
     def reference(self, inputs) -> np.ndarray:
         """float64 result the launch must produce (small shapes only: it runs on the host)."""
+        raise NotImplementedError
+
+    def device_reference(self, inputs):
+        """The same float64 result computed on the GPU (torch float64 matmuls), for bench shapes."""
         raise NotImplementedError
 
 
@@ -181,7 +207,29 @@ def _generator(seed: int):
 
 
 def _host64(tensor) -> np.ndarray:
+    """float64 host copy of a torch tensor (synchronises with its stream) or of a numpy array."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.astype(np.float64)
     return tensor.float().cpu().numpy().astype(np.float64)
+
+
+def _device64(tensor):
+    """A torch tensor as float64 on its device (FP8 through float32: both conversions exact)."""
+    return tensor.float().double()
+
+
+def _grouped_device_reference(a64, weights64, group_sizes):
+    """C[rows of group g] = a64[rows] @ weights64(g).T, float64 on the GPU (``weights64(g)``: (N, K))."""
+    torch = _torch()
+    out = None
+    start = 0
+    for g, size in enumerate(group_sizes):
+        w = weights64(g)
+        if out is None:
+            out = torch.empty((a64.shape[0], w.shape[0]), dtype=torch.float64, device=a64.device)
+        out[start:start + size] = a64[start:start + size] @ w.T
+        start += size
+    return out
 
 
 def _grouped_reference(a: np.ndarray, b: np.ndarray, group_sizes) -> np.ndarray:
@@ -212,21 +260,35 @@ class TorchBf16Peer(Peer):
         # Weights stored as experts' (N, K) rows, passed as the (G, K, N) transpose view
         b = torch.randn((shape.num_groups, shape.n, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
         offs = torch.from_numpy(shape.offsets()).to("cuda")
-        return {"a": a, "b": b, "offs": offs, "group_sizes": shape.group_sizes}
+        return {"a": a, "b": b, "offs": offs, "group_sizes": shape.group_sizes, "k": shape.k}
 
-    def launch(self, inputs):
+    def launch(self, inputs, setting=""):
         return _torch()._grouped_mm(inputs["a"], inputs["b"].transpose(-2, -1), offs=inputs["offs"])
 
     def reference(self, inputs):
         return _grouped_reference(_host64(inputs["a"]), _host64(inputs["b"]), inputs["group_sizes"])
 
+    def device_reference(self, inputs):
+        b = inputs["b"]
+        return _grouped_device_reference(_device64(inputs["a"]), lambda g: _device64(b[g]), inputs["group_sizes"])
+
 
 class TorchFp8RowwisePeer(Peer):
+    """``torch._scaled_grouped_mm`` (CUTLASS on SM90) in both of its accumulation settings: ``use_fast_accum``
+    False (torch's default: partial sums promoted to fp32) and True (its fastest: the FP8 MMAs accumulate
+    unpromoted); the bench checks and times both and reports the faster verified one."""
+
     name = "torch_fp8_rowwise"
     label = "torch._scaled_grouped_mm e4m3, f32 row-wise scales"
+    settings = (FP8_ACCURATE, FP8_FAST)
 
     def method_format(self, fmt):
         return "e4m3 x e4m3, f32 row scales"
+
+    def row_err_bound(self, setting, k):
+        if setting == FP8_FAST:
+            return ROW_ERR_BOUND + -(-k // FAST_ACCUM_MMA_K) * FAST_ACCUM_LOSS_PER_ADD
+        return ROW_ERR_BOUND
 
     def useful_bytes(self, shape, fmt, our_useful_bytes):
         weights = shape.num_groups * shape.n * (shape.k * FP8_BYTES + ROW_SCALE_BYTES)
@@ -246,18 +308,29 @@ class TorchFp8RowwisePeer(Peer):
         scale_b = torch.rand((shape.num_groups, shape.n), dtype=torch.float32, device="cuda", generator=gen) + 0.5
         offs = torch.from_numpy(shape.offsets()).to("cuda")
         return {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "offs": offs,
-                "group_sizes": shape.group_sizes}
+                "group_sizes": shape.group_sizes, "k": shape.k}
 
-    def launch(self, inputs):
+    def launch(self, inputs, setting=FP8_ACCURATE):
+        if setting not in self.settings:
+            raise ValueError(f"{self.name}: setting must be one of {self.settings}, got {setting!r}")
         torch = _torch()
-        # mat_b must be "transposed" (column-major (G, K, N)); scale_b is (G, N) (GroupedBlas.cpp)
+        # mat_b must be "transposed" (column-major (G, K, N)); scale_b is (G, N) (GroupedBlas.cpp). The signature in
+        # torch 2.11: (mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+        # use_fast_accum=False); the SM90 row-wise path hands use_fast_accum to its CUTLASS kernel choice.
         return torch._scaled_grouped_mm(inputs["a"], inputs["b"].transpose(-2, -1), inputs["scale_a"],
-                                        inputs["scale_b"], offs=inputs["offs"], out_dtype=torch.bfloat16)
+                                        inputs["scale_b"], offs=inputs["offs"], out_dtype=torch.bfloat16,
+                                        use_fast_accum=setting == FP8_FAST)
 
     def reference(self, inputs):
         a = _host64(inputs["a"]) * _host64(inputs["scale_a"])[:, None]
         b = _host64(inputs["b"]) * _host64(inputs["scale_b"])[:, :, None]
         return _grouped_reference(a, b, inputs["group_sizes"])
+
+    def device_reference(self, inputs):
+        a = _device64(inputs["a"]) * _device64(inputs["scale_a"])[:, None]
+        b, scale_b = inputs["b"], inputs["scale_b"]
+        return _grouped_device_reference(a, lambda g: _device64(b[g]) * _device64(scale_b[g])[:, None],
+                                         inputs["group_sizes"])
 
 
 class CopyPeer(Peer):
@@ -285,17 +358,35 @@ class CopyPeer(Peer):
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=_generator(seed))
         return {"src": src, "dst": torch.empty_like(src)}
 
-    def launch(self, inputs):
+    def row_err_bound(self, setting, k):
+        return 0.0   # a copy is exact: one wrong byte fails
+
+    def launch(self, inputs, setting=""):
         return inputs["dst"].copy_(inputs["src"])
 
     def reference(self, inputs):
         return inputs["src"].cpu().numpy().astype(np.float64)
 
+    def device_reference(self, inputs):
+        return inputs["src"]
+
 
 class TritonDotScaledPeer(Peer):
+    """A Triton ``tl.dot_scaled`` kernel per live group, launched from a Python loop with fixed, untuned tiles
+    (``TRITON_BLOCK_*``, ``TRITON_NUM_WARPS`` / ``_STAGES``).
+
+    Not a headline peer (``headline = False``; CSV ``peer_headline`` False; the table says NOT HEADLINE): it is
+    not what a Triton user would run. A decode case launches one kernel per expert (64 launches of a few
+    microseconds each for ``decode_up``), so its time is mostly launch gaps and tail effects, and its tiles were
+    never tuned for these shapes; a fair Triton peer is one persistent grouped launch that reads the offsets
+    array, with an autotuned tile (issue 32, item 5). It stays in the bench, labelled, as a check that
+    ``tl.dot_scaled`` runs these formats on this GPU and as an upper bound of what a naive Triton port costs;
+    speed-ups over it must not be quoted as "faster than Triton"."""
+
     name = "triton_dot_scaled"
-    label = "Triton tl.dot_scaled, one launch per group"
+    label = "Triton tl.dot_scaled, one launch per group (untuned; not headline)"
     format_dependent = True
+    headline = False
 
     def method_format(self, fmt):
         lhs, rhs, note = triton_formats(fmt)
@@ -343,9 +434,10 @@ class TritonDotScaledPeer(Peer):
                                     a.stride(0), a_scale.stride(0), b.stride(1), b_scale.stride(1), out.stride(0))))
             start += size
         return {"a": a, "a_scale": a_scale, "b": b, "b_scale": b_scale, "out": out, "formats": (lhs, rhs),
-                "group_sizes": shape.group_sizes, "block_m": block_m, "kernel": kernel, "launches": launches}
+                "group_sizes": shape.group_sizes, "block_m": block_m, "kernel": kernel, "launches": launches,
+                "k": shape.k}
 
-    def launch(self, inputs):
+    def launch(self, inputs, setting=""):
         kernel, (lhs, rhs), block_m = inputs["kernel"], inputs["formats"], inputs["block_m"]
         for grid, args in inputs["launches"]:
             kernel[grid](*args, A_FORMAT=lhs, B_FORMAT=rhs, BLOCK_M=block_m, BLOCK_N=TRITON_BLOCK_N,
@@ -358,6 +450,12 @@ class TritonDotScaledPeer(Peer):
         b = _mx_values(inputs["b"], inputs["b_scale"], rhs)
         return _grouped_reference(a, b, inputs["group_sizes"])
 
+    def device_reference(self, inputs):
+        lhs, rhs = inputs["formats"]
+        b, b_scale = inputs["b"], inputs["b_scale"]
+        return _grouped_device_reference(_mx_values_device(inputs["a"], inputs["a_scale"], lhs),
+                                         lambda g: _mx_values_device(b[g], b_scale[g], rhs), inputs["group_sizes"])
+
 
 def _mx_values(codes, scale_bytes, element: str) -> np.ndarray:
     """float64 values of MX operand bytes (elements x their UE8M0 block scales), on the host."""
@@ -367,6 +465,22 @@ def _mx_values(codes, scale_bytes, element: str) -> np.ndarray:
     values = decode_elements(codes, element).astype(np.float64)
     exponents = scale_bytes.cpu().numpy().astype(np.int64) - UE8M0_BIAS
     return values * np.repeat(np.ldexp(1.0, exponents), TRITON_SCALE_BLOCK, axis=-1)
+
+
+def _mx_values_device(codes, scale_bytes, element: str):
+    """``_mx_values`` on the GPU with torch: float64 values of MX operand bytes (FP4 two per byte, low
+    nibble first) times their UE8M0 block-32 scales."""
+    torch = _torch()
+    if element == "e2m1":
+        table = torch.from_numpy(decode_elements(np.arange(16, dtype=np.uint8), "e2m1").astype(np.float64))
+        table = table.to(codes.device)
+        low, high = table[(codes & 0x0F).long()], table[(codes >> 4).long()]
+        values = torch.stack((low, high), dim=-1).flatten(-2)
+    else:
+        dtype = torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2
+        values = _device64(codes.view(dtype))
+    scales = torch.exp2(scale_bytes.double() - UE8M0_BIAS)
+    return values * scales.repeat_interleave(TRITON_SCALE_BLOCK, dim=-1)
 
 
 # Bound by ``_triton_group_kernel`` on first use: Triton's JIT resolves the names a kernel uses
@@ -486,6 +600,13 @@ def check_peer(peer: Peer, fmt: str) -> PeerCheck:
     return PeerCheck(peer.name, fmt, passed, worst[0], worst[1],
                      f"max rel {worst[0]:.2e}, rms rel {worst[1]:.2e} vs float64 "
                      f"(limits {MAX_REL_TOL:g} / {RMS_REL_TOL:g})")
+
+
+def check_at_shape(peer: Peer, inputs, reference, setting: str = "") -> OutputCheck:
+    """Launch ``peer`` once on ``inputs`` with ``setting`` and compare its output, row by row, with
+    ``reference`` (``Peer.device_reference`` of the same inputs) within ``Peer.row_err_bound``."""
+    got = _host64(peer.launch(inputs, setting))
+    return check_output(got, _host64(reference), bound=peer.row_err_bound(setting, int(inputs.get("k", 0))))
 
 
 def free_cached_memory() -> None:
