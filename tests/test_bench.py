@@ -467,7 +467,7 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
     call first re-lays the packed tokens (and, NVFP4, codes their UE4M3 scales) into the kernel's own
     arrays, then launches; MXFP4's UE8M0 scales stay; FP8 tokens have nothing to re-lay (refused).
     Host-only: kernel, copies and the re-layout are stubbed."""
-    import gbs.api
+    import gbs.numba_kernels.h200_launch as h200_launch
     import gbs.numba_kernels.launch as launch
     import gbs.numba_kernels.relayout as relayout
     from numba import cuda
@@ -480,8 +480,7 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
         def __call__(self):
             events.append("launch")
 
-    kernel = type("Kernel", (), {"prepare": staticmethod(lambda device, knobs: seen.append(device) or Launched())})
-    monkeypatch.setattr(gbs.api, "h200_kernel", lambda problem, config, backend: (kernel, None))
+    monkeypatch.setattr(h200_launch, "prepare", lambda device, plan: seen.append(device) or Launched())
     monkeypatch.setattr(launch, "to_device", lambda problem: types.SimpleNamespace(
         a=("device a", problem.a_layout), a_scales=("device a_scales", problem.a_layout)))
     monkeypatch.setattr(cuda, "to_device", lambda host: ("packed copy", host.shape))
@@ -504,21 +503,24 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
 
 
 def test_launch_knobs_names_what_ran():
+    class FakePlan:
+        kernel, k_splits, num_ctas = "h200_stream", 4, 144
+        ring = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2)
+
     class FakeLaunch:
-        spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2)
-        k_splits, num_ctas = 4, 144
+        plan = FakePlan
 
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144"
-    FakeLaunch.spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, small_n_warps=8)
+    FakePlan.ring = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, small_n_warps=8)
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144 w8"
-    FakeLaunch.spec = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256)
-    FakeLaunch.kernel = "h200_wgmma"
+    FakePlan.ring = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256)
+    FakePlan.kernel = "h200_wgmma"
     assert bench.launch_knobs(FakeLaunch()) == "wgmma noswap bn128 cg1 st3 splits4 ctas144 t256"
-    FakeLaunch.spec = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256, b_layout="e2m1_h200")
+    FakePlan.ring = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256, b_layout="e2m1_h200")
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:b")
-    FakeLaunch.spec = dataclasses.replace(FakeLaunch.spec, a_layout="e2m1_h200")
+    FakePlan.ring = dataclasses.replace(FakePlan.ring, a_layout="e2m1_h200")
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:ab")
-    FakeLaunch.spec = dataclasses.replace(FakeLaunch.spec, b_layout="e2m1_h200_tiled")
+    FakePlan.ring = dataclasses.replace(FakePlan.ring, b_layout="e2m1_h200_tiled")
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:a e2m1_h200_tiled:b")
     assert bench.launch_knobs(object()) == ""
 
@@ -533,13 +535,12 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     FP4 tokens in the H200 word order (W4A8's FP8 tokens stay as they are), re-laying each bench case once
     however many rotation copies are prepared, and skip FP8 weights (no re-layout: the row would only
     repeat ``gbs_auto``) and, tiled, shapes without whole boxes. Host-only: kernel and copy are stubbed."""
-    import gbs.api
+    import gbs.numba_kernels.h200_launch as h200_launch
     import gbs.numba_kernels.launch as launch
     from gbs.layouts import E2M1H200Order
 
     seen, relayouts = [], []
-    kernel = type("Kernel", (), {"prepare": staticmethod(lambda problem, knobs: seen.append(problem))})
-    monkeypatch.setattr(gbs.api, "h200_kernel", lambda problem, config, backend: (kernel, None))
+    monkeypatch.setattr(h200_launch, "prepare", lambda problem, plan: seen.append(problem))
     monkeypatch.setattr(launch, "to_device", lambda problem: problem)
     swizzle = E2M1H200Order.swizzle
     monkeypatch.setattr(E2M1H200Order, "swizzle", classmethod(lambda cls, b: relayouts.append(1) or swizzle(b)))
