@@ -126,7 +126,7 @@ def cmd_demo(args) -> int:
 
 
 def _demo(args, backend: str, models: tuple, simt_run) -> int:
-    from . import demo
+    from . import demo, exactness
     from .api import grouped_matmul
     from .dispatch import dispatch_for
     from .reference import relative_errors
@@ -159,7 +159,7 @@ def _demo(args, backend: str, models: tuple, simt_run) -> int:
               f"stages={cfg.num_pipeline_stages}")
         print(f"    built+quantized in {t1 - t0:.1f} s, {backend} ran in {t2 - t1:.2f} s")
         if backend != "reference":
-            check = demo.check_output(p, out, backend, fmt)
+            check = exactness.check_output(p, out, backend, fmt)
             checks.append(check)
             print(f"    check against the exact reference ({check.claim}): {check.summary()}")
             for line in check.mismatches:
@@ -171,9 +171,9 @@ def _demo(args, backend: str, models: tuple, simt_run) -> int:
                   f"rms {rms_rel:.2%}, max {max_rel:.2%} (a property of the format, not a kernel check)")
     if models:
         print(f"\n== No GPU here: kernel models on the CPU against the exact reference ({', '.join(models)}) ==")
-        print(f"  simt: the SIMT kernel in Numba's CUDA simulator; {demo.SIMT_EXACTNESS.claim}")
+        print(f"  simt: the SIMT kernel in Numba's CUDA simulator; {exactness.SIMT_EXACTNESS.claim}")
         print(f"  emulator: the SM100 tcgen05 kernel's host logic and data movement replayed on a hardware model; "
-              f"{demo.EMULATOR_EXACTNESS.claim}")
+              f"{exactness.EMULATOR_EXACTNESS.claim}")
         print(f"  problem: {demo.describe_problem()}; the dispatch's config")
         print("  each output: bits vs gbs.reference, within RNE_bf16(exact -+ gamma_n * sum|a*b*scales|) per "
               "element, skipped rows still poisoned")

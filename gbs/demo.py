@@ -35,14 +35,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .formats import BF16, dequantize
+from .exactness import check_output, exact_values
+from .formats import BF16
 from .problem import PROBLEM_FORMATS, GroupedProblem, build_problem, random_activations, random_weights
-from .reference import is_poison, poison_output, reference_grouped_matmul
+from .reference import poison_output, reference_grouped_matmul
 
 # The small routed problem: slot sizes and expert ids. Slot 1 is empty, slot 2 has one token, slot 3
 # is skipped (-1: its rows must keep the poison), slot 4's 9 tokens cross an 8-token tile by one.
@@ -56,10 +56,6 @@ DEMO_QUIET_GAIN = 2.0 ** -10
 DEMO_FORMATS = tuple(sorted(PROBLEM_FORMATS))
 CPU_MODELS = ("simt", "emulator")
 
-FP32_UNIT = 2.0 ** -24          # unit roundoff of fp32 round-to-nearest
-TENSOR_CORE_UNIT = 2.0 ** -22   # per product, of a tensor core's aligned, truncated sum (TENSOR_CORE_EXACTNESS)
-FP64_UNIT = 2.0 ** -53
-FP32_TINY = 2.0 ** -149         # bounds the absolute error an fp32 operation can make in the subnormal range
 
 
 class Mismatch(AssertionError):
@@ -97,187 +93,6 @@ def fingerprint(problem: GroupedProblem) -> str:
     for name in ("a", "b", "a_scales", "b_scales", "a_offsets", "a_scale_offsets", "expert_ids", "expert_scales"):
         h.update(np.ascontiguousarray(getattr(problem, name)).tobytes())
     return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------------------------
-# Exactness of each kernel (model)
-# ----------------------------------------------------------------------------------------------
-def _is_power_of_two(x) -> np.ndarray:
-    mantissa, _ = np.frexp(np.asarray(x, np.float64))
-    return np.abs(mantissa) == 0.5
-
-
-@dataclass(frozen=True)
-class Exactness:
-    """``roundings(problem)``: fp32 operations any one term goes through (``n``); ``unit``: their
-    unit roundoff; ``bit_exact_pow2``: bits equal the reference's where the expert scale is a power of two."""
-
-    model: str
-    claim: str
-    unit: float
-    bit_exact_pow2: bool = False
-    roundings_kind: str = "simt"
-
-    def roundings(self, problem: GroupedProblem) -> int:
-        block, k = problem.a_format.block_size, problem.k
-        if self.roundings_kind == "simt":
-            # block-sum adds, x a-scale, x b-scale, the adds over K's blocks, x expert scale
-            return block + 2 + -(-k // block) + 1
-        if self.roundings_kind == "epilogue":
-            return 2          # fp32(accumulator), x expert scale in fp32
-        return 2 * k + 8      # see TENSOR_CORE_EXACTNESS
-
-
-SIMT_EXACTNESS = Exactness(
-    "simt", "fp32 sum of each block's products, x both block scales, fp32 adds over the K blocks, x expert "
-    "scale: n = block + 2 + K/block + 1 roundings", FP32_UNIT)
-EMULATOR_EXACTNESS = Exactness(
-    "emulator", "exact (float64) MMA sums, fp32 accumulator x fp32 expert scale: n = 2 roundings; "
-    "bit-identical to the reference where the expert scale is a power of two", FP32_UNIT, True, "epilogue")
-# Tensor cores add each MMA step's k >= 16 exact products to the fp32 accumulator with alignment and
-# truncation: at most (k + 1) 2^-22 of the step's magnitude (Fasi et al. 2021, "Numerical behavior of
-# NVIDIA tensor cores"), so at most 1.07 K 2^-22 sum|terms| over K, in any order or split. Asserted as
-# n = 2K + 8 roundings of 2^-22 (slack for split-K partial sums and the epilogue): a worst case, loose
-# for large K; the kernels' own tight bounds belong to their GPU tests.
-TENSOR_CORE_EXACTNESS = Exactness(
-    "tensor cores", "fp32 tensor-core accumulation (truncating, any order or split over K): n = 2K + 8 "
-    "roundings of 2^-22", TENSOR_CORE_UNIT, False, "any")
-EXACTNESS = {"simt": SIMT_EXACTNESS, "emulator": EMULATOR_EXACTNESS, "sm100": TENSOR_CORE_EXACTNESS,
-             "h200_stream": TENSOR_CORE_EXACTNESS, "h200_wgmma": TENSOR_CORE_EXACTNESS}
-
-
-def exact_values(problem: GroupedProblem) -> tuple[np.ndarray, np.ndarray]:
-    """(exact, magnitude), float64 (total_tokens, N), NaN on unwritten rows: the reference's value before
-    its rounding (``expert_scale * A_deq @ B_deq^T``) and ``sum_k |a_k b_k| * |expert_scale|``."""
-    p = problem
-    exact = np.full((p.total_tokens, p.n), np.nan)
-    magnitude = np.full((p.total_tokens, p.n), np.nan)
-    a = dequantize(p.a_operand()).astype(np.float64)
-    for g in p.active_slots():
-        e = int(p.expert_ids[g])
-        lo, hi = int(p.a_offsets[g]), int(p.a_offsets[g + 1])
-        b = dequantize(p.b_operand(e)).astype(np.float64)
-        s = np.float64(p.expert_scales[e])
-        exact[lo:hi] = (a[lo:hi] @ b.T) * s
-        magnitude[lo:hi] = (np.abs(a[lo:hi]) @ np.abs(b).T) * abs(s)
-    return exact, magnitude
-
-
-def round_to_bf16(x) -> np.ndarray:
-    """float64 ``x`` rounded once to the nearest bf16 (ties to even), as float64 (exact)."""
-    x = np.asarray(x, np.float64)
-    _, exponent = np.frexp(np.abs(x))
-    quantum = np.ldexp(1.0, np.maximum(exponent - 1, -126) - 7)   # bf16: 8 significant bits, min exponent -126
-    return np.round(x / quantum) * quantum                          # np.round: half to even; /quantum is exact
-
-
-def gamma(n: int, unit: float) -> float:
-    if n * unit >= 1:
-        raise ValueError(f"{n} roundings of unit {unit} leave no bound")
-    return n * unit / (1 - n * unit)
-
-
-@dataclass
-class ModelCheck:
-    """The outcome of one output's check."""
-
-    model: str
-    fmt: str
-    claim: str
-    elements: int = 0                # written outputs
-    bit_identical: int = 0           # ... equal to the reference's bits
-    outside: int = 0                 # ... outside the bound
-    ambiguous: int = 0               # ... where the bound admits more than one bf16 value
-    max_row_error: float = 0.0       # max over rows of max|out - ref| / max|ref| in the row
-    roundings: int = 0
-    mismatches: list = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return not self.mismatches
-
-    def summary(self) -> str:
-        verdict = "ok" if self.passed else "MISMATCH"
-        within = "all" if not self.outside else f"{self.elements - self.outside}/{self.elements}"
-        return (f"{verdict}: bit-identical to the reference {self.bit_identical}/{self.elements}, {within} within "
-                f"the bound (n={self.roundings}; it admits more than one bf16 value at {self.ambiguous}), max "
-                f"per-row normalised error {self.max_row_error:.2e}")
-
-
-def _where(problem: GroupedProblem, row: int, col: int) -> str:
-    slot = int(np.searchsorted(problem.a_offsets, row, side="right")) - 1
-    return f"row {row} (slot {slot}, expert {int(problem.expert_ids[slot])}) column {col}"
-
-
-def check_output(problem: GroupedProblem, out: np.ndarray, model: str, fmt: str | None = None,
-                 ref: np.ndarray | None = None, exact: tuple | None = None) -> ModelCheck:
-    """Check ``out`` (poisoned before the run) against the reference with ``model``'s exactness
-    (``EXACTNESS``); the mismatches are listed in the result (``raise_on_mismatch`` raises them)."""
-    spec = EXACTNESS[model]
-    fmt = fmt or problem.a_format.name
-    if ref is None:
-        ref = reference_grouped_matmul(problem)
-    exact_v, magnitude = exact_values(problem) if exact is None else exact
-    n = spec.roundings(problem)
-    result = ModelCheck(model, fmt, spec.claim, roundings=n)
-    out = np.asarray(out)
-    if out.shape != ref.shape or out.dtype != BF16:
-        result.mismatches.append(f"MISMATCH: {model} {fmt}: output {out.shape} {out.dtype}, expected {ref.shape} "
-                                 f"bfloat16")
-        return result
-    written = problem.written_rows()
-    skipped = np.flatnonzero(~written)
-    clobbered = skipped[~np.all(is_poison(out[skipped]), axis=1)]
-    if clobbered.size:
-        result.mismatches.append(f"MISMATCH: {model} {fmt}: rows {clobbered.tolist()} of skipped (-1) slots were "
-                                 f"written (the poison sentinel is gone)")
-    unwritten = np.flatnonzero(written & np.any(is_poison(out), axis=1))
-    if unwritten.size:
-        result.mismatches.append(f"MISMATCH: {model} {fmt}: rows {unwritten.tolist()} were not (fully) written "
-                                 f"(they still hold the poison sentinel)")
-    rows = np.flatnonzero(written)
-    ref_bits = ref.view(np.uint16)[rows]
-    if not np.array_equal(exact_v[rows].astype(np.float32).astype(BF16).view(np.uint16), ref_bits):
-        raise RuntimeError("the demo's exact values do not round to gbs.reference's bits: the check is broken")
-    with np.errstate(invalid="ignore"):
-        o = out[rows].astype(np.float64)
-    r = ref[rows].astype(np.float64)
-    e, t = exact_v[rows], magnitude[rows]
-    # The model's fp32 value is within `bound` of exact; the float64 `exact` itself is within
-    # gamma_{K+1} (float64) of the true value, and so is the emulator's float64 accumulator.
-    bound = (gamma(n, spec.unit) + 2 * gamma(problem.k + 1, FP64_UNIT)) * t + n * FP32_TINY * max(
-        1.0, float(np.max(np.abs(problem.expert_scales))))
-    lo, hi = round_to_bf16(e - bound), round_to_bf16(e + bound)
-    with np.errstate(invalid="ignore"):
-        inside = (o >= lo) & (o <= hi)
-    identical = out.view(np.uint16)[rows] == ref_bits
-    result.elements = int(o.size)
-    result.bit_identical = int(identical.sum())
-    result.ambiguous = int(np.sum(lo != hi))
-    result.outside = int(np.sum(~inside))
-    with np.errstate(invalid="ignore"):
-        row_error = np.max(np.abs(o - r), axis=1) / np.maximum(np.max(np.abs(r), axis=1), np.finfo(float).tiny)
-    result.max_row_error = float(np.max(row_error, initial=0.0)) if np.all(np.isfinite(o)) else float("inf")
-    bad = np.argwhere(~inside)
-    if bad.size:
-        i, j = bad[0]
-        result.mismatches.append(
-            f"MISMATCH: {model} {fmt}: {len(bad)} of {o.size} outputs outside what the kernel guarantees "
-            f"({spec.claim}); first at {_where(problem, int(rows[i]), int(j))}: out {o[i, j]!r}, reference "
-            f"{r[i, j]!r}, exact {e[i, j]:.9g}, allowed [{lo[i, j]!r}, {hi[i, j]!r}]")
-    if spec.bit_exact_pow2:
-        pow2 = _is_power_of_two(problem.expert_scales[np.maximum(problem.expert_ids, 0)])
-        must = np.zeros(problem.total_tokens, bool)
-        for g in problem.active_slots():
-            must[problem.a_offsets[g]:problem.a_offsets[g + 1]] = pow2[g]
-        differ = np.argwhere(~identical & must[rows][:, None])
-        if differ.size:
-            i, j = differ[0]
-            result.mismatches.append(
-                f"MISMATCH: {model} {fmt}: {len(differ)} outputs not bit-identical to the reference although "
-                f"their expert scale is a power of two; first at {_where(problem, int(rows[i]), int(j))}: "
-                f"out {o[i, j]!r}, reference {r[i, j]!r}")
-    return result
 
 
 def raise_on_mismatch(checks) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from gbs import __main__ as cli
-from gbs import demo
+from gbs import demo, exactness
 from gbs import sm100_emulator as em
 from gbs.__main__ import main
 from gbs.reference import check_acceptance, reference_grouped_matmul
@@ -83,8 +83,10 @@ def test_a_dropped_expert_scale_is_caught(monkeypatch):
     monkeypatch.setattr(em, "_to_bf16_bits", lambda acc, scale: to_bf16(acc, 1.0 if scale == forgotten else scale))
     (check,) = demo.verify_cpu_models(("nvfp4",), models=("emulator",), echo=lambda line: None)
     assert not check.passed
-    assert f"MISMATCH: emulator nvfp4: {problem.n} of 2160 outputs outside" in check.mismatches[0]
-    assert "row 5 (slot 2, expert 2)" in check.mismatches[0]
+    found = "\n".join(check.mismatches)
+    assert f"MISMATCH: emulator nvfp4: {problem.n} of 2160 outputs outside" in found
+    assert f"MISMATCH: emulator nvfp4: {problem.n} outputs whose accumulation is exact in any order" in found
+    assert "row 5 (slot 2, expert 2)" in found
 
 
 def test_a_written_skipped_row_is_caught(monkeypatch):
@@ -123,7 +125,7 @@ def test_the_demo_command_fails_loudly(monkeypatch, capsys, small_batch):
 def _fake_gpu(monkeypatch, change=None):
     """The GPU branch of the demo on this machine: ``h200_stream`` selected, the kernel stood in for by the
     reference (``change`` edits its output's bits)."""
-    from gbs import api
+    from gbs import api, backends
 
     def kernel(problem, config=None, backend="auto", out=None):
         result = reference_grouped_matmul(problem)
@@ -131,7 +133,7 @@ def _fake_gpu(monkeypatch, change=None):
             change(problem, result, result.view(np.uint16))
         return result
 
-    monkeypatch.setattr(api, "select_backend", lambda backend="auto": "h200_stream")
+    monkeypatch.setattr(backends, "select_backend", lambda backend="auto": "h200_stream")
     monkeypatch.setattr(api, "grouped_matmul", kernel)
 
 
@@ -155,7 +157,7 @@ def test_the_gpu_path_fails_on_a_wrong_sign(monkeypatch, capsys, small_batch):
 
 
 SIMT_FAULT = textwrap.dedent("""
-    from gbs import demo
+    from gbs import demo, exactness
     from gbs.numba_kernels import simt
     from gbs.reference import check_acceptance
     assert demo.simulator_active()
@@ -182,4 +184,4 @@ def test_round_to_bf16_is_one_rounding_to_nearest_even():
     ties = (np.arange(1, 200, dtype=np.float32) * 2 + 1) * np.float32(2.0 ** -9)    # 9 significant bits: ties
     x = np.concatenate([x, ties, -ties, np.float32([0.0, 2.0 ** -140])])
     want = x.astype(ml_dtypes.bfloat16).astype(np.float64)   # ml_dtypes: float32 -> bf16, RNE
-    np.testing.assert_array_equal(demo.round_to_bf16(x.astype(np.float64)), want)
+    np.testing.assert_array_equal(exactness.round_to_bf16(x.astype(np.float64)), want)
