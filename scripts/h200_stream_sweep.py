@@ -8,7 +8,7 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
 or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
 ``h200_stream.StreamConfig.small_n_warps``),
-``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
+``wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
 tile, ``:kauto`` = ``h200_wgmma.swapped_k_splits``), or ``plan:backend:format:case`` for
 what ``gbs.api.h200_kernel(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
@@ -67,13 +67,12 @@ def parse_wgmma_point(text: str):
     tile_tokens = h200_wgmma.TILE_TOKENS[0]
     if parts[-1].startswith("t") and parts[-1][1:].isdigit():
         tile_tokens = int(parts.pop()[1:])
-    operands = parts.pop() if parts[-1] in h200_wgmma.MMA_OPERANDS else "bf16"
     if len(parts) not in (5, 6):
-        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap]"
+        raise ValueError(f"point {text!r}: want wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap]"
                          f"[:k<runs>|:kauto]")
     _, fmt, case, bn, stages = parts[:5]
-    config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages), operands,
-                                    tile_tokens, swapped)
+    config = h200_wgmma.WgmmaConfig(int(bn), AUTO_STAGES if stages == "auto" else int(stages),
+                                    tile_tokens=tile_tokens, ab_swapped=swapped)
     num_ctas = int(parts[5]) if len(parts) == 6 else None
     return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas=num_ctas)
 

@@ -101,9 +101,6 @@ def main(argv=None) -> int:
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,
                               lambda: h200_wgmma.grouped_matmul_h200(wide_relaid,
                                                                      h200_wgmma.WgmmaConfig(128, tile_tokens=256))))
-        if fmt == "mxfp8":   # the E4M3 route (MXFP8 only)
-            e4m3 = h200_wgmma.WgmmaConfig(128, mma_operands="e4m3")
-            cases.append(("h200_wgmma", (128, "e4m3"), p, lambda: h200_wgmma.grouped_matmul_h200(p, e4m3)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:

@@ -31,8 +31,7 @@ def sweep():
 
 @pytest.mark.parametrize("point, config, num_ctas, k_splits", [
     ("wgmma:mxfp8:large_prefill_up:256:auto", h200_wgmma.WgmmaConfig(256, AUTO_STAGES), None, 1),
-    ("wgmma:mxfp8:large_prefill_up:128:4:e4m3", h200_wgmma.WgmmaConfig(128, 4, "e4m3"), None, 1),
-    ("wgmma:mxfp8:4096,7168,32,64:128:auto:66:e4m3", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, "e4m3"), 66, 1),
+    ("wgmma:mxfp8:4096,7168,32,64:128:auto:66", h200_wgmma.WgmmaConfig(128, AUTO_STAGES), 66, 1),
     ("wgmma:nvfp4:decode_up:128:3:132", h200_wgmma.WgmmaConfig(128, 3), 132, 1),
     ("wgmma:nvfp4:large_prefill_up:128:auto:t256", h200_wgmma.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256), None,
      1),

@@ -33,8 +33,10 @@ ORIENTED = [(fmt, bn, False) for fmt, bn in FITTING] + [(fmt, bn, True) for fmt 
 def spec_of(fmt: str, mma_bn: int, stages: int | None = None, tile_tokens: int = 128,
             ab_swapped: bool = False) -> hw.WgmmaSpec:
     a, b = PROBLEM_FORMATS[fmt]
-    if stages is None:
-        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn, tile_tokens=tile_tokens, ab_swapped=ab_swapped))
+    if stages is None:   # the deepest ring beside the bf16 buffers
+        stages = 1
+        while spec_of(fmt, mma_bn, stages + 1, tile_tokens, ab_swapped).smem.total_bytes <= H200_SMEM_PER_SM:
+            stages += 1
     return hw.WgmmaSpec(a, b, mma_bn, stages, tile_tokens=tile_tokens, ab_swapped=ab_swapped)
 
 
@@ -263,11 +265,7 @@ def test_wgmma_config_checks_its_knobs():
         hw.WgmmaConfig(128, tile_tokens=192)
     with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
         hw.WgmmaConfig(256, tile_tokens=256)   # 2 x 128 accumulators per thread
-    with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
-        hw.WgmmaConfig(128, mma_operands="e4m3", tile_tokens=256)
     assert hw.WgmmaConfig.of(hs.StreamConfig(True, 32, 1, 4)) == hw.WgmmaConfig(32, 4, ab_swapped=True)
-    with pytest.raises(ValueError, match="mma_operands 'bf16'"):
-        hw.WgmmaConfig(64, mma_operands="e4m3", ab_swapped=True)
     with pytest.raises(ValueError, match="ab_swapped False"):
         hw.WgmmaConfig(32, tile_tokens=256, ab_swapped=True)
     with pytest.raises(TypeError, match="ab_swapped must be a bool"):
@@ -861,133 +859,3 @@ def test_gpu_misaligned_output_is_refused_before_launch():
     misaligned = flat[1:].reshape(problem.total_tokens, problem.n)
     with pytest.raises(ValueError, match="4-byte aligned"):
         hw.prepare(launch.to_device(problem), hw.WgmmaConfig(128), misaligned)
-
-
-# ----------------------------------------------------------------------------------------------
-# mma_operands="e4m3": MXFP8 bytes straight to wgmma k32, block scales applied per partial product
-# ----------------------------------------------------------------------------------------------
-E4M3 = hw.WgmmaConfig(128, AUTO_STAGES, "e4m3")
-
-
-def e4m3_spec(stages: int | None = None) -> hw.WgmmaSpec:
-    a, b = PROBLEM_FORMATS["mxfp8"]
-    if stages is None:
-        stages = hw.max_pipeline_stages(a, b, E4M3)
-    return hw.WgmmaSpec(a, b, 128, stages, mma_operands="e4m3")
-
-
-def test_ue8m0_f32_bits_is_the_exact_scale_of_every_byte():
-    from gbs.formats import decode_ue8m0
-
-    codes = np.arange(256, dtype=np.uint8)
-    got = np.array([hw.ue8m0_f32_bits(c) for c in codes], np.uint32).view(np.float32)
-    want = decode_ue8m0(codes).astype(np.float32)
-    assert np.isnan(got[255]) and np.isnan(want[255])
-    np.testing.assert_array_equal(got[:255], want[:255])
-    assert got[0] == np.float32(2.0 ** -127) and got[127] == 1.0
-
-
-def test_scale_tables_are_distinct_words_inside_the_stage_tables():
-    spec = e4m3_spec()
-    offsets = {hw.scale_table_offset(spec, wg, w, b, r) for wg in range(hw.CONSUMER_WARPGROUPS) for w in (0, 1)
-               for b in range(spec.scale_blocks) for r in range(hw.TOKENS_PER_WARPGROUP if w == 0 else spec.mma_bn)}
-    assert len(offsets) == spec.scale_table_bytes // hw.SCALE_TABLE_WORD
-    assert min(offsets) == 0 and max(offsets) + hw.SCALE_TABLE_WORD == spec.scale_table_bytes
-    # wgmma_scale_accumulate reads column pairs (8 j + 2 q, + 1) as 8-byte loads, 32 bytes apart
-    assert hw.scale_table_offset(spec, 1, 1, 2, 8) - hw.scale_table_offset(spec, 1, 1, 2, 0) == hp.WGMMA_COLUMN_PAIR_STRIDE
-    assert all(hw.scale_table_offset(spec, wg, 1, b, 0) % 8 == 0 for wg in (0, 1) for b in range(spec.scale_blocks))
-
-
-def test_each_warpgroup_fills_every_entry_of_its_tables_once():
-    """The kernel's fill: thread t of a warpgroup converts weight row t of every block and blocks
-    2 (t // 64) .. + 1 of token row t % 64."""
-    spec = e4m3_spec()
-    token_blocks = spec.scale_blocks * hw.TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
-    filled = collections.Counter()
-    for t in range(hp.WGMMA_THREADS):
-        filled.update(("weights", b, t) for b in range(spec.scale_blocks))
-        filled.update(("tokens", (t // hw.TOKENS_PER_WARPGROUP) * token_blocks + h, t % hw.TOKENS_PER_WARPGROUP)
-                      for h in range(token_blocks))
-    assert set(filled.values()) == {1}
-    assert len(filled) == spec.scale_blocks * (hw.TOKENS_PER_WARPGROUP + spec.mma_bn)
-
-
-def test_column_scale_index_matches_the_accumulator_layout():
-    for thread in (0, 5, 38, 127):
-        for i in range(64):
-            _, col = hp.wgmma_accumulator_position(thread, i)
-            j, e = hp.wgmma_column_scale_index(i)
-            assert col == 8 * j + 2 * (thread % 4) + e
-
-
-def test_e4m3_ring_fits_and_one_more_stage_does_not():
-    spec = e4m3_spec()
-    assert spec.stages >= 4 and spec.scale_blocks == 4 and spec.smem.total_bytes <= H200_SMEM_PER_SM
-    assert e4m3_spec(spec.stages + 1).smem.total_bytes > H200_SMEM_PER_SM
-
-
-@pytest.mark.parametrize("fmt, config, match", [
-    ("nvfp4", E4M3, "needs E4M3 elements"),
-    ("w4a8", E4M3, "needs E4M3 elements"),
-    ("mxfp8_e5m2", E4M3, "needs E4M3 elements"),
-    ("mxfp8", hw.WgmmaConfig(128, 9, "e4m3"), "scale tables per stage"),
-])
-def test_e4m3_operands_refuse_other_formats_and_depths(fmt, config, match):
-    with pytest.raises(ValueError, match=match):
-        hw.check_can_implement(_problem(fmt), config)
-
-
-def test_e4m3_config_checks_its_knobs():
-    with pytest.raises(ValueError, match="mma_operands must be one of"):
-        hw.WgmmaConfig(128, AUTO_STAGES, "fp16")
-    with pytest.raises(ValueError, match="takes mma_bn in"):
-        hw.WgmmaConfig(256, AUTO_STAGES, "e4m3")
-    assert hw.WgmmaConfig.of(E4M3) is E4M3
-    assert hw.check_can_implement(_problem("mxfp8"), E4M3).mma_operands == "e4m3"
-
-
-def test_e4m3_sass_is_one_qgmma_per_block_and_the_promotion_in_registers():
-    """Offline (ptxas 13.5, sm_90a): the K slice holds 4 E4M3 wgmmas (QGMMA, no HGMMA: nothing decoded) and
-    4 promotions of 64 FMUL + 64 FFMA and 16 LDS.64 of column scales, with no local memory in between."""
-    spec = e4m3_spec()
-    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
-                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
-    instructions = offline.sass_instructions(offline.disassemble(cubin))
-    qgmma = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA.64x128x32.F32.E4M3.E4M3")]
-    assert len(qgmma) == hw.E4M3_BLOCKS_PER_SLICE and not any(ins.startswith("HGMMA") for ins in instructions)
-    after = instructions[qgmma[0]:]
-    end = next(i for i, ins in enumerate(after) if ins.startswith("BRA"))
-    loop = collections.Counter(ins.split()[0] for ins in after[:end])
-    blocks = hw.E4M3_BLOCKS_PER_SLICE
-    assert loop["FFMA"] == 64 * blocks and loop["FMUL"] == 64 * blocks and loop["LDS.64"] == 16 * blocks, loop
-    assert not any(op.startswith(("LDL", "STL")) for op in loop), loop
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k, seed", [(4096 + 64, 2048, 1), (389, 1024, 2)])
-def test_gpu_e4m3_operands_match_the_reference(n, k, seed):
-    """MXFP8 on E4M3 wgmma (ragged groups, an empty group, a -1 slot, one token, N not a tile multiple,
-    odd N): within the acceptance of formats.md; poisoned skipped rows keep the poison."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem("mxfp8", n=n, k=k, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=seed)
-    ref = reference_grouped_matmul(problem)
-    out = hw.grouped_matmul_h200(problem, E4M3)
-    result = check_acceptance(problem, out, ref)
-    assert result.passed, f"{hw.check_can_implement(problem, E4M3)}: {result}"
-
-
-@pytest.mark.gpu
-def test_gpu_e4m3_nan_scale_poisons_its_block_only():
-    """A NaN weight scale byte (0xFF) makes the outputs that use that block NaN, and only those."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem("mxfp8", n=256, k=512, group_sizes=[40, 130], expert_ids=[1, 0], num_experts=2,
-                                seed=3)
-    scales = problem.b_scales.copy()
-    scales[1, 0, 0, 17, 0, 2] = 0xFF   # expert 1, weight row 17, block 2 (128x4 layout: [e, r // 128, c // 4, r % 32, r % 128 // 32, c % 4])
-    poisoned = dataclasses.replace(problem, b_scales=scales)
-    out = hw.grouped_matmul_h200(poisoned, E4M3).astype(np.float32)
-    nan_rows, nan_cols = np.nonzero(np.isnan(out))
-    assert set(nan_cols) == {17} and set(nan_rows) == set(range(40))

@@ -96,24 +96,13 @@ warps per scheduler its latency is not hidden. A variant with a dedicated weight
 (512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
 scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
 
-The other route, ``WgmmaConfig(128, mma_operands="e4m3")`` (MXFP8 only; ``_make_e4m3_consumer``):
-no decode at all, the ring's E4M3 bytes go straight to ``wgmma m64n128k32 .e4m3.e4m3``, one wgmma per
-32-element block into a partial accumulator, and the two UE8M0 scales are applied to each partial
-product in fp32 (``hopper.wgmma_scale_accumulate``: one FMUL + one FFMA per accumulator and block). Correct,
-but slower on the H200 (runs 39-40: 4096 x 7168, 8 x 1024 tokens, 335 TFLOP/s vs 428 for the bf16 route at
-``mma_bn`` 256; 7168 x 2048: 302 vs 332), so ``wgmma_plan`` does not pick it. The arithmetic: 2 FP32
-instructions per accumulator and block are ``M N K / 512`` warp instructions, and an SM issues 4 per clock,
-so even at 100 % issue with nothing else this route tops out at 4096 FLOP per clock and SM = ~950 TFLOP/s on
-132 SMs at 1.75 GHz: below torch's FP8 row-wise grouped GEMM (~1000, one scale per row, no per-block work).
-With two consumer warps per scheduler (the 192 accumulator and partial registers per thread allow no more)
-it reaches ~55 % issue.
+MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and promoting each 32-element
+block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
-Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256
-(``mma_operands="e4m3"``: 128, MXFP8 E4M3 x E4M3), or with ``ab_swapped`` 32 or 64 (bf16 operands, 128-row
-tiles); K a multiple of the K slice (256 elements
-when both operands are FP4, else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA)
-and a 4-byte aligned output (paired bf16 stores); the ring plus the bf16 buffers (or the scale tables)
-within the H200's 227 KiB per block.
+Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256, or with
+``ab_swapped`` 32 or 64 (128-row tiles); K a multiple of the K slice (256 elements when both operands are FP4,
+else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
+(paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
@@ -135,7 +124,7 @@ from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
-from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
+from gbs.ptx_inline.shared import st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
 from gbs.formats import BF16, SF_ATOM_ROWS, get_format
 from gbs.layouts import LAYOUT_PACKED
 from gbs.reference import poison_output
@@ -191,24 +180,9 @@ SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte off
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
 OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
-# What the tensor cores multiply (``WgmmaConfig.mma_operands``): "bf16" decodes both operands, scaled,
-# to bf16 (every format pair); "e4m3" feeds MXFP8's E4M3 bytes from the TMA ring straight to
-# ``wgmma ... k32 .e4m3.e4m3`` and applies the two UE8M0 block scales to each k32 partial product in
-# fp32 (one 32-element block per wgmma: ``kernels.md``'s "FP8 wgmma k32 per block" route): no decode,
-# but per accumulator and block one FMUL (row x column scale) and one FFMA. Measured slower (runs 39-40,
-# 2026-11-30, MXFP8, TFLOP/s, bf16 route bn256 / e4m3 route: 4096 x 7168 8 x 1024 tokens 428.5 / 335.1,
-# 7168 x 2048 331.9 / 302.3, 4096 x 7168 32 x 256 424.7 / 331.0, 32 x 64 206.7 / 166.3; the first e4m3
-# version, one partial set and one barrier of both warpgroups per stage, 315.8): an ablation, not the plan.
-MMA_OPERANDS = ("bf16", "e4m3")
-E4M3_MMA_BN = (128,)          # 64 accumulators + 64 partial products per thread (256 wide: 256 registers)
-E4M3_WGMMA_K = 32             # K elements of one wgmma k32 step: one MX scale block
-E4M3_BLOCK = 32
-SCALE_TABLE_WORD = 4
-E4M3_BLOCKS_PER_SLICE = 4     # the consumer's block sequence is written out for 4 blocks (128-element K slices)
-WARPGROUP_BARRIER_BASE = 2    # named barriers 2, 3: one per consumer warpgroup (1 is h200_stream's CONSUMER_BARRIER)
-UE8M0_F32_SHIFT = 23          # a UE8M0 byte b as the fp32 exponent field: 2**(b - 127)
-UE8M0_ZERO_F32 = 0x00400000   # byte 0x00: 2**-127, an fp32 subnormal
-UE8M0_NAN_F32 = 0x7FC00000    # byte 0xFF: NaN
+# What ``WgmmaConfig`` (host side, being replaced by the plan) accepts as ``mma_operands``: the tensor cores
+# multiply bf16, decoded (the E4M3 route is gone).
+MMA_OPERANDS = ("bf16",)
 
 
 @dataclass(frozen=True)
@@ -280,25 +254,34 @@ class WgmmaSpec:
     b_format: str
     mma_bn: int
     stages: int
-    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.formats.OPERAND_LAYOUTS``)
-    mma_operands: str = "bf16"
+    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.layouts.OPERAND_LAYOUTS``)
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
     tile_tokens: int = TILE_TOKENS[0]
     ab_swapped: bool = False
     split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
 
     def __post_init__(self):
-        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens, self.ab_swapped)
+        bn = require_int("mma_bn", self.mma_bn, 1)
+        tokens = require_int("tile_tokens", self.tile_tokens, 1)
+        if not isinstance(self.ab_swapped, (bool, np.bool_)):
+            raise TypeError(f"ab_swapped must be a bool, got {self.ab_swapped!r}")
+        object.__setattr__(self, "ab_swapped", bool(self.ab_swapped))
+        if tokens not in TILE_TOKENS:
+            raise ValueError(f"the wgmma kernel takes tile_tokens in {TILE_TOKENS}, got {tokens}")
+        if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.ab_swapped):
+            raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN} and ab_swapped False (two "
+                             f"m64 token tiles per warpgroup), got mma_bn={bn}, ab_swapped={self.ab_swapped}")
+        legal_bn = SWAPPED_MMA_BN if self.ab_swapped else WGMMA_MMA_BN
+        if bn not in legal_bn:
+            raise ValueError(f"the wgmma kernel takes mma_bn in {legal_bn} with ab_swapped={self.ab_swapped}, got {bn}")
+        if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)):
+            raise TypeError(f"stages must be an int, got {self.stages!r}")
+        object.__setattr__(self, "mma_bn", int(bn))
+        object.__setattr__(self, "tile_tokens", int(tokens))
         if self.split_k and not self.ab_swapped:
             raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
                              "ab_swapped must be True")
-        ring = self.ring   # format pair, layout and stage checks
-        if self.mma_operands == "e4m3":
-            for side in (ring.token_side, ring.weight_side):
-                fmt = side.fmt
-                if (fmt.element, fmt.scale_dtype, fmt.block_size) != ("e4m3", "ue8m0", E4M3_BLOCK):
-                    raise ValueError(f"mma_operands='e4m3' needs E4M3 elements with UE8M0 scales per "
-                                     f"{E4M3_BLOCK} (MXFP8) on both sides; the {side.role} are {side.format}")
+        self.ring   # format pair, layout and stage checks
 
     @property
     def ring(self) -> hs.StreamSpec:
@@ -395,50 +378,9 @@ class WgmmaSpec:
         return -(-self.ring.smem.dynamic_bytes // SW128_ATOM_BYTES) * SW128_ATOM_BYTES
 
     @property
-    def scale_blocks(self) -> int:
-        """E4M3 operands: scale blocks (= wgmma k32 steps) per K slice."""
-        return self.k_slice // E4M3_BLOCK
-
-    @property
-    def warpgroup_table_bytes(self) -> int:
-        """E4M3 operands: one warpgroup's fp32 scale tables of one ring stage: its 64 token rows, then the
-        tile's ``mma_bn`` weight rows, each ``[block][row]`` (``scale_table_offset``)."""
-        return self.scale_blocks * (TOKENS_PER_WARPGROUP + self.mma_bn) * SCALE_TABLE_WORD
-
-    @property
-    def scale_table_bytes(self) -> int:
-        """E4M3 operands: one ring stage's scale tables (each warpgroup has its own: the warpgroups meet
-        at their own barrier and run out of step, one's wgmma during the other's scaling)."""
-        return CONSUMER_WARPGROUPS * self.warpgroup_table_bytes
-
-    @property
     def smem(self) -> "WgmmaSmem":
-        if self.mma_operands == "e4m3":   # the ring, then one pair of scale tables per ring stage
-            return WgmmaSmem(self.buffers_offset + self.stages * self.scale_table_bytes,
-                             self.ring.smem.static_bytes)
+        """The ring, then ``BF16_BUFFERS`` bf16 B buffers."""
         return WgmmaSmem(self.buffers_offset + BF16_BUFFERS * self.buffer_bytes, self.ring.smem.static_bytes)
-
-
-def scale_table_offset(spec: WgmmaSpec, warpgroup: int, weights: int, block: int, row: int) -> int:
-    """E4M3 operands: byte offset, inside one stage's scale tables, of ``warpgroup``'s fp32 copy of the scale
-    of ``block`` (0 .. ``scale_blocks`` - 1) of its token row ``row`` (``weights`` 0; 0 .. 63) or of the
-    tile's weight row ``row`` (``weights`` 1)."""
-    if weights:
-        offset = spec.scale_blocks * TOKENS_PER_WARPGROUP + block * spec.mma_bn + row
-    else:
-        offset = block * TOKENS_PER_WARPGROUP + row
-    return warpgroup * spec.warpgroup_table_bytes + offset * SCALE_TABLE_WORD
-
-
-def ue8m0_f32_bits(scale_byte):
-    """fp32 bits of the UE8M0 scale ``2**(byte - 127)``: exact for every byte (0x00 is the subnormal
-    2**-127), NaN for 0xFF. Host and device (``_device``)."""
-    byte = np.uint32(scale_byte)
-    if byte == np.uint32(0):
-        return np.uint32(UE8M0_ZERO_F32)
-    if byte == np.uint32(0xFF):
-        return np.uint32(UE8M0_NAN_F32)
-    return np.uint32(byte << np.uint32(UE8M0_F32_SHIFT))
 
 
 @dataclass(frozen=True)
@@ -517,10 +459,9 @@ _device = hs._device
 
 def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
-    both routes share (``_kernel_frame``) around the consumer of ``spec.mma_operands``."""
+    (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
     ring = hs.make_ring(spec.ring)
-    make_consumer = _make_e4m3_consumer if spec.mma_operands == "e4m3" else _make_bf16_consumer
-    return _kernel_frame(spec, ring, make_consumer(spec, ring))
+    return _kernel_frame(spec, ring, _make_bf16_consumer(spec, ring))
 
 
 def _kernel_frame(spec: WgmmaSpec, ring, consume):
@@ -565,7 +506,8 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
 
 
 def _make_bf16_consumer(spec: WgmmaSpec, ring):
-    """The consumer of ``mma_operands="bf16"`` (module docstring): a device function for ``_kernel_frame``."""
+    """The consumer (module docstring): both operands decoded, scaled, to bf16; a device function for
+    ``_kernel_frame``."""
     ring_spec = spec.ring
     read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
     stages, lay = ring_spec.stages, ring_spec.smem
@@ -841,142 +783,6 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     return _device(consume)
 
 
-def _make_e4m3_consumer(spec: WgmmaSpec, ring):
-    """The consumer of ``mma_operands="e4m3"`` (MXFP8 x MXFP8), a device function for ``_kernel_frame``: the
-    same ring, tile walk and epilogue as the bf16 route; it multiplies the raw stage.
-
-    Per K slice (4 blocks of 32) each warpgroup first converts the UE8M0 scales it needs into its own
-    fp32 tables of the stage (``scale_table_offset``: thread ``t`` of 128 takes weight row ``t``, all
-    blocks, and blocks ``2 (t // 64)``, ``+ 1`` of its token row ``t % 64``) and meets at its own named
-    barrier (the two warpgroups stay out of step: one's wgmma runs while the other scales). Per block
-    it issues one ``wgmma m64n128k32 .e4m3.e4m3`` into a partial accumulator, both operands read in
-    place (the ring's 128B-swizzled 128-byte rows are wgmma's canonical K-major layout; block b is +32 b
-    bytes of descriptor start address), and adds the partial product times (token row scale x weight row
-    scale) to the tile's accumulators (``wgmma_scale_accumulate``). Two partial sets alternate, so block
-    b + 1's wgmma runs while block b is scaled. A warp releases the stage after its last block; a
-    stage's tables are rewritten only after its refill, i.e. after every warp released it."""
-    ring_spec = spec.ring
-    read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
-    stages, lay = ring_spec.stages, ring_spec.smem
-    stage_bytes = lay.stage_bytes
-    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
-    m_atoms, n_atoms = ring_spec.m_side.sf_atoms_per_slice, ring_spec.n_side.sf_atoms_per_slice
-    mma_bn, blocks = spec.mma_bn, spec.scale_blocks
-    if blocks != E4M3_BLOCKS_PER_SLICE or mma_bn != hp.WGMMA_THREADS:
-        raise AssertionError("the e4m3 consumer is written for 4 blocks per K slice and one weight row per thread")
-    tables_off, table_bytes = spec.buffers_offset, spec.scale_table_bytes
-    warpgroup_table_bytes = spec.warpgroup_table_bytes
-    token_block_bytes = TOKENS_PER_WARPGROUP * SCALE_TABLE_WORD
-    weight_table = scale_table_offset(spec, 0, 1, 0, 0)
-    weight_block_bytes = mma_bn * SCALE_TABLE_WORD
-    token_fill_blocks = blocks * TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
-    k_step_bytes = E4M3_WGMMA_K   # one byte per E4M3 element
-    warpgroup_a_bytes = TOKENS_PER_WARPGROUP * ring_spec.m_side.row_bytes
-    num_acc = mma_bn // 2
-    mma = hp.wgmma_e4m3_ss(mma_bn)
-    scale_accumulate = hp.wgmma_scale_accumulate(mma_bn)
-    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
-    sf_offset = _device(scale_byte_offset)
-    scale_bits = _device(ue8m0_f32_bits)
-    store_tile = _make_store_tile(num_acc)
-    MBARRIER_BYTES, WGMMA_THREADS = hs.MBARRIER_BYTES, hp.WGMMA_THREADS
-
-    def issue(part, a_start, b_start, block):
-        """This warpgroup's wgmma of ``block`` into ``part`` (fresh: scale_d 0), committed as one group."""
-        desc_a = hp.wgmma_smem_descriptor_device(a_start + block * k_step_bytes, SW128_LEADING_BYTES,
-                                                 SW128_ATOM_BYTES, "128B")
-        desc_b = hp.wgmma_smem_descriptor_device(b_start + block * k_step_bytes, SW128_LEADING_BYTES,
-                                                 SW128_ATOM_BYTES, "128B")
-        hp.wgmma_fence()   # part was read by the previous block's scaling
-        part = mma(part, desc_a, desc_b, np.uint32(0))
-        hp.wgmma_commit_group()
-        return part
-
-    def promote(acc, part, tables, row_scales, q, block):
-        """acc += part x (token row scale x weight row scale) of ``block`` (``part`` waited for)."""
-        part = hp.wgmma_fence_accumulators(part)
-        token = row_scales + block * token_block_bytes
-        return scale_accumulate(acc, part, ld_shared_f32(token), ld_shared_f32(token + 8 * SCALE_TABLE_WORD),
-                                tables + weight_table + block * weight_block_bytes + 2 * q * SCALE_TABLE_WORD)
-
-    issue, promote = _device(issue), _device(promote)
-
-    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
-                slices_per_split):
-        lane = cm.laneid()
-        base = np.int64(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
-        wg = cw // WARPGROUP_WARPS
-        q = lane & 3
-        # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
-        warp_row = (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)   # inside the warpgroup's 64
-        m_row = wg * TOKENS_PER_WARPGROUP + warp_row
-        # the table fill: weight row wt (every block), token row wt % 64 (token_fill_blocks blocks)
-        wt = (cw % WARPGROUP_WARPS) * 32 + lane
-        fill_token = wt % TOKENS_PER_WARPGROUP
-        fill_block = (wt // TOKENS_PER_WARPGROUP) * token_fill_blocks
-        table_base = np.uint32(base + tables_off + wg * warpgroup_table_bytes)
-        acc_out = cuda.local.array(num_acc, float32)
-        acc = zero_acc()
-        part_a = zero_acc()
-        part_b = zero_acc()
-        stage = np.uint32(0)
-        phase = np.uint32(0)
-        item = np.int64(0)
-        while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
-            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
-            if expert < 0:
-                break
-            m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + wg * TOKENS_PER_WARPGROUP + fill_token)
-            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
-            acc = zero_acc()
-            for _ in range(k_slices):
-                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-                st = np.uint32(base + stage * stage_bytes)
-                tables = np.uint32(table_base + stage * table_bytes)
-                # 1. this warpgroup's scales of the stage as fp32
-                m_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, m_atoms))
-                n_word = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, n_atoms))
-                for block in range(blocks):
-                    st_shared_u32(tables + weight_table + block * weight_block_bytes + wt * SCALE_TABLE_WORD,
-                                  scale_bits((n_word >> np.uint32(8 * block)) & np.uint32(0xFF)))
-                for h in range(token_fill_blocks):
-                    block = np.uint32(fill_block + h)
-                    st_shared_u32(tables + block * token_block_bytes + fill_token * SCALE_TABLE_WORD,
-                                  scale_bits((m_word >> (np.uint32(8) * block)) & np.uint32(0xFF)))
-                cm.named_barrier_sync(WARPGROUP_BARRIER_BASE + wg, WGMMA_THREADS)
-                # 2. blocks 0..3, two partial sets: block b + 1's wgmma runs while b is scaled
-                a_start = st + m_data_off + wg * warpgroup_a_bytes
-                b_start = st + n_data_off
-                row_scales = tables + warp_row * SCALE_TABLE_WORD
-                part_a = issue(part_a, a_start, b_start, 0)
-                part_b = issue(part_b, a_start, b_start, 1)
-                hp.wgmma_wait_group_1()
-                acc = promote(acc, part_a, tables, row_scales, q, 0)
-                part_a = issue(part_a, a_start, b_start, 2)
-                hp.wgmma_wait_group_1()
-                acc = promote(acc, part_b, tables, row_scales, q, 1)
-                part_b = issue(part_b, a_start, b_start, 3)
-                hp.wgmma_wait_group_1()
-                acc = promote(acc, part_a, tables, row_scales, q, 2)
-                hp.wgmma_wait_group_0()
-                acc = promote(acc, part_b, tables, row_scales, q, 3)
-                cuda.syncwarp()
-                if lane == 0:
-                    mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
-                stage = np.uint32(stage + np.uint32(1))
-                if stage == np.uint32(stages):
-                    stage = np.uint32(0)
-                    phase = np.uint32(phase ^ np.uint32(1))
-            hp.accumulators_to_array(acc, acc_out)
-            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
-            item += 1
-
-
-    return _device(consume)
-
-
 def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:
     """(weight row, token) inside a swapped tile of accumulator ``i`` of the consumer thread whose first M row
     is ``m_row`` (warpgroup row base + warp row base + g) and quad lane ``q``: ``wgmma_accumulator_position``'s
@@ -1020,7 +826,7 @@ def _make_split_epilogue(num_acc: int):
 
 def _make_store_tile(num_acc: int, swapped: bool = False):
     """Device function ``store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale)``: the epilogue
-    of both consumers, ``C[token, row] = bf16(acc * out_scale)`` for a thread's ``num_acc`` accumulators
+    of the consumer, ``C[token, row] = bf16(acc * out_scale)`` for a thread's ``num_acc`` accumulators
     (copied to ``acc_out``) with paired 4-byte stores where both columns are in range and 4-byte aligned;
     tokens past ``t1`` and rows past ``r1`` are not written. ``swapped``: the accumulator's rows are weight
     rows and its columns tokens, so a thread's two columns are two output rows: one 2-byte store each."""
