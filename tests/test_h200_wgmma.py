@@ -15,13 +15,15 @@ import pytest
 
 from gbs.bench import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM
+from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import h200_wgmma as hw
 from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
-from gbs.formats import get_format, scale_byte_offset
+from gbs.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, get_format, scale_byte_offset
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
@@ -44,13 +46,13 @@ def sub_step_group(spec: hw.WgmmaSpec, sub: int, step: int, q: int) -> int:
     """The group (inside its quarter) quad lane ``q`` reads at group step ``step`` of sub-step ``sub``, the
     way the kernel addresses it: ``rotated(first_c + step, q)`` in run 0, moved by whole runs."""
     first_c, run = hw.sub_step_groups(spec.groups_per_sub, sub // hw.A_FRAGMENT_SETS, sub % hw.A_FRAGMENT_SETS)
-    return int(hs.rotated_group(first_c + step, q)) + hs.ROTATION_RUN * run
+    return int(hd.rotated_group(first_c + step, q)) + hd.ROTATION_RUN * run
 
 
 def real_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> int:
     """Real k (inside the K slice) of register ``j``'s half ``hi`` of that group."""
-    return (q * (spec.k_slice // hs.QUAD) + sub_step_group(spec, sub, step, q) * hs.GROUP_ELEMENTS
-            + hs.pair_elements(j, spec.ring.pairing)[hi])
+    return (q * (spec.k_slice // hd.QUAD) + sub_step_group(spec, sub, step, q) * hd.GROUP_ELEMENTS
+            + hd.pair_elements(j, spec.ring.pairing)[hi])
 
 
 def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> tuple[int, int]:
@@ -80,7 +82,7 @@ def test_b_writer_puts_every_element_at_its_kappa(fmt, bn, swapped):
     spec = spec_of(fmt, bn, ab_swapped=swapped)
     for sub in range(spec.subs_per_slice):
         for step in range(spec.groups_per_sub):
-            for q in range(hs.QUAD):
+            for q in range(hd.QUAD):
                 for j in range(4):
                     for hi in range(2):
                         kappa, real = writer_k(spec, sub, step, q, j, hi)
@@ -96,7 +98,7 @@ def test_b_items_cover_every_row_step_and_quarter_once(fmt, bn, swapped):
     items = [hw.b_item_row(spec, t, it) for t in range(hw.CONSUMER_THREADS) for it in range(spec.b_items)]
     quarters = [(row, step, first + qq) for row, step, first in items for qq in range(spec.b_quarters)]
     assert sorted(quarters) == [(r, s, q) for r in range(bn) for s in range(spec.groups_per_sub)
-                                for q in range(hs.QUAD)]
+                                for q in range(hd.QUAD)]
     assert all(first % spec.b_quarters == 0 for _, _, first in items), "8- / 4-byte aligned chunk words"
 
 
@@ -109,13 +111,13 @@ def test_weight_loads_of_a_warp_hit_distinct_banks(fmt):
     worst = 1
     for warp in range(8):
         for item in range(spec.b_items):
-            for q in range(hs.QUAD):
+            for q in range(hd.QUAD):
                 banks = collections.Counter()
-                for lane in range(hs.WARP_SIZE):
-                    row, step, _ = hw.b_item_row(spec, hs.WARP_SIZE * warp + lane, item)
-                    gl = int(hs.rotated_group(step, q))   # sub-step 0 (other runs XOR whole runs)
-                    col = int(hs.group_column(q, gl, side.thread_bytes, side.group_bytes,
-                                              hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)))
+                for lane in range(hr.WARP_SIZE):
+                    row, step, _ = hw.b_item_row(spec, hr.WARP_SIZE * warp + lane, item)
+                    gl = int(hd.rotated_group(step, q))   # sub-step 0 (other runs XOR whole runs)
+                    col = int(hd.group_column(q, gl, side.thread_bytes, side.group_bytes,
+                                              hd.swizzle_xor(row, side.row_bytes, side.swizzle_mask)))
                     for word in range(side.group_bytes // 4):
                         banks[((row * side.row_bytes + col) // 4 + word) % 32] += 1
                 worst = max(worst, max(banks.values()))
@@ -153,11 +155,11 @@ def test_swapped_epilogue_stores_each_weight_row_and_token_once(bn):
     seen = collections.Counter()
     for cw in range(hw.CONSUMER_WARPGROUPS * hw.WARPGROUP_WARPS):
         warpgroup, warp = divmod(cw, hw.WARPGROUP_WARPS)
-        for lane in range(hs.WARP_SIZE):
+        for lane in range(hr.WARP_SIZE):
             m_row = warpgroup * hw.TOKENS_PER_WARPGROUP + warp * hw.ROWS_PER_WARP + lane // 4
             for i in range(bn // 2):
                 row, token = hw.swapped_accumulator_position(m_row, lane % 4, i)
-                mma_row, mma_col = hp.wgmma_accumulator_position(hs.WARP_SIZE * warp + lane, i)
+                mma_row, mma_col = hp.wgmma_accumulator_position(hr.WARP_SIZE * warp + lane, i)
                 assert (row, token) == (warpgroup * hw.TOKENS_PER_WARPGROUP + mma_row, mma_col)
                 seen[row, token] += 1
     assert sorted(seen) == [(r, t) for r in range(128) for t in range(bn)] and set(seen.values()) == {1}
@@ -202,7 +204,7 @@ def test_swapped_ring_puts_weights_on_m_and_tokens_on_n(fmt):
         assert ring.m_side.role == "weights" and ring.m_side.rows == 128
         assert ring.n_side.role == "tokens" and ring.n_side.rows == bn and ring.n_side.scale_bands == 1
         assert ring.tile_shape.tokens == bn and ring.tile_shape.weight_rows == 128
-        assert hs.SF_ATOM_ROWS % bn == 0
+        assert SF_ATOM_ROWS % bn == 0
 
 
 @pytest.mark.parametrize("fmt, bn, swapped, items, quarters, sub_k", [
@@ -227,7 +229,7 @@ def test_256_token_tiles_cover_each_token_row_once():
     spec = spec_of("nvfp4", 128, tile_tokens=256)
     atoms = spec.ring.m_side.sf_atoms_per_slice
     m_tile_rows = hw.CONSUMER_WARPGROUPS * hw.TOKENS_PER_WARPGROUP
-    for q in range(hs.QUAD):
+    for q in range(hd.QUAD):
         rows = collections.Counter()
         for cw in range(hw.CONSUMER_WARPGROUPS * hw.WARPGROUP_WARPS):
             for g in range(8):
@@ -237,8 +239,8 @@ def test_256_token_tiles_cover_each_token_row_once():
                     for i in range(2):
                         row = m_row + m_tile_rows * mt + 8 * i
                         rows[row] += 1
-                        band = scale_byte_offset(row, 0, atoms) // (atoms * hs.SF_ATOM_BYTES)
-                        assert band == row // hs.SF_ATOM_ROWS
+                        band = scale_byte_offset(row, 0, atoms) // (atoms * SF_ATOM_BYTES)
+                        assert band == row // SF_ATOM_ROWS
         assert sorted(rows) == list(range(256)) and set(rows.values()) == {1}
 
 
@@ -316,7 +318,7 @@ def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens, swapped):
     stays within the budgets above. A B item of two quarters (swapped NVFP4 at 32 tokens, W4A8 at 64) writes
     its half of each chunk with one STS.64."""
     spec = spec_of(fmt, bn, tile_tokens=tile_tokens, ab_swapped=swapped)
-    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
     hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{bn}x16.F32.BF16")]
@@ -337,7 +339,7 @@ def test_h200_token_layout_shortens_the_256_token_k_loop():
     sizes = {}
     for a_layout in ("packed", "e2m1_h200"):
         spec = dataclasses.replace(spec_of("nvfp4", 128, tile_tokens=256), b_layout="e2m1_h200", a_layout=a_layout)
-        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         hot = [loop for loop in offline.sass_loops(offline.disassemble(cubin)) if loop.count("HGMMA")][0]
         assert hot.count("LDL") + hot.count("STL") == 0
@@ -348,7 +350,7 @@ def test_h200_token_layout_shortens_the_256_token_k_loop():
 def test_register_splits_fill_the_launch_allocation():
     """``setmaxnreg``: the producer warpgroup's registers plus the two consumer warpgroups' are exactly the
     launch's 384 threads x 168, for the 128-token split and the 256-token one (multiples of 8, 24..256)."""
-    launch_allocation = hs.WARP_SIZE * (hs.WARPGROUP_WARPS + 2 * hs.WARPGROUP_WARPS) * 168
+    launch_allocation = hr.WARP_SIZE * (hr.WARPGROUP_WARPS + 2 * hr.WARPGROUP_WARPS) * 168
     for producer, consumer in ((hw.PRODUCER_REGISTERS, hw.CONSUMER_REGISTERS),
                                (hw.PRODUCER_REGISTERS_TWO_M_TILES, hw.CONSUMER_REGISTERS_TWO_M_TILES)):
         assert hp.WGMMA_THREADS * (producer + 2 * consumer) == launch_allocation
@@ -454,7 +456,7 @@ def test_swapped_split_k_build_reads_every_sum_before_it_stores(fmt, bn):
     loops = {}
     for spec in (plain, dataclasses.replace(plain, split_k=True)):
         assert spec.ring.split_k == spec.split_k
-        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         sass = offline.disassemble(cubin)
         instructions = offline.sass_instructions(sass)
@@ -504,7 +506,7 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     assert set(device.host_routing) == {"a_offsets", "expert_ids"}
     assert device.host_routing["a_offsets"] is not problem.a_offsets, "a copy: later edits do not move the plan"
     np.testing.assert_array_equal(device.host_routing["expert_ids"], problem.expert_ids)
-    assert hw.estimated_tiles(device, 32, hs.TILE_M_ROWS) == 30      # six live groups x 5 bands
+    assert hw.estimated_tiles(device, 32, hr.TILE_M_ROWS) == 30      # six live groups x 5 bands
     carried = types.SimpleNamespace(**{f: getattr(problem, f) for f in ("a_format", "b_format", "num_active_experts",
                                                                         "estimated_total_m", "n", "k", "b_layout",
                                                                         "a_layout")},
@@ -516,7 +518,7 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     opaque.a_offsets = types.SimpleNamespace(shape=problem.a_offsets.shape)   # not a host array: no copy kept
     averaged = launch.to_device(opaque)
     assert averaged.host_routing is None
-    assert hw.estimated_tiles(averaged, 32, hs.TILE_M_ROWS) == 40    # 8 slots of ceil(175 / 8) = 22 tokens
+    assert hw.estimated_tiles(averaged, 32, hr.TILE_M_ROWS) == 40    # 8 slots of ceil(175 / 8) = 22 tokens
     assert hw.swapped_k_splits(30, 16, hs.H200_SM_COUNT)[0] == 4 and hw.swapped_k_splits(40, 16, hs.H200_SM_COUNT)[0] == 3
 
 
@@ -538,8 +540,8 @@ def test_fp8_tokens_take_swapped_tiles_where_they_split(fmt, n, slots, tokens, w
         return
     bn, runs = want
     assert plan == hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True) and hw.wgmma_plan(problem) == plan
-    k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
-    assert hw.swapped_k_splits(hw.estimated_tiles(problem, bn, hs.TILE_M_ROWS), k_slices, hs.H200_SM_COUNT)[0] == runs
+    k_slices = problem.k // hr.k_slice_elements(problem.a_format, problem.b_format)
+    assert hw.swapped_k_splits(hw.estimated_tiles(problem, bn, hr.TILE_M_ROWS), k_slices, hs.H200_SM_COUNT)[0] == runs
 
 
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
@@ -596,7 +598,7 @@ GPU_CASES = ([(fmt, 128, 128) for fmt in FORMATS] + [("nvfp4", 256, 128), ("mxfp
 def ragged_gpu_problem(fmt: str, n: int, seed_tag: str):
     """The GPU tests' ragged routing (``GPU_SIZES`` / ``GPU_IDS``) at K 2048, seeded by ``seed_tag``; skips without
     an sm_90 GPU."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     return synthetic_problem(fmt, n=n, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS), num_experts=8,
                              seed=zlib.crc32(seed_tag.encode()))
@@ -674,7 +676,7 @@ def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
     """A Kimi-like problem (N 512 + 64: 5 weight bands, the last one partial; 8 slots of up to 32 tokens with a -1
     slot, an empty group and a 1-token group; K 4096): ~30 swapped tiles, so ``prepare``'s default cuts each into
     ``swapped_k_splits`` runs (4 runs of 4 slices on 132 SMs), counting the groups' own tiles."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
                                 expert_ids=[3, 0, 5, 1, -1, 2, 4, 6], num_experts=7,
@@ -682,7 +684,7 @@ def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
     config = hw.wgmma_plan(problem)
     assert (config.ab_swapped, config.mma_bn) == (True, 32)
     prepared = run_split_launch_three_times(problem, config, None)
-    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hs.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
+    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hr.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
     assert prepared.k_splits == want == 4
 
 
@@ -736,7 +738,7 @@ def test_gpu_h200_token_layout_gives_the_same_bits(fmt, bn, tile_tokens):
 
 @pytest.mark.gpu
 def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     from numba import cuda
 
@@ -760,7 +762,7 @@ def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
 @pytest.mark.gpu
 def test_gpu_auto_backend_runs_prefill_on_wgmma():
     """``gbs.grouped_matmul`` with the dispatch's decision: prefill-sized groups go to this kernel."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
@@ -778,7 +780,7 @@ def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
     """The plan's 256-token tiles through ``gbs.grouped_matmul``: ragged groups (a 1-token group, an
     empty one, a -1 slot, sizes not multiples of 256) averaging ~820 tokens on 4096 weight rows (the plan
     counts the live groups' own tiles: 15 of 256 tokens against 29 of 128)."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
@@ -798,7 +800,7 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
     """Tens of FP4 tokens per expert (a -1 slot, a 1-token group; MXFP4 an empty group and groups of 50-64 tokens):
     ``gbs.grouped_matmul`` runs the swapped tile the plan picks, on weights fused with their scales and tokens
     in the H200 order, within the acceptance; rows of the -1 slot keep the poison."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel, h200_weight_layout
@@ -821,7 +823,7 @@ def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt,
     """FP8 tokens on ~30 swapped tiles (N 576: 5 weight bands, the last partial; a -1 slot, an empty group, a
     1-token group; K 2048: 16 slices): ``gbs.grouped_matmul`` runs the swapped tiles in 4 split-K runs
     (``fp8_tokens_swapped_plan``) within the acceptance; rows of the -1 slot keep the poison."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
@@ -840,7 +842,7 @@ def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt,
 def test_gpu_odd_n_takes_the_single_store_paths(fmt):
     """N odd: bf16 pairs are not 4-byte aligned in every token row, so the epilogue stores single
     values (and a tile's last column alone)."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=389, k=1024, group_sizes=[130, 0, 7], expert_ids=[1, 0, 2], num_experts=3,
                                 seed=zlib.crc32(f"odd-n/{fmt}".encode()))
@@ -850,7 +852,7 @@ def test_gpu_odd_n_takes_the_single_store_paths(fmt):
 
 @pytest.mark.gpu
 def test_gpu_misaligned_output_is_refused_before_launch():
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     from numba import cuda
 

@@ -1,5 +1,5 @@
 """The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA), for large
-prefill (tokens on wgmma M) and, swapped, for FP4 small prefill (weights on wgmma M).
+prefill (tokens on wgmma M) and, swapped, for small prefill (weights on wgmma M).
 
 Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 for prefill: ``prefers``),
 ``gbs.grouped_matmul(problem, backend="h200_wgmma")``, or directly::
@@ -9,23 +9,23 @@ Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 f
     prepared()                       # enqueue; prepared.out holds C (bf16 bits)
 
 The streaming kernel (``h200_stream``) feeds ``mma.sync`` from registers that every consumer warp
-decodes itself: right for decode, where the weight bytes bound the time, but prefill reaches only
-~157 TFLOP/s that way (NVFP4, 4096 x 7168, 8 x 1024 tokens). Hopper has no FP4 MMA and no block-scale
-hardware, so here the operands are decoded to bf16 (exactly, scale applied: ``h200_stream``'s rule)
-and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
+decodes itself: right for decode, where the weight bytes bound the time, but far from the tensor cores'
+rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the operands are decoded to bf16
+(exactly, scale applied: ``h200_decode``) and the tensor cores get warpgroup MMAs. Design:
+``docs/design/h200_port.md``. Per CTA (one per SM, 384 threads):
 
-* The ring is ``h200_stream``'s (``make_ring``: same tile walk, work records and dynamic items, TMA maps,
-  128x4 scale atoms, producer warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma M) by
-  ``mma_bn`` weight rows (wgmma N, 128 or 256). The consumers take each tile from the producer's record
-  in the stage of its first K slice. ``setmaxnreg`` leaves the producer 40 registers and gives the
-  consumers 232.
+* The ring is ``h200_ring``'s (``make_ring``: the streaming kernel's tile walk, work records and dynamic items,
+  TMA maps, 128x4 scale atoms, producer warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma
+  M) by ``mma_bn`` weight rows (wgmma N, 128 or 256). The consumers take each tile from the producer's record
+  in the stage of its first K slice. ``setmaxnreg`` leaves the producer 40 registers and gives the consumers
+  232.
 * Two consumer warpgroups, 64 tokens each. Per sub-step (``WgmmaSpec.sub_k``: 64 elements of K, or
   128 = half a raw K slice when both operands are FP4 and ``mma_bn`` is 128):
   - the 256 threads decode the tile's weight rows from the raw stage, scaled, into the wgmma B
     operand (canonical K-major, 128B swizzle, ``b_buffer_offset``) in one of ``BF16_BUFFERS`` shared
     buffers; a warp's 32 lanes cover 8 rows x 4 group steps, so its raw loads hit distinct banks
-    (16 rows x 2 steps with 64-element sub-steps: at most 2 words per bank; ncu on a first version,
-    where a warp read 32 rows at one column: 3.9-way conflicts);
+    (16 rows x 2 steps with 64-element sub-steps: at most 2 words per bank; by ncu, a first version
+    where a warp read 32 rows at one column had 3.9-way conflicts: evidence: wgmma-ncu-run17);
   - each thread decodes its token rows straight into wgmma A fragments (registers; two sets that
     alternate, since an in-flight wgmma still reads the previous set);
   - ``wait_group 1`` (the MMAs of two sub-steps ago are done), a named barrier of the 256 threads
@@ -34,29 +34,26 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
     a buffer is rewritten only after every thread passed a wait that covers its MMAs.
 * Epilogue: ``wait_group 0``, ``C = bf16(acc * 2**epilogue_log2 * expert_scales[e])``, paired 4-byte
   stores where both columns are in range (rows of skipped slots are never written).
-* ``WgmmaConfig.tile_tokens`` = 256 (``mma_bn`` 128): the ring's M side holds 256 token rows (two scale
-  bands, ``h200_stream.StreamSpec.m_rows``) and each warpgroup runs two m64 tiles (rows ``r`` and ``r + 128``)
-  on the same B buffer, so the weights are decoded once for twice the tokens (run 59's diagnostic: the
-  weight decode is ~26 % of NVFP4 large prefill); 64-kappa sub-steps keep the A fragments of both tiles
-  in registers, and the consumers take 240 registers (the producer 24). Offline (ptxas 13.5, NVFP4
+* ``WgmmaSpec.tile_tokens`` = 256 (``mma_bn`` 128): the ring's M side holds 256 token rows (two scale
+  bands, ``h200_ring.StreamSpec.m_rows``) and each warpgroup runs two m64 tiles (rows ``r`` and ``r + 128``)
+  on the same B buffer, so the weights are decoded once for twice the tokens (the weight decode is about a
+  quarter of NVFP4 large prefill's time: evidence: wgmma-decode-split); 64-kappa sub-steps keep the A fragments of
+  both tiles in registers, and the consumers take 240 registers (the producer 24). Offline (ptxas 13.5, NVFP4
   re-laid): 660 K-loop instructions per 128 kappa x 256 tokens against 931 per 256 kappa x 128 tokens, no
   local accesses in the loop (the loop re-reads the lane rather than hold lane-derived columns and
-  selectors, which ptxas spilled). Measured on the H200 (runs 64 and 69): NVFP4 large prefill 1011 -> 918
-  us, MXFP4 993 -> 876; ``wgmma_plan`` picks it where it pays (``wgmma_tile_tokens``).
-* FP4 tokens in ``gbs.formats.E2M1H200Order`` (``a_layout``, as their quantizer would write them): two
+  selectors, which ptxas spilled). Faster where the second tiles are full (evidence: two-m-tiles); the plan
+  weighs it against the groups' padding (``wgmma_tile_tokens``; evidence: ragged-tile-count).
+* FP4 tokens in ``gbs.layouts.E2M1H200Order`` (``a_layout``, as their quantizer would write them): two
   thirds of the elements a 256-token K loop decodes are tokens, and that order decodes in 9 instead of 13
-  integer instructions per word (NVFP4: 660 -> 596 per 128 kappa). Measured (run 72, two rounds each):
-  NVFP4 large prefill 896 -> 860 us, MXFP4 862 -> 836, NVFP4 down-projection 512 -> 496: 3-4 %, not the 10 %
-  of the instructions (the loop is latency-bound); 128-token tiles unchanged (ragged case 1272 / 1285).
+  integer instructions per word (NVFP4: 660 -> 596 per 128 kappa); a few percent faster, not the 10 % of
+  the instructions (the loop is latency-bound; evidence: token-order).
 * Each wgmma's B descriptor is buffer 0's advanced by a 32-bit add (``hopper.wgmma_descriptor_advance``),
   not rebuilt (4 uniform instructions): NVFP4 256-token K loop 596 -> 575 instructions per 128 kappa, MXFP4
-  549 -> 530, NVFP4 128-token 931 -> 882, MXFP8 / W4A8 bn256 807 / 813 -> 773 / 781 (offline). Measured (run
-  80, two rounds, both operands re-laid): NVFP4 large prefill 857.4 -> 855.5 us, MXFP4 836.4 -> 828.3, NVFP4
-  down 498.1 -> 495.9, ragged 1234.0 -> 1218.2, MXFP8 1040.0 -> 1026.0, W4A8 1031.2 -> 1003.0. The sub-step
-  arithmetic is 32-bit (an int64 loop counter made the rotation run's floor division ~14 uniform instructions):
-  575 -> 539 (MXFP4 530 -> 486); run 81: NVFP4 857.3 -> 847.8 us, MXFP4 826.8 -> 822.7, ragged 1226.3 -> 1215.3.
+  549 -> 530, NVFP4 128-token 931 -> 882, MXFP8 / W4A8 bn256 807 / 813 -> 773 / 781 (offline;
+  evidence: desc-advance). The sub-step arithmetic is 32-bit (an int64 loop counter made the rotation run's floor
+  division ~14 uniform instructions): 575 -> 539 (MXFP4 530 -> 486; evidence: u32-steps).
 
-* Swapped tiles (``WgmmaConfig(32 or 64, ab_swapped=True)``, FP4 small prefill): the ring is the streaming
+* Swapped tiles (``WgmmaSpec.ab_swapped``: 32 or 64 tokens, small prefill): the ring is the streaming
   kernel's swapped one (``StreamSpec.warpgroup_consumers``: a producer warpgroup and two consumer warpgroups even
   at 32 columns), so its M side is 128 weight rows and its N side ``mma_bn`` tokens. The same consumer then
   decodes each warpgroup's 64 weight rows into A fragments (the weights are decoded once per tile, as the
@@ -64,69 +61,72 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   step) pairs than the 256 consumer threads, each takes 2 (or 1) of the 4 quarters of one (``b_quarters``) and
   writes 8 (or 4) bytes of each 16-byte chunk. The epilogue stores the transposed accumulator
   (``swapped_accumulator_position``). One ``wgmma m64n32k16`` per 64 x 16 weights replaces the streaming
-  kernel's 4 x 4 ``mma.sync`` and their B-fragment loads. Measured (runs 107-109, 32 experts, 4096 x 7168,
-  fused weights): 32 tokens per expert NVFP4 291.7 -> 250.2 us, MXFP4 301.7 -> 236.0; 48-64 tokens (bn64) 456 ->
-  301 / 455 -> 290. ``wgmma_plan`` picks them for FP4 x FP4 (``SWAPPED_ROW_COST``); FP8 tokens stay on the
-  streaming kernel (W4A8 266.8 against 381.4).
-* Split-K runs of swapped tiles (``prepare(..., k_splits=None)``, the default: ``swapped_k_splits``; its own
-  ``WgmmaSpec.split_k`` build): where the swapped tiles are fewer than a wave (Kimi's N 512 x 8 experts x 32
-  tokens: 32 tiles on 132 SMs), the ring's producers hand out runs of a tile's K slices (the streaming kernel's
-  split-K walk), and the epilogue is the streaming kernel's split-K protocol: each run adds its scaled partial to a
-  zeroed fp32 workspace (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back
-  with plain L2 loads before it stores the bf16 outputs and zeroes the words. Measured (runs 119-121): Kimi's 32
-  tiles 36.6 -> 22.0 us in 4 runs (the streaming kernel's split-K: 23.9), 8 tiles 14.6 (19.9), 64 tiles 38.6 ->
-  29.7 (33.7); so ``prefers`` takes the swapped tiles from 17 FP4 tokens per expert at any tile count.
+  kernel's 4 x 4 ``mma.sync`` and their B-fragment loads: faster for FP4 x FP4 from 17 tokens per expert
+  (evidence: swapped-tiles); FP8 tokens take them only where their tiles are few enough to split
+  (evidence: fp8-swapped-tiles).
+* Split-K runs of swapped tiles (``WgmmaSpec.split_k``, its own build): where the swapped tiles are fewer than
+  a wave, the ring's producers hand out runs of a tile's K slices (the ring's split-K walk), and the epilogue is
+  the streaming kernel's split-K protocol: each run adds its scaled partial to a zeroed fp32 workspace
+  (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back with plain L2
+  loads before it stores the bf16 outputs and zeroes the words (evidence: swapped-split-k).
 
-Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
+Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
 decode's own time plus 54-82 % of the MMA time, whatever the arrangement (A in registers or shared memory,
 warpgroups in lock step or ping-pong, the decode between the k16 steps), at the kernel's ratio of decode to MMA
-time. Only less decode time helps.
+time (evidence: decode-overlap-probe). Only less decode time helps.
 
-The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
+The K permutation: the A fragments come from ``h200_decode``'s reader of the M side (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
 ``kappa`` is a permutation of the real k; ``b_operand_k`` gives it, the weight decode writes every
 element at its ``kappa``, and the host tests check the two agree element by element.
 
-Where the time goes (ncu, run 17; bench run 30: NVFP4 460 TFLOP/s = 0.60x torch bf16, 475 with the weights
-in ``gbs.formats.E2M1H200Order``, which the shared weight reader decodes with fewer instructions): issue slots 44 %
-busy with 2.25 warps per scheduler (one CTA per SM: shared memory and registers), 0.67 eligible; the
-decode is ~500 instructions per thread and 128-kappa sub-step against ~1500 cycles of MMA, and with two
-warps per scheduler its latency is not hidden. A variant with a dedicated weight-decode warpgroup
-(512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
-scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
-
+Where the time goes (ncu): issue slots 44 % busy with 2.25 warps per scheduler (one CTA per SM: shared
+memory and registers), 0.67 eligible; the decode is ~500 instructions per thread and 128-kappa sub-step
+against ~1500 cycles of MMA, and with two warps per scheduler its latency is not hidden
+(evidence: wgmma-ncu-run17). A variant with a dedicated weight-decode warpgroup (512 threads) was no faster (slower for
+MXFP4 and MXFP8: one decoder warp per scheduler is latency-bound the same way, and m64n256 cannot compile under
+a 128-register launch bound; evidence: decoder-warpgroup).
 MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and promoting each 32-element
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
 Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256, or with
-``ab_swapped`` 32 or 64 (128-row tiles); K a multiple of the K slice (256 elements when both operands are FP4,
-else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
+``ab_swapped`` 32 or 64 (128-row tiles); K a multiple of the K slice (256 elements when both operands are
+FP4, else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32
-from numba.cuda.cudadrv.driver import device_memset
 
-from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
-from gbs.numba_kernels import h200_stream as hs
-from gbs.numba_kernels import launch
-from gbs.numba_kernels.h200_stream import CONSUMER_WAIT
+from gbs.dispatch import require_int
+from gbs.formats import SF_ATOM_ROWS
+from gbs.layouts import LAYOUT_PACKED
+from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_ring as hr
+from gbs.numba_kernels.h200_ring import CONSUMER_WAIT
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import GroupedProblem, layout_of, problem_format_name
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
 from gbs.ptx_inline.shared import st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
-from gbs.formats import BF16, SF_ATOM_ROWS, get_format
-from gbs.layouts import LAYOUT_PACKED
+
+# What WgmmaConfig and the host side at the end of this module read (both are being replaced by gbs.plan and
+# h200_launch; these imports go with them).
+import dataclasses
+import functools
+
+from numba.cuda.cudadrv.driver import device_memset
+
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM
+from gbs.formats import BF16, get_format
+from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import launch
+from gbs.problem import GroupedProblem, layout_of, problem_format_name
 from gbs.reference import poison_output
 
 # ----------------------------------------------------------------------------------------------
@@ -141,19 +141,19 @@ SWAPPED_MMA_BN = (32, 64)
 CONSUMER_WARPGROUPS = 2
 CONSUMER_THREADS = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
-WARPGROUP_WARPS = hs.WARPGROUP_WARPS
+WARPGROUP_WARPS = hr.WARPGROUP_WARPS
 ROWS_PER_WARP = TOKENS_PER_WARPGROUP // WARPGROUP_WARPS   # 16 token rows of a warpgroup's 64 per warp
 WGMMA_K = 16
 SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
 BF16_ROW_BYTES = 2 * SW128_KAPPA
 A_FRAGMENT_SETS = 2           # consecutive sub-steps alternate two register sets of A fragments
-ROTATION_RUN_LOG2 = 2         # log2(h200_stream.ROTATION_RUN)
-if 1 << ROTATION_RUN_LOG2 != hs.ROTATION_RUN:
-    raise AssertionError("ROTATION_RUN_LOG2 must be log2(h200_stream.ROTATION_RUN)")
+ROTATION_RUN_LOG2 = 2         # log2(h200_decode.ROTATION_RUN)
+if 1 << ROTATION_RUN_LOG2 != hd.ROTATION_RUN:
+    raise AssertionError("ROTATION_RUN_LOG2 must be log2(h200_decode.ROTATION_RUN)")
 WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa buffers of 256 rows do not fit)
-# Tokens per tile (``WgmmaConfig.tile_tokens``): 128 (each consumer warpgroup one m64 tile), or 256 (two m64
-# tiles per warpgroup on the same bf16 B buffer: the weight decode, ~26 % of the NVFP4 large-prefill time by
-# H200 run 59's diagnostic, is done once for twice the tokens). 256 takes mma_bn 128 (2 x 64 accumulators
+# Tokens per tile (``WgmmaSpec.tile_tokens``): 128 (each consumer warpgroup one m64 tile), or 256 (two m64
+# tiles per warpgroup on the same bf16 B buffer: the weight decode, about a quarter of NVFP4 large prefill's
+# time (evidence: wgmma-decode-split), is done once for twice the tokens). 256 takes mma_bn 128 (2 x 64 accumulators
 # per thread, as mma_bn 256 has 128) and 64-kappa sub-steps (the A fragments of two m64 tiles: 2 sets x 2
 # tiles x 4 k16 steps x 4 registers).
 TILE_TOKENS = (2 * TOKENS_PER_WARPGROUP, 4 * TOKENS_PER_WARPGROUP)
@@ -161,14 +161,14 @@ TWO_M_TILES_MMA_BN = (128,)
 # Registers per thread after setmaxnreg: the producer warpgroup only walks tiles and issues TMA (it
 # spills a little below ~64 registers, outside any hot loop) and the consumers need every register
 # they can get (accumulators + two A fragment sets + decode temporaries); 4 x 32 x 40 + 8 x 32 x 232
-# = 64512 = 384 x 168, the launch allocation (see h200_stream's constants).
+# = 64512 = 384 x 168, the launch allocation (see h200_stream's setmaxnreg constants).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # 256-token tiles (2 x 64 accumulators, two tiles' A fragments) move 16 more per consumer thread from the
 # producer (4 x 32 x 24 + 8 x 32 x 240 = 64512): offline (ptxas 13.5, NVFP4 re-laid, before the K loop
 # re-read the lane) the consumers' K loop had 17 local accesses instead of 34 at 232 (647 instructions instead
-# of 689), the producer's TMA loop 75 instead of 10 (one thread, ~4.6 us per stage at 8 x 1024 tokens: the
-# ring hides it; the 256-token times of runs 64 and 69 include it).
+# of 689), the producer's TMA loop 75 instead of 10 (one thread, a few microseconds per stage at 8 x 1024
+# tokens: the ring hides it; the measured 256-token times include it, evidence: two-m-tiles).
 PRODUCER_REGISTERS_TWO_M_TILES = 24
 CONSUMER_REGISTERS_TWO_M_TILES = 240
 # Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's. At sub-step
@@ -181,7 +181,7 @@ SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
 OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
 # What ``WgmmaConfig`` (host side, being replaced by the plan) accepts as ``mma_operands``: the tensor cores
-# multiply bf16, decoded (the E4M3 route is gone).
+# multiply bf16, decoded (the E4M3 route is gone: evidence: e4m3-route).
 MMA_OPERANDS = ("bf16",)
 
 
@@ -284,10 +284,10 @@ class WgmmaSpec:
         self.ring   # format pair, layout and stage checks
 
     @property
-    def ring(self) -> hs.StreamSpec:
-        """The TMA ring's spec: ``h200_stream``'s tile in this orientation with a producer warpgroup and 8
+    def ring(self) -> hr.StreamSpec:
+        """The TMA ring's spec: the streaming kernel's tile in this orientation with a producer warpgroup and 8
         consumer warps (its readers also decode for this kernel, in the operands' layouts)."""
-        return hs.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
+        return hr.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
                              warpgroup_consumers=True, split_k=self.split_k)
 
@@ -350,12 +350,12 @@ class WgmmaSpec:
         buffer has fewer (row, group step) pairs than there are consumer threads (the swapped 32- and 64-token
         tiles): the consumer warps then form ``b_quarter_parts`` groups, each taking its share of the quarters
         and writing its 8 or 4 bytes of every 16-byte chunk."""
-        return min(hs.QUAD, self.groups_per_sub * self.mma_bn * hs.QUAD // CONSUMER_THREADS)
+        return min(hd.QUAD, self.groups_per_sub * self.mma_bn * hd.QUAD // CONSUMER_THREADS)
 
     @property
     def b_quarter_parts(self) -> int:
         """Groups of consumer warps that split each B row's quarters (1, 2 or 4)."""
-        return hs.QUAD // self.b_quarters
+        return hd.QUAD // self.b_quarters
 
     @property
     def warps_per_b_part(self) -> int:
@@ -366,7 +366,7 @@ class WgmmaSpec:
         """Lanes of a warp that share a group step: 8 rows x 4 steps (or 16 x 2) per weight load,
         so the 32 lanes read distinct banks (rows 8 apart share the swizzle, steps differ in the
         word their rotation picks)."""
-        return hs.WARP_SIZE // self.groups_per_sub
+        return hr.WARP_SIZE // self.groups_per_sub
 
     @property
     def buffer_bytes(self) -> int:
@@ -400,7 +400,7 @@ def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
     """Real k (inside the K slice) that wgmma's k index ``kappa`` (0 .. sub_k - 1) of sub-step
     ``sub`` (0 .. subs_per_slice - 1) carries.
 
-    A fragments (``h200_stream``'s decode): quad lane ``q`` holds, for its rotated group ``gl`` at
+    A fragments (``h200_decode``'s reader): quad lane ``q`` holds, for its rotated group ``gl`` at
     step ``gi = groups_per_sub * sub + p``, register ``j`` = elements (j, j + 4) (FP4 pairing; FP8 x
     FP8 pairs (0,2),(1,3),(4,6),(5,7)) of its quarter, and feeds them to k16 step ``kb = 2 p + j // 2``
     at ``kappa = 16 kb + 2 q + 8 (j % 2)`` (+1 for the high half)."""
@@ -411,10 +411,10 @@ def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
     p, j_half = divmod(kb, 2)
     j = 2 * j_half + h
     gi = spec.groups_per_sub * sub + p
-    gl = int(hs.rotated_group(gi, q))
-    element = hs.pair_elements(j, ring.pairing)[hi]
-    quarter = spec.k_slice // hs.QUAD
-    return q * quarter + gl * hs.GROUP_ELEMENTS + element
+    gl = int(hd.rotated_group(gi, q))
+    element = hd.pair_elements(j, ring.pairing)[hi]
+    quarter = spec.k_slice // hd.QUAD
+    return q * quarter + gl * hd.GROUP_ELEMENTS + element
 
 
 def b_buffer_offset(mma_bn: int, row: int, kb: int, h: int) -> int:
@@ -431,7 +431,7 @@ def sub_step_groups(groups_per_sub: int, sub_pair: int, parity: int) -> tuple[in
     of 4. A pair of sub-steps covers ``2 groups_per_sub`` groups, a whole number of runs, so the first
     step depends on the parity only (a constant once the pair is unrolled)."""
     # a shift, not a floor division: on a signed loop counter the division costs the kernel a sign fix-up
-    return (groups_per_sub * parity % hs.ROTATION_RUN,
+    return (groups_per_sub * parity % hd.ROTATION_RUN,
             (groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity)) >> ROTATION_RUN_LOG2)
 
 
@@ -445,7 +445,7 @@ def a_fragment_index(p: int, j: int, i: int) -> int:
 def b_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int, int]:
     """(B row, group step within the sub-step, first of its ``b_quarters`` quarters) of a consumer thread's
     ``item``."""
-    warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
+    warp, lane = divmod(consumer_thread, hr.WARP_SIZE)
     part, warp = divmod(warp, spec.warps_per_b_part)
     lanes = spec.lanes_per_group_step
     return lanes * (spec.b_items * warp + item) + lane % lanes, lane // lanes, part * spec.b_quarters
@@ -454,13 +454,13 @@ def b_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, i
 # ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
-_device = hs._device
+_device = hd.inline_device
 
 
 def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
     (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
-    ring = hs.make_ring(spec.ring)
+    ring = hr.make_ring(spec.ring)
     return _kernel_frame(spec, ring, _make_bf16_consumer(spec, ring))
 
 
@@ -478,9 +478,9 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
     producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS_TWO_M_TILES if two_m_tiles else PRODUCER_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS_TWO_M_TILES if two_m_tiles else CONSUMER_REGISTERS)
     barrier_words = ring_spec.smem.barrier_words
-    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
+    routing_offset_words = hr.ROUTING_SMEM_SLOTS + 1
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
-    DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hs.DYNAMIC_SMEM_ALIGN, hs.ROUTING_SMEM_SLOTS
+    DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hr.DYNAMIC_SMEM_ALIGN, hr.ROUTING_SMEM_SLOTS
 
     def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                   out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
@@ -526,10 +526,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     consumer_threads = CONSUMER_THREADS
     num_acc = mma_bn // 2
     epilogue_scale = np.float32(2.0 ** ring_spec.epilogue_log2)
-    m_load, m_decode, m_load_scales, m_selector, m_group_scale = hs._make_side_reader(m_side, ring_spec.pairing)
-    n_load, n_decode, n_load_scales, n_selector, n_group_scale = hs._make_side_reader(n_side, ring_spec.pairing)
-    m_sel_step, n_sel_step = hs.scale_selector_run_step(m_side), hs.scale_selector_run_step(n_side)
-    m_run_bytes, n_run_bytes = hs.ROTATION_RUN * m_side.group_bytes, hs.ROTATION_RUN * n_side.group_bytes
+    m_load, m_decode, m_load_scales, m_selector, m_group_scale = hd.make_side_reader(m_side, ring_spec.pairing)
+    n_load, n_decode, n_load_scales, n_selector, n_group_scale = hd.make_side_reader(n_side, ring_spec.pairing)
+    m_sel_step, n_sel_step = hd.scale_selector_run_step(m_side), hd.scale_selector_run_step(n_side)
+    m_run_bytes, n_run_bytes = hd.ROTATION_RUN * m_side.group_bytes, hd.ROTATION_RUN * n_side.group_bytes
     m_blocks, n_blocks = m_side.blocks_per_thread, n_side.blocks_per_thread
     m_row_bytes, n_row_bytes = m_side.row_bytes, n_side.row_bytes
     m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
@@ -538,10 +538,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     mma = hp.wgmma_bf16_rs(mma_bn)
     zero_acc = hp.wgmma_zero_accumulators(mma_bn)
     sf_offset = _device(scale_byte_offset)
-    rotated = _device(hs.rotated_group)
-    swizzle = _device(hs.swizzle_xor)
-    word_column = _device(hs.scale_word_column)
-    column = _device(hs.group_column)
+    rotated = _device(hd.rotated_group)
+    swizzle = _device(hd.swizzle_xor)
+    word_column = _device(hd.scale_word_column)
+    column = _device(hd.group_column)
     chunk_offset = _device(b_buffer_offset)
     step_groups = _device(sub_step_groups)
     a_index = _device(a_fragment_index)
@@ -550,19 +550,19 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     store_tile = _make_store_tile(num_acc, swapped)
     split_k = spec.split_k
     add_partial, take_store = _make_split_epilogue(num_acc)
-    split_flag = 2 * stages   # the ring's shared flag word after the mbarriers (h200_stream.SPLIT_FLAG_WORDS)
+    split_flag = 2 * stages   # the ring's shared flag word after the mbarriers (h200_ring.SPLIT_FLAG_WORDS)
     # local-array sizes must be plain constants in numba
-    w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
+    w_sc_words, w_dec_words = 2 * hd.QUAD * items, 4 * hd.QUAD
     m_tiles = spec.m_tiles
     two_m_tiles = m_tiles == 2   # a second m64 tile per warpgroup: 128 token rows further
     m_tile_rows = CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP
-    a_frag_words, m_sc_words, rotation_run = A_FRAGMENT_SETS * m_tiles * 4 * k_steps, 4 * m_tiles, hs.ROTATION_RUN
+    a_frag_words, m_sc_words, rotation_run = A_FRAGMENT_SETS * m_tiles * 4 * k_steps, 4 * m_tiles, hd.ROTATION_RUN
     subs_per_slice = spec.subs_per_slice
     # module constants as plain names (numba reads globals of other modules at compile time only by name)
     CONSUMER_BARRIER, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD = (
-        hs.CONSUMER_BARRIER, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD)
+        hr.CONSUMER_BARRIER, hr.MBARRIER_BYTES, hd.NEG_ZERO_BF16X2, hd.QUAD)
     DESCRIPTOR_UNIT_BYTES = hp.DESCRIPTOR_UNIT_BYTES
-    ROTATION_RUN = hs.ROTATION_RUN
+    ROTATION_RUN = hd.ROTATION_RUN
 
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
@@ -663,7 +663,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         if two_m_tiles:   # the group step from the lane read again (see the tokens, 3.)
                             c_w = first_c + cm.laneid() // lanes_per_step
                         else:
-                            c_w = first_c + w_step   # this thread's group step in run 0
+                            c_w = first_c + w_step   # this thread's group step in the first rotation run
                         for it in range(items):
                             w_row = w_row0 + lanes_per_step * it
                             st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
@@ -754,7 +754,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             hp.wgmma_wait_group_0()
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
-            if split_k:   # h200_stream's split-K protocol: add this run's partial; the tile's last run stores
+            if split_k:   # the streaming kernel's split-K protocol: add this run's partial; the tile's last run stores
                 sums_address = np.int64(cm.generic_address(split_sums))
                 add_partial(acc_out, sums_address, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
                 cuda.threadfence()
