@@ -148,8 +148,8 @@ class E2M1H200TiledOrder(E2M1H200Order):
     (evidence: tiled-weight-layout).
     """
 
-    BOX_ROWS = 128     # weight rows per box: the streaming kernel's M tile (``h200_stream.TILE_M_ROWS``)
-    BOX_BYTES = 128    # bytes of K per box row: one FP4 K slice of 256 elements (``h200_stream.K_SLICE_BYTES``)
+    BOX_ROWS = 128     # weight rows per box: the streaming kernel's M tile (``h200_ring.TILE_M_ROWS``)
+    BOX_BYTES = 128    # bytes of K per box row: one FP4 K slice of 256 elements (``h200_ring.K_SLICE_BYTES``)
     ROLES = ("weights",)
     TILED = True
 
@@ -313,7 +313,7 @@ class UE4M3H200Scales:
 
     The kernels multiply each decoded E2M1 register (``value * 2**-126``) by the bf16 ``s * 2**118`` of
     its block scale ``s`` (``LOG2_MULTIPLIER``: 126 minus the UE4M3 pre-bias 8 of
-    ``h200_stream.ELEMENT_LOG2_OFFSET``), so that ``value * s * 2**-8`` is an exact bf16 normal. From a
+    ``h200_decode.ELEMENT_LOG2_OFFSET``), so that ``value * s * 2**-8`` is an exact bf16 normal. From a
     UE4M3 byte that bf16 costs an exact float route (``cvt`` e4m3 -> f16 -> f32, a multiply, a pack:
     3 instructions per scale). Here each byte ``h`` already holds the bf16's exponent (offset by
     ``EXPONENT_BASE``) and its 3 mantissa bits, ``h = (exponent - EXPONENT_BASE) << 3 | mantissa``, so

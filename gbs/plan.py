@@ -36,7 +36,7 @@ from .dispatch import AUTO_STAGES, KernelConfig, dispatch_for, require_int, rout
 from .formats import get_format
 from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED, E2M1H200TiledOrder
 from .numba_kernels import h200_launch as hl
-from .numba_kernels.h200_stream import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
+from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
 from .numba_kernels.h200_wgmma import SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
 from .problem import problem_format_name
 

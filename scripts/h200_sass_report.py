@@ -5,8 +5,8 @@ innermost loop that holds the tensor-core instructions (HMMA for ``h200_stream``
 docstrings and in ``notes/`` are read; compare before / after a decode change. ~8 s per spec.
 
 Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] | wgmma:FMT:MMA_BN[:t256] ...]
-(``:w8``: 8 consumer warps on a small-N tile, ``h200_stream.StreamConfig.small_n_warps``; ``:t256``: 256-token
-tiles, ``h200_wgmma.WgmmaConfig.tile_tokens``.)
+(``:w8``: 8 consumer warps on a small-N tile, ``h200_ring.StreamSpec.small_n_warps``; ``:t256``: 256-token
+tiles, ``h200_wgmma.WgmmaSpec.tile_tokens``; the wgmma specs take the deepest ring that fits.)
 A spec may end in ``:e2m1_h200``, ``:e2m1_h200_tiled`` or ``:e2m1_h200_fused``: the weights re-laid for the H200
 (``gbs.formats.E2M1H200Order``, ``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``).
 Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8,
@@ -18,7 +18,8 @@ import argparse
 import collections
 import sys
 
-from gbs.numba_kernels import h200_stream, h200_wgmma
+from gbs.dispatch import H200_SMEM_PER_SM
+from gbs.numba_kernels import h200_ring, h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
 from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
@@ -38,11 +39,11 @@ def parse_spec(text: str):
     b_layout = LAYOUT_PACKED
     if knobs and knobs[-1] in OPERAND_LAYOUTS:
         b_layout = knobs.pop()
-    small_n_warps = h200_stream.CONSUMER_WARPS_SMALL_N
+    small_n_warps = h200_ring.CONSUMER_WARPS_SMALL_N
     if kind == "stream" and knobs and knobs[-1].startswith("w") and knobs[-1][1:].isdigit():
         small_n_warps = int(knobs.pop()[1:])
     if kind == "stream" and len(knobs) == 4 and knobs[0] in ("T", "F"):
-        spec = h200_stream.StreamSpec(a_format, b_format, knobs[0] == "T", int(knobs[1]), int(knobs[2]),
+        spec = h200_ring.StreamSpec(a_format, b_format, knobs[0] == "T", int(knobs[1]), int(knobs[2]),
                                       int(knobs[3]), b_layout=b_layout, small_n_warps=small_n_warps)
         return spec, h200_stream, "HMMA"
     tile_tokens = h200_wgmma.TILE_TOKENS[0]
@@ -52,10 +53,14 @@ def parse_spec(text: str):
     if kind == "wgmma" and knobs and knobs[-1].startswith("t") and knobs[-1][1:].isdigit():
         tile_tokens = int(knobs.pop()[1:])
     if kind == "wgmma" and len(knobs) == 1:
-        config = h200_wgmma.WgmmaConfig(int(knobs[0]), tile_tokens=tile_tokens, ab_swapped=swapped)
-        stages = h200_wgmma.max_pipeline_stages(a_format, b_format, config)
-        return (h200_wgmma.WgmmaSpec(a_format, b_format, config.mma_bn, stages, b_layout=b_layout,
-                                     tile_tokens=tile_tokens, ab_swapped=swapped), h200_wgmma, "HGMMA")
+        def wgmma_spec(stages):
+            return h200_wgmma.WgmmaSpec(a_format, b_format, int(knobs[0]), stages, b_layout=b_layout,
+                                        tile_tokens=tile_tokens, ab_swapped=swapped)
+
+        stages = 1   # the deepest ring beside the bf16 buffers
+        while wgmma_spec(stages + 1).smem.total_bytes <= H200_SMEM_PER_SM:
+            stages += 1
+        return wgmma_spec(stages), h200_wgmma, "HGMMA"
     raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256][:swap] "
                      f"(either may end in a layout, e.g. :{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, "
                      f":t256 = 256-token tiles, :swap = weights on wgmma M)")
@@ -63,7 +68,7 @@ def parse_spec(text: str):
 
 def report(text: str) -> str:
     spec, kernel, mma_prefix = parse_spec(text)
-    cubin = offline.compile_cubin(kernel.make_kernel_function(spec), h200_stream.kernel_signature(),
+    cubin = offline.compile_cubin(kernel.make_kernel_function(spec), h200_ring.kernel_signature(),
                                   offline.SM90A, launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
     resources = offline.resource_usage(cubin)

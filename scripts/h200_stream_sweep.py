@@ -8,7 +8,7 @@ does not have (split-K runs, grid size), on the benchmark's shapes; for tuning t
 Each point is ``format:case:ab_swapped(T/F):mma_bn:cta_group:stages:k_splits`` (``k_splits``: an int
 or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N consumer warps:
 ``StreamSpec.small_n_warps``),
-``wgmma:format:case:mma_bn:stages[:num_ctas][:operands][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
+``wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
 tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case`` for
 what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
@@ -16,7 +16,7 @@ what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h2
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
-start-up trace build (``h200_stream.TRACE_EVENTS``: where a launch's fixed time goes); ``--series CSV`` writes
+start-up trace build (``h200_trace.TRACE_EVENTS``: where a launch's fixed time goes); ``--series CSV`` writes
 every timed launch (input set, us) in issue order. Needs an sm_90 GPU.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import NamedTuple
 from gbs.lab import bench
 from gbs.dispatch import AUTO_STAGES
 from gbs.layouts import LAYOUT_PACKED, OPERAND_LAYOUTS
-from gbs.numba_kernels import h200_launch, h200_stream, h200_wgmma
+from gbs.numba_kernels import h200_launch, h200_ring, h200_trace, h200_wgmma
 from gbs.numba_kernels.launch import to_device
 from gbs.plan import plan_h200
 
@@ -94,7 +94,7 @@ def parse_point(text: str):
     if text.startswith("plan:"):
         return parse_plan_point(text)
     parts = text.split(":")
-    small_n_warps = h200_stream.CONSUMER_WARPS_SMALL_N
+    small_n_warps = h200_ring.CONSUMER_WARPS_SMALL_N
     if parts[-1].startswith("w") and parts[-1][1:].isdigit():
         small_n_warps = int(parts.pop()[1:])
     if len(parts) not in (7, 8):
@@ -134,13 +134,13 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
 def trace_summary(records) -> list[str]:
     """Lines of phase medians / p10 / p90 (ns) over the CTAs of every launch in ``records`` ((launches, ctas,
     events, 2) stamps; launches whose buffer was never written, input copies the timing did not reach, are left
-    out); the phases are ``h200_stream.trace_phases``' of each launch, so skew and span stay per launch."""
+    out); the phases are ``h200_trace.trace_phases``' of each launch, so skew and span stay per launch."""
     import numpy as np
 
     launched = [r for r in records if r[:, :, 0].any()]
     if not launched:
         return ["no launch wrote its trace"]
-    per_launch = [h200_stream.trace_phases(r) for r in launched]
+    per_launch = [h200_trace.trace_phases(r) for r in launched]
     lines = [f"ns, median / p10 / p90 over the CTAs of {len(launched)} launches (the last launch of each input copy):"]
     for phase in per_launch[0]:
         values = np.concatenate([phases[phase] for phases in per_launch])
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                         help="tokens in this order, as their quantizer would write them (GroupedProblem.with_a_layout; "
                              "FP4 tokens; untimed, as the quantization is)")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="streaming-kernel points: also run the start-up trace build (h200_stream.TRACE_EVENTS) "
+                        help="streaming-kernel points: also run the start-up trace build (h200_trace.TRACE_EVENTS) "
                              "with the same grid, print its phases and save the stamps as DIR/<point>.npy")
     parser.add_argument("--series", default=None, metavar="CSV",
                         help="also write every timed launch's time, in issue order (does one point run in modes "

@@ -13,7 +13,7 @@ import pytest
 from gbs.lab import ablation_data as ab
 from gbs.lab import perfmodel as pm
 from gbs.dispatch import REGIME_CONFIGS, grouped_matmul_nvfp4_dispatch
-from gbs.numba_kernels import h200_launch, h200_stream
+from gbs.numba_kernels import h200_launch, h200_ring
 from gbs.schedule import TileConfig
 
 DEEPSEEK_UP = (4096, 7168)
@@ -121,7 +121,7 @@ def test_rows_reject_invalid_fields(change, match):
 # W4A8 decode knobs: the H200 kernel's stage (FP4 weights packed, 8 token rows) is far smaller than
 # the SM100 formula's, so its ring is deeper than the formula allows.
 W4A8_DECODE_KEY = key(tokens=2, fmt="w4a8")
-W4A8_KERNEL_MAX = h200_launch.max_pipeline_stages(h200_stream.StreamSpec("mxfp8", "mxfp4", True, 8, 1, 1))
+W4A8_KERNEL_MAX = h200_launch.max_pipeline_stages(h200_ring.StreamSpec("mxfp8", "mxfp4", True, 8, 1, 1))
 W4A8_FORMULA_MAX = pm.H200.max_stages("w4a8", BN8)
 
 

@@ -8,7 +8,7 @@ from gbs.backends import select_backend
 from gbs.dispatch import dispatch_for
 from gbs.dispatch import grouped_matmul_nvfp4_dispatch
 from gbs.problem import PROBLEM_FORMATS, random_problem
-from gbs.reference import check_acceptance, is_poison, reference_grouped_matmul
+from gbs.reference import check_acceptance, is_poison
 
 
 @pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))

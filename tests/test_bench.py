@@ -30,7 +30,7 @@ from gbs.lab import bench, peers
 from gbs.backends import gpu_available
 from gbs.dispatch import dispatch_for
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
-from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import h200_ring as hr
 from gbs.problem import PROBLEM_FORMATS
 from gbs.formats import decode_elements, unswizzle_scales
 
@@ -505,18 +505,18 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
 def test_launch_knobs_names_what_ran():
     class FakePlan:
         kernel, k_splits, num_ctas = "h200_stream", 4, 144
-        ring = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2)
+        ring = hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2)
 
     class FakeLaunch:
         plan = FakePlan
 
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144"
-    FakePlan.ring = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, small_n_warps=8)
+    FakePlan.ring = hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, small_n_warps=8)
     assert bench.launch_knobs(FakeLaunch()) == "swap bn8 cg1 st2 splits4 ctas144 w8"
-    FakePlan.ring = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256)
+    FakePlan.ring = hr.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256)
     FakePlan.kernel = "h200_wgmma"
     assert bench.launch_knobs(FakeLaunch()) == "wgmma noswap bn128 cg1 st3 splits4 ctas144 t256"
-    FakePlan.ring = hs.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256, b_layout="e2m1_h200")
+    FakePlan.ring = hr.StreamSpec("mxfp4", "mxfp4", False, 128, 1, 3, m_rows=256, b_layout="e2m1_h200")
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:b")
     FakePlan.ring = dataclasses.replace(FakePlan.ring, a_layout="e2m1_h200")
     assert bench.launch_knobs(FakeLaunch()).endswith(" t256 e2m1_h200:ab")
@@ -568,7 +568,7 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
 # ----------------------------------------------------------------------------------------------
 from gbs.formats import BF16  # noqa: E402
 from gbs.lab import verify  # noqa: E402
-from gbs.reference import POISON_BITS, check_acceptance, poison_output, reference_grouped_matmul  # noqa: E402
+from gbs.reference import POISON_BITS, check_acceptance, reference_grouped_matmul  # noqa: E402
 
 
 def test_row_errors_by_hand():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gbs.dispatch import AUTO_STAGES
-from gbs.numba_kernels import h200_stream, h200_wgmma
+from gbs.numba_kernels import h200_trace
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
@@ -30,13 +30,22 @@ def sweep():
 
 
 @pytest.mark.parametrize("point, config, num_ctas, k_splits", [
-    ("wgmma:mxfp8:large_prefill_up:256:auto", dict(backend="h200_wgmma", mma_bn=256, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=False), None, 1),
-    ("wgmma:nvfp4:decode_up:128:3:132", dict(backend="h200_wgmma", mma_bn=128, stages=3, tile_tokens=128, ab_swapped=False), 132, 1),
-    ("wgmma:nvfp4:large_prefill_up:128:auto:t256", dict(backend="h200_wgmma", mma_bn=128, stages=AUTO_STAGES, tile_tokens=256, ab_swapped=False), None, 1),
-    ("wgmma:nvfp4:small_prefill_up:32:auto:swap", dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, 1),
-    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap", dict(backend="h200_wgmma", mma_bn=64, stages=6, tile_tokens=128, ab_swapped=True), 132, 1),
-    ("wgmma:nvfp4:kimi_decode:32:auto:swap:k4", dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, 4),
-    ("wgmma:nvfp4:kimi_decode:32:auto:swap:kauto", dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, None),
+    ("wgmma:mxfp8:large_prefill_up:256:auto",
+     dict(backend="h200_wgmma", mma_bn=256, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=False), None, 1),
+    ("wgmma:mxfp8:4096,7168,32,64:128:auto:66",
+     dict(backend="h200_wgmma", mma_bn=128, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=False), 66, 1),
+    ("wgmma:nvfp4:decode_up:128:3:132",
+     dict(backend="h200_wgmma", mma_bn=128, stages=3, tile_tokens=128, ab_swapped=False), 132, 1),
+    ("wgmma:nvfp4:large_prefill_up:128:auto:t256",
+     dict(backend="h200_wgmma", mma_bn=128, stages=AUTO_STAGES, tile_tokens=256, ab_swapped=False), None, 1),
+    ("wgmma:nvfp4:small_prefill_up:32:auto:swap",
+     dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, 1),
+    ("wgmma:mxfp4:small_prefill_up:64:6:132:swap",
+     dict(backend="h200_wgmma", mma_bn=64, stages=6, tile_tokens=128, ab_swapped=True), 132, 1),
+    ("wgmma:nvfp4:kimi_decode:32:auto:swap:k4",
+     dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, 4),
+    ("wgmma:nvfp4:kimi_decode:32:auto:swap:kauto",
+     dict(backend="h200_wgmma", mma_bn=32, stages=AUTO_STAGES, tile_tokens=128, ab_swapped=True), None, None),
 ])
 def test_sweep_parses_wgmma_points(sweep, point, config, num_ctas, k_splits):
     parsed = sweep.parse_point(point)
@@ -126,20 +135,20 @@ def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeyp
 
 
 def test_sweep_trace_summary_is_per_launch_and_skips_unlaunched_copies(sweep):
-    events = len(h200_stream.TRACE_EVENTS)
-    records = np.zeros((3, 2, events, h200_stream.TRACE_RECORD_WORDS), np.uint64)
+    events = len(h200_trace.TRACE_EVENTS)
+    records = np.zeros((3, 2, events, h200_trace.TRACE_RECORD_WORDS), np.uint64)
     for copy, start in ((0, 1_000_000), (1, 5_000_000)):   # copy 2: never launched (all zero)
         for cta in range(2):
-            for i, event in enumerate(h200_stream.TRACE_PRODUCER_CHAIN):
+            for i, event in enumerate(h200_trace.TRACE_PRODUCER_CHAIN):
                 records[copy, cta, event, 0] = start + 100 * cta + 1000 * i
-            for i, event in enumerate(h200_stream.TRACE_CONSUMER_CHAIN[1:], start=1):
+            for i, event in enumerate(h200_trace.TRACE_CONSUMER_CHAIN[1:], start=1):
                 records[copy, cta, event, 0] = start + 100 * cta + 2000 * i
     lines = sweep.trace_summary(records)
     assert "2 launches" in lines[0]
     phase_rows = {" ".join(line.split()[:-5]): [float(v) for v in line.split()[-5:-2]] for line in lines[1:]}
     # median / p10 / p90 of the two CTAs' skews (0 and 100 ns) of both launches, not 4 ms across launches
     assert phase_rows["entry skew"] == [50.0, 0.0, 100.0], "skew is measured inside each launch"
-    assert phase_rows["launch span"][0] == 100 + 2000 * (len(h200_stream.TRACE_CONSUMER_CHAIN) - 1)
+    assert phase_rows["launch span"][0] == 100 + 2000 * (len(h200_trace.TRACE_CONSUMER_CHAIN) - 1)
     assert phase_rows["entry -> barriers_ready"] == [1000.0] * 3
     assert sweep.trace_summary(records[2:]) == ["no launch wrote its trace"]
 

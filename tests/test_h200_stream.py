@@ -38,13 +38,16 @@ from numba import cuda
 from gbs import schedule
 from gbs.lab.bench import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, grouped_matmul_nvfp4_dispatch
+from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import h200_trace as ht
 from gbs.numba_kernels import launch
 from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.problem import PROBLEM_FORMATS, build_problem, random_activations, random_weights
 from gbs.ptx_inline import offline
 from gbs.ptx_inline.arith import min_u16x2, min_u16x2_host
-from gbs.formats import (BF16, BlockScaled, decode_elements, decode_scales, decode_ue4m3, dequantize, gather_group_scales, get_format, pack_fp4, unpack_fp4, unswizzle_scales)
+from gbs.formats import (BF16, SF_ATOM_ROWS, BlockScaled, decode_elements, decode_scales, decode_ue4m3, dequantize, gather_group_scales, get_format, pack_fp4, unpack_fp4, unswizzle_scales)
 from gbs.layouts import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, OPERAND_LAYOUTS, E2M1H200Order, UE4M3H200Scales)
 from gbs.reference import (MAX_REL_TOL, RMS_REL_TOL, check_acceptance, is_poison, reference_grouped_matmul,
                            relative_errors)
@@ -64,18 +67,18 @@ CONFIGS = {
 
 
 def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None,
-            small_n_warps: int = hs.CONSUMER_WARPS_SMALL_N) -> hs.StreamSpec:
+            small_n_warps: int = hr.CONSUMER_WARPS_SMALL_N) -> hr.StreamSpec:
     a, b = PROBLEM_FORMATS[fmt]
     stages = hs.max_pipeline_stages(a, b, config) if stages is None else stages
-    return hs.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, stages,
+    return hr.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, stages,
                          small_n_warps=small_n_warps)
 
 
-def spec_for_case(fmt: str, name: str) -> hs.StreamSpec:
+def spec_for_case(fmt: str, name: str) -> hr.StreamSpec:
     """``spec_of`` for a ``CONFIGS`` name, or "wgmma_ring_256": the wgmma kernel's ring with 256 token rows
     (``StreamSpec.m_rows``; its own consumers are ``h200_wgmma``'s)."""
     if name == "wgmma_ring_256":
-        return dataclasses.replace(spec_of(fmt, CONFIGS["not_swapped"]), m_rows=2 * hs.TILE_M_ROWS)
+        return dataclasses.replace(spec_of(fmt, CONFIGS["not_swapped"]), m_rows=2 * hr.TILE_M_ROWS)
     return spec_of(fmt, CONFIGS[name])
 
 
@@ -117,8 +120,8 @@ def test_e2m1_pair_decode_is_exact_for_every_code_pair(j):
     noise = np.uint32(0x5A5A5A5A)   # other nibbles: the decode must ignore them
     word = (noise & ~((np.uint32(0xF) << 4 * j) | (np.uint32(0xF) << 4 * (j + 4)))) | (lo << 4 * j) | (
         hi << 4 * (j + 4))
-    got_lo, got_hi = register_halves(hs.e2m1_pair_bits(word, j))
-    scale = 2.0 ** hs.ELEMENT_LOG2_OFFSET["e2m1"]
+    got_lo, got_hi = register_halves(hd.e2m1_pair_bits(word, j))
+    scale = 2.0 ** hd.ELEMENT_LOG2_OFFSET["e2m1"]
     np.testing.assert_array_equal(got_lo * scale, decode_elements(lo.astype(np.uint8), "e2m1"))
     np.testing.assert_array_equal(got_hi * scale, decode_elements(hi.astype(np.uint8), "e2m1"))
     assert np.any(got_lo[lo == 1] > 0) and np.all(got_lo[lo == 1] < 2.0 ** -126), "0.5 must be a bf16 subnormal"
@@ -136,34 +139,34 @@ def test_fp8_pair_decode_is_exact_for_every_finite_code(element, pairing):
     codes = _finite_fp8_codes(element)
     lo, hi = np.meshgrid(codes, codes, indexing="ij")
     lo, hi = lo.ravel(), hi.ravel()
-    scale = 2.0 ** hs.ELEMENT_LOG2_OFFSET[element]
+    scale = 2.0 ** hd.ELEMENT_LOG2_OFFSET[element]
     for j in range(4):
         group = rng.choice(codes, (lo.size, 8))
-        e_lo, e_hi = hs.pair_elements(j, pairing)
+        e_lo, e_hi = hd.pair_elements(j, pairing)
         group[:, e_lo], group[:, e_hi] = lo, hi
         words = np.ascontiguousarray(group).view(np.uint32)   # little endian: byte i = element i
         got_lo, got_hi = register_halves(
-            hs.fp8_pair_bits(words[:, 0], words[:, 1], j, element == "e5m2", pairing == "stride4"))
+            hd.fp8_pair_bits(words[:, 0], words[:, 1], j, element == "e5m2", pairing == "stride4"))
         np.testing.assert_array_equal(got_lo * scale, decode_elements(lo, element), err_msg=f"register {j}")
         np.testing.assert_array_equal(got_hi * scale, decode_elements(hi, element), err_msg=f"register {j}")
 
 
 @pytest.mark.parametrize("pairing", ["stride4", "stride2"])
 def test_each_pairing_covers_the_group_once(pairing):
-    slots = [e for j in range(4) for e in hs.pair_elements(j, pairing)]
-    assert sorted(slots) == list(range(hs.GROUP_ELEMENTS))
+    slots = [e for j in range(4) for e in hd.pair_elements(j, pairing)]
+    assert sorted(slots) == list(range(hd.GROUP_ELEMENTS))
 
 
 @pytest.mark.parametrize("element", ["e2m1", "e4m3", "e5m2"])
 def test_ue8m0_scale_image(element):
-    offset = hs.ELEMENT_LOG2_OFFSET[element] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
+    offset = hd.ELEMENT_LOG2_OFFSET[element] - hd.SCALE_LOG2_PREBIAS["ue8m0"]
     for byte in range(256):
-        bits = int(hs.ue8m0_scale_bits(byte, offset))
+        bits = int(hd.ue8m0_scale_bits(byte, offset))
         lo, hi = register_halves(bits)
         assert bits >> 16 == bits & 0xFFFF, "both halves hold the scale"
         if byte == 255:
             assert np.isnan(lo), "0xFF is NaN"
-        elif byte + offset > hs.BF16_EXPONENT_MAX:
+        elif byte + offset > hd.BF16_EXPONENT_MAX:
             assert lo == np.inf, f"byte {byte}: past the bf16 range the image saturates to Inf"
         else:
             assert lo == 2.0 ** (byte - 127 + offset), f"byte {byte}"
@@ -174,19 +177,19 @@ def test_ue8m0_pair_scale_bits_match_the_single_image(element):
     """Two scales per call (MXFP4's two blocks per quad lane): every byte pair gives, lane by lane,
     exactly ``ue8m0_scale_bits``' image (saturation and NaN included); the selector puts bytes
     (0, 1) or (2, 3) of a word into the lanes."""
-    offset = hs.ELEMENT_LOG2_OFFSET[element] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
-    single = np.array([int(hs.ue8m0_scale_bits(b, offset)) & 0xFFFF for b in range(256)], np.uint32)
+    offset = hd.ELEMENT_LOG2_OFFSET[element] - hd.SCALE_LOG2_PREBIAS["ue8m0"]
+    single = np.array([int(hd.ue8m0_scale_bits(b, offset)) & 0xFFFF for b in range(256)], np.uint32)
     b0, b1 = (a.ravel().astype(np.uint32) for a in np.meshgrid(np.arange(256), np.arange(256)))
-    pair = hs.ue8m0_pair_scale_bits(b0 | (b1 << 16), offset)
+    pair = hd.ue8m0_pair_scale_bits(b0 | (b1 << 16), offset)
     assert np.array_equal(pair, single[b0] | (single[b1] << 16))
     word = 0x44332211
     for first in (0, 2):
-        selector = int(hs.byte_pair_selector(first))
+        selector = int(hd.byte_pair_selector(first))
         picked = [(word >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF if (selector >> (4 * i)) & 7 < 4 else 0
                   for i in range(4)]
         assert picked == [(word >> (8 * first)) & 0xFF, 0, (word >> (8 * first + 8)) & 0xFF, 0]
     for byte in range(4):   # one scale (MXFP8 / W4A8's one block per quad lane): the same byte in both lanes
-        selector = int(hs.byte_broadcast_selector(byte))
+        selector = int(hd.byte_broadcast_selector(byte))
         picked = [(word >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF if (selector >> (4 * i)) & 7 < 4 else 0
                   for i in range(4)]
         assert picked == [(word >> (8 * byte)) & 0xFF, 0, (word >> (8 * byte)) & 0xFF, 0]
@@ -215,10 +218,10 @@ def k_copy_lanes(lanes, out):
         out[i] = lanes[i]
 
 
-MXFP4_UE8M0_OFFSET = hs.ELEMENT_LOG2_OFFSET["e2m1"] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
+MXFP4_UE8M0_OFFSET = hd.ELEMENT_LOG2_OFFSET["e2m1"] - hd.SCALE_LOG2_PREBIAS["ue8m0"]
 
 
-UE8M0_PAIR_DEVICE = cuda.jit(device=True, forceinline=True)(hs._ue8m0_pair_scale_bits(min_u16x2))
+UE8M0_PAIR_DEVICE = cuda.jit(device=True, forceinline=True)(hd._ue8m0_pair_scale_bits(min_u16x2))
 
 
 def test_ue8m0_pair_scale_bits_compile_to_five_instructions():
@@ -239,15 +242,15 @@ def test_gpu_ue8m0_pair_scale_bits_match_the_host_form_for_every_byte_pair():
     lanes = b0 | (b1 << 16)
     out = cuda.device_array(lanes.size, np.uint32)
     cuda.jit(k_ue8m0_pair)[(lanes.size + 255) // 256, 256](cuda.to_device(lanes), out)
-    assert np.array_equal(out.copy_to_host(), hs.ue8m0_pair_scale_bits(lanes, MXFP4_UE8M0_OFFSET))
+    assert np.array_equal(out.copy_to_host(), hd.ue8m0_pair_scale_bits(lanes, MXFP4_UE8M0_OFFSET))
 
 
 def test_ue4m3_scale_image_is_exact_and_finite():
     """The device converts UE4M3 -> f16 -> f32, multiplies by 2**(c - d) and rounds to bf16; every
     non-NaN byte must land on a finite bf16 exactly."""
     bytes_ = np.arange(0x7F, dtype=np.uint8)
-    image = decode_ue4m3(bytes_).astype(np.float64) * 2.0 ** (hs.ELEMENT_LOG2_OFFSET["e2m1"]
-                                                              - hs.SCALE_LOG2_PREBIAS["ue4m3"])
+    image = decode_ue4m3(bytes_).astype(np.float64) * 2.0 ** (hd.ELEMENT_LOG2_OFFSET["e2m1"]
+                                                              - hd.SCALE_LOG2_PREBIAS["ue4m3"])
     assert np.all(np.isfinite(image)) and np.all(image < 2.0 ** 128)
     assert np.all(exactly_bf16(image))
 
@@ -257,16 +260,16 @@ def _scaled_products(element: str, scale_dtype: str, scale_bytes: np.ndarray) ->
     values = decode_elements(codes, element).astype(np.float64)
     values = values[np.isfinite(values)]
     scales = decode_scales(scale_bytes, "nvfp4" if scale_dtype == "ue4m3" else "mxfp8").astype(np.float64)
-    return np.outer(values, scales) * 2.0 ** -hs.SCALE_LOG2_PREBIAS[scale_dtype]
+    return np.outer(values, scales) * 2.0 ** -hd.SCALE_LOG2_PREBIAS[scale_dtype]
 
 
 @pytest.mark.parametrize("element", ["e2m1", "e4m3", "e5m2"])
 def test_scaled_elements_are_exact_in_bf16_over_the_documented_range(element):
-    low, high = hs.exact_scale_exponent_range(element)
+    low, high = hd.exact_scale_exponent_range(element)
     inside = np.arange(low, high + 1) + 127
     assert np.all(exactly_bf16(_scaled_products(element, "ue8m0", inside.astype(np.uint8))))
-    offset = hs.ELEMENT_LOG2_OFFSET[element] - hs.SCALE_LOG2_PREBIAS["ue8m0"]
-    assert low + 127 + offset >= 1 and high + 127 + offset == hs.BF16_EXPONENT_MAX
+    offset = hd.ELEMENT_LOG2_OFFSET[element] - hd.SCALE_LOG2_PREBIAS["ue8m0"]
+    assert low + 127 + offset >= 1 and high + 127 + offset == hd.BF16_EXPONENT_MAX
     # tight below: one more step down and some product falls off the bf16 subnormal grid
     assert not np.all(exactly_bf16(_scaled_products(element, "ue8m0", np.array([low + 126], np.uint8))))
     if element == "e2m1":
@@ -296,25 +299,25 @@ def prmt(a, b, selector):
     return np.stack([source[..., p] for p in picks], axis=-1).view(np.uint32)[..., 0]
 
 
-def thread_scale_bits(side: hs.OperandSide, scale_words: np.ndarray, q: int, gi: int, gl: int) -> np.ndarray:
+def thread_scale_bits(side: hr.OperandSide, scale_words: np.ndarray, q: int, gi: int, gl: int) -> np.ndarray:
     """numpy model of the kernel's load_scales + group_scale, per row (the device-only steps: the
     hardware UE4M3 conversion and prmt): the bf16x2 scale image the lane uses for group ``gl``."""
-    offset = hs.ELEMENT_LOG2_OFFSET[side.element] - side.log2_prebias
+    offset = hd.ELEMENT_LOG2_OFFSET[side.element] - side.log2_prebias
     blocks = side.blocks_per_thread
     groups_per_block = side.groups // blocks
 
     def byte(block):
-        return ((scale_words >> np.uint32(8 * hs.scale_byte_index(q, blocks, block))) & 0xFF).astype(np.int64)
+        return ((scale_words >> np.uint32(8 * hd.scale_byte_index(q, blocks, block))) & 0xFF).astype(np.int64)
 
     if side.fmt.scale_dtype == "ue8m0":
         assert gl // groups_per_block == gi // groups_per_block, "UE8M0: the block is static per step"
         block = gi // groups_per_block
-        return np.array([int(hs.ue8m0_scale_bits(int(b), offset)) for b in byte(block)], np.uint32)
+        return np.array([int(hd.ue8m0_scale_bits(int(b), offset)) for b in byte(block)], np.uint32)
     # UE4M3: the device converts the word's 4 bytes into two bf16x2 pairs, then prmt selects one
     halves = [(decode_ue4m3(byte(b).astype(np.uint8)).astype(np.float64) * 2.0 ** offset)
               .astype(np.float32).astype(BF16).view(np.uint16).astype(np.uint32) for b in range(4)]
     s0, s1 = halves[0] | (halves[1] << 16), halves[2] | (halves[3] << 16)
-    return prmt(s0, s1, hs.bf16_broadcast_selector(gl // groups_per_block))
+    return prmt(s0, s1, hd.bf16_broadcast_selector(gl // groups_per_block))
 
 
 SIDE_CASES = [("nvfp4", "decode", "m"), ("nvfp4", "decode", "n"), ("mxfp4", "not_swapped", "n"),
@@ -350,30 +353,30 @@ def test_thread_view_of_a_k_slice_matches_the_dequantized_operand(fmt, config, w
     r_idx, c_idx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     scale_image[scale_byte_offset(r_idx, c_idx, atoms)] = scale_bytes
     row = np.arange(rows)
-    xor = hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
-    np.testing.assert_array_equal(xor, hs.swizzle_xor(row % 8, side.row_bytes, side.swizzle_mask),
+    xor = hd.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
+    np.testing.assert_array_equal(xor, hd.swizzle_xor(row % 8, side.row_bytes, side.swizzle_mask),
                                   err_msg="rows 8 apart share the swizzle XOR (the kernel computes it once)")
     got = np.full_like(expected, np.nan)
-    k_per_thread = spec.k_slice // hs.QUAD
-    for q in range(hs.QUAD):
-        word_at = scale_byte_offset(row, hs.scale_word_column(q, side.blocks_per_thread), atoms)
+    k_per_thread = spec.k_slice // hd.QUAD
+    for q in range(hd.QUAD):
+        word_at = scale_byte_offset(row, hd.scale_word_column(q, side.blocks_per_thread), atoms)
         scale_words = np.stack([scale_image[a:a + 4] for a in word_at]).view(np.uint32).ravel()
         for gi in range(side.groups):
-            gl = int(hs.rotated_group(gi, q))
+            gl = int(hd.rotated_group(gi, q))
             col = q * side.thread_bytes + gl * side.group_bytes
             # the kernel's formula, against the swizzle written from the address bits
-            address = row * side.row_bytes + hs.group_column(q, gl, side.thread_bytes, side.group_bytes, xor)
-            np.testing.assert_array_equal(address, hs.swizzled_offset(row, col, side.row_bytes, side.swizzle_mask))
+            address = row * side.row_bytes + hd.group_column(q, gl, side.thread_bytes, side.group_bytes, xor)
+            np.testing.assert_array_equal(address, hd.swizzled_offset(row, col, side.row_bytes, side.swizzle_mask))
             words = np.stack([image[a:a + side.group_bytes] for a in address]).view(np.uint32)
             scale_halves = register_halves(thread_scale_bits(side, scale_words, q, gi, gl))
             for j in range(4):
                 if fmt_obj.packed:
-                    reg = hs.e2m1_pair_bits(words[:, 0], j)
+                    reg = hd.e2m1_pair_bits(words[:, 0], j)
                 else:
-                    reg = hs.fp8_pair_bits(words[:, 0], words[:, 1], j, side.element == "e5m2",
+                    reg = hd.fp8_pair_bits(words[:, 0], words[:, 1], j, side.element == "e5m2",
                                            spec.pairing == "stride4")
                 for half, value in enumerate(register_halves(reg)):
-                    k = q * k_per_thread + hs.GROUP_ELEMENTS * gl + hs.pair_elements(j, spec.pairing)[half]
+                    k = q * k_per_thread + hd.GROUP_ELEMENTS * gl + hd.pair_elements(j, spec.pairing)[half]
                     product = value * scale_halves[half]
                     assert np.all(exactly_bf16(product)), "the bf16 fma must be exact"
                     assert np.all(np.isnan(got[:, k])), f"K index {k} visited twice"
@@ -386,7 +389,7 @@ def test_thread_view_of_a_k_slice_matches_the_dequantized_operand(fmt, config, w
 def test_shared_memory_loads_are_bank_conflict_free(fmt, config):
     spec = spec_of(fmt, CONFIGS[config])
     warp_rows, warp_cols = spec.warp_tile
-    lanes = np.arange(hs.WARP_SIZE)
+    lanes = np.arange(hr.WARP_SIZE)
     g, q = lanes >> 2, lanes & 3
     for side, warp_span, rows_per_thread in ((spec.m_side, warp_rows, 2 * warp_rows // 16),
                                              (spec.n_side, warp_cols, warp_cols // 8)):
@@ -394,9 +397,9 @@ def test_shared_memory_loads_are_bank_conflict_free(fmt, config):
             for i in range(rows_per_thread):
                 row = base + g + 8 * i
                 for gi in range(side.groups):
-                    gl = hs.rotated_group(gi, q).astype(np.int64)
-                    xor = hs.swizzle_xor(base + g, side.row_bytes, side.swizzle_mask)
-                    address = row * side.row_bytes + hs.group_column(q, gl, side.thread_bytes, side.group_bytes,
+                    gl = hd.rotated_group(gi, q).astype(np.int64)
+                    xor = hd.swizzle_xor(base + g, side.row_bytes, side.swizzle_mask)
+                    address = row * side.row_bytes + hd.group_column(q, gl, side.thread_bytes, side.group_bytes,
                                                                      xor).astype(np.int64)
                     if side.group_bytes == 4:
                         banks = (address // 4) % 32
@@ -416,17 +419,17 @@ def test_decoded_token_slot_is_a_bijection_read_without_bank_conflicts(fmt, bn):
     spec = spec_of(fmt, hs.StreamConfig(True, bn, 1))
     assert spec.predecoded_tokens
     side, groups = spec.n_side, spec.n_side.groups
-    rows, qs, gls = np.meshgrid(np.arange(side.rows), np.arange(hs.QUAD), np.arange(groups), indexing="ij")
+    rows, qs, gls = np.meshgrid(np.arange(side.rows), np.arange(hd.QUAD), np.arange(groups), indexing="ij")
     offsets = hs.decoded_token_offset(rows, qs, gls, groups).astype(np.int64).ravel()
     assert len(set(offsets)) == offsets.size and offsets.min() == 0
     assert offsets.max() + hs.FRAGMENT_BYTES == spec.smem.decoded_token_slot_bytes
     assert np.all(offsets % hs.FRAGMENT_BYTES == 0)
-    lanes = np.arange(hs.WARP_SIZE)
+    lanes = np.arange(hr.WARP_SIZE)
     g, q = lanes >> 2, lanes & 3
     _, warp_cols = spec.warp_tile
     for j in range(warp_cols // 8):
         for gi in range(groups):
-            gl = hs.rotated_group(gi, q).astype(np.int64)
+            gl = hd.rotated_group(gi, q).astype(np.int64)
             address = hs.decoded_token_offset(g + 8 * j, q, gl, groups).astype(np.int64)
             for phase in range(4):
                 chunks = (address[8 * phase:8 * phase + 8] // hs.FRAGMENT_BYTES) % 8
@@ -439,17 +442,17 @@ def test_predecoded_tokens_only_where_they_fit():
             spec = spec_of(fmt, config)
             assert spec.predecoded_tokens == (config.ab_swapped and config.mma_bn <= 32), (fmt, name)
             slot = spec.smem.decoded_token_slot_bytes
-            assert slot == (spec.mma_bn * spec.k_slice * hs.BF16_BYTES if spec.predecoded_tokens else 0)
+            assert slot == (spec.mma_bn * spec.k_slice * hr.BF16_BYTES if spec.predecoded_tokens else 0)
             lay = spec.smem
-            assert lay.dynamic_bytes == spec.stages * lay.stage_bytes + hs.DECODED_TOKEN_SLOTS * slot
-            assert lay.decoded_tokens % hs.DATA_ALIGN == 0
+            assert lay.dynamic_bytes == spec.stages * lay.stage_bytes + hr.DECODED_TOKEN_SLOTS * slot
+            assert lay.decoded_tokens % hr.DATA_ALIGN == 0
             # the consumers split the decode evenly: every thread takes whole items
             if spec.predecoded_tokens:
-                items = spec.n_side.rows * hs.QUAD * spec.n_side.groups // spec.token_decode_groups
-                assert items % (hs.WARP_SIZE * spec.consumer_warps) == 0
+                items = spec.n_side.rows * hd.QUAD * spec.n_side.groups // spec.token_decode_groups
+                assert items % (hr.WARP_SIZE * spec.consumer_warps) == 0
 
 
-@pytest.mark.parametrize("warps", hs.SMALL_N_WARP_CHOICES)
+@pytest.mark.parametrize("warps", hr.SMALL_N_WARP_CHOICES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bn", [8, 16, 32])
 def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, bn, warps):
@@ -457,24 +460,24 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
     item of one consumer thread; every thread has the same number of items, each inside one rotation
     run (one block-scale choice per run for UE8M0) and, for whole 16-byte chunks, the 8 lanes of a
     load phase read 8 different 16-byte bank groups (TMA's swizzle XOR included)."""
-    if not eight_warp_legal(fmt, hs.StreamConfig(True, bn, 1)) and warps != hs.CONSUMER_WARPS_SMALL_N:
+    if not eight_warp_legal(fmt, hs.StreamConfig(True, bn, 1)) and warps != hr.CONSUMER_WARPS_SMALL_N:
         pytest.skip(f"{fmt} bn{bn} has fewer token-decode items than 8 warps have threads: rejected "
                     "(test_eight_small_n_warps_are_checked)")
     spec = spec_of(fmt, hs.StreamConfig(True, bn, 1), small_n_warps=warps)
     side, groups, item_groups = spec.n_side, spec.n_side.groups, spec.token_decode_groups
-    threads = hs.WARP_SIZE * spec.consumer_warps
+    threads = hr.WARP_SIZE * spec.consumer_warps
     chunks = groups // item_groups
-    items = side.rows * hs.QUAD * chunks
-    assert items % threads == 0 and hs.ROTATION_RUN % item_groups == 0
-    assert items // threads >= 1 and (item_groups == hs.ROTATION_RUN or items == threads), \
+    items = side.rows * hd.QUAD * chunks
+    assert items % threads == 0 and hd.ROTATION_RUN % item_groups == 0
+    assert items // threads >= 1 and (item_groups == hd.ROTATION_RUN or items == threads), \
         "as many groups per item as keep every thread busy"
     seen = collections.Counter()
     for item in range(items):
         row, q, first = hs.token_decode_item(item, chunks, item_groups)
-        assert first // hs.ROTATION_RUN == (first + item_groups - 1) // hs.ROTATION_RUN
+        assert first // hd.ROTATION_RUN == (first + item_groups - 1) // hd.ROTATION_RUN
         for c in range(item_groups):
             seen[(row, q, first + c)] += 1
-    assert seen == collections.Counter({(r, q, g): 1 for r in range(side.rows) for q in range(hs.QUAD)
+    assert seen == collections.Counter({(r, q, g): 1 for r in range(side.rows) for q in range(hd.QUAD)
                                         for g in range(groups)})
     item_bytes = item_groups * side.group_bytes
     if item_bytes >= 16:
@@ -483,8 +486,8 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
                 banks = []
                 for item in range(phase_start, phase_start + 8):
                     row, q, first = hs.token_decode_item(item, chunks, item_groups)
-                    xor = hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
-                    col = int(hs.group_column(q, first + piece * 16 // side.group_bytes, side.thread_bytes,
+                    xor = hd.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
+                    col = int(hd.group_column(q, first + piece * 16 // side.group_bytes, side.thread_bytes,
                                               side.group_bytes, xor))
                     banks.append((row * side.row_bytes + col) // 16 % 8)
                 assert len(set(banks)) == 8, (phase_start, piece, banks)
@@ -496,7 +499,7 @@ def test_swapped_scale_rows_sit_at_fixed_steps_from_the_first():
     kernel adds constants to one per-tile base instead of recomputing each row's offset per stage
     (16-row warps of ``small_n_warps`` = 8 included)."""
     for name, config, warps in [(name, config, 4) for name, config in CONFIGS.items()] + [
-            (name, config, 8) for name, config in CONFIGS.items() if config.mma_bn <= hs.SMALL_N_MAX_MMA_BN]:
+            (name, config, 8) for name, config in CONFIGS.items() if config.mma_bn <= hr.SMALL_N_MAX_MMA_BN]:
         if not config.ab_swapped:
             continue
         spec = spec_of("nvfp4", config, small_n_warps=warps)
@@ -516,9 +519,9 @@ def test_eight_small_n_warps_are_checked():
     4 and 8, and where the stage's token-decode items would not split evenly over 256 threads."""
     spec = spec_of("nvfp4", CONFIGS["decode"], stages=2, small_n_warps=8)
     assert spec.warp_grid == (8, 1) and spec.warp_tile == (16, 8) and spec.consumer_warps == 8
-    assert spec.producer_warps == 1 and spec.threads == 9 * hs.WARP_SIZE and not spec.uses_setmaxnreg
+    assert spec.producer_warps == 1 and spec.threads == 9 * hr.WARP_SIZE and not spec.uses_setmaxnreg
     assert spec.predecoded_tokens and spec.prefetch_groups
-    assert spec.min_ctas_per_sm == hs.SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM == 2, "two 9-warp CTAs per SM"
+    assert spec.min_ctas_per_sm == hr.SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM == 2, "two 9-warp CTAs per SM"
     assert spec_of("nvfp4", CONFIGS["decode"], small_n_warps=8).min_ctas_per_sm == 1, "the deepest ring fills the SM"
     assert hs.resident_ctas_per_sm(spec, 96) == 2, "5 warps of 96 registers per sub-partition"
     four = spec_of("nvfp4", CONFIGS["decode"], stages=2)
@@ -541,7 +544,7 @@ def test_eight_small_n_warps_are_checked():
         with pytest.raises(ValueError, match="small_n_warps must be one of"):
             hs.StreamConfig(True, 8, 1, 2, bad)
     assert hs.StreamConfig.of(eight_warps(CONFIGS["decode"])).small_n_warps == 8
-    assert hs.StreamConfig.of(schedule.TileConfig(True, 8, 1)).small_n_warps == hs.CONSUMER_WARPS_SMALL_N
+    assert hs.StreamConfig.of(schedule.TileConfig(True, 8, 1)).small_n_warps == hr.CONSUMER_WARPS_SMALL_N
 
 
 def test_small_n_builds_ask_for_three_ctas_per_sm():
@@ -550,8 +553,8 @@ def test_small_n_builds_ask_for_three_ctas_per_sm():
     for fmt in FORMATS:
         for name, config in CONFIGS.items():
             spec = spec_of(fmt, config, stages=2)
-            by_smem = hs.SM90_SMEM_PER_SM // spec.smem.total_bytes
-            target = hs.SMALL_N_WIDE_MIN_CTAS_PER_SM if spec.mma_bn >= 32 else hs.SMALL_N_MIN_CTAS_PER_SM
+            by_smem = hr.SM90_SMEM_PER_SM // spec.smem.total_bytes
+            target = hr.SMALL_N_WIDE_MIN_CTAS_PER_SM if spec.mma_bn >= 32 else hr.SMALL_N_MIN_CTAS_PER_SM
             expected = 1 if spec.uses_setmaxnreg else min(target, by_smem)
             assert spec.min_ctas_per_sm == expected >= 1, (fmt, name)
 
@@ -628,7 +631,7 @@ def test_split_k_epilogue_reads_every_sum_before_it_stores():
     spec = spec_of("nvfp4", CONFIGS["decode"], stages=2, small_n_warps=8)
     for split in (False, True):
         build = hs.split_spec(spec, 2 if split else 1)
-        cubin = offline.compile_cubin(hs.make_kernel_function(build), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hs.make_kernel_function(build), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(build.threads, build.min_ctas_per_sm))
         instructions = offline.sass_instructions(offline.disassemble(cubin))
         reads = [i for i, ins in enumerate(instructions) if ins.startswith("LDG.E.STRONG.GPU")]
@@ -681,14 +684,14 @@ def test_weight_scale_atoms_land_where_the_consumers_read(fmt, config):
         for row0 in (0, 256, 512):       # the CTA's first weight row (a band boundary)
             for s in range(p.k // spec.k_slice):
                 image = np.concatenate([
-                    tma_box_3d(p.b_scales, args, (0, s * hs.ATOM_MAP_ROWS * atoms,
-                                                  hs.weight_scale_band(expert, bands_per_expert, row0) + b))
+                    tma_box_3d(p.b_scales, args, (0, s * hr.ATOM_MAP_ROWS * atoms,
+                                                  hr.weight_scale_band(expert, bands_per_expert, row0) + b))
                     for b in range(side.scale_bands)])
                 for r in range(side.rows):
-                    for q in range(hs.QUAD):
-                        word = image[scale_byte_offset(r, hs.scale_word_column(q, side.blocks_per_thread), atoms):][:4]
+                    for q in range(hd.QUAD):
+                        word = image[scale_byte_offset(r, hd.scale_word_column(q, side.blocks_per_thread), atoms):][:4]
                         for b in range(side.blocks_per_thread):
-                            got = word[hs.scale_byte_index(q, side.blocks_per_thread, b)]
+                            got = word[hd.scale_byte_index(q, side.blocks_per_thread, b)]
                             row = row0 + r
                             if row >= p.n:      # rows past N are zero data, masked at the store
                                 continue
@@ -711,14 +714,14 @@ def test_token_scale_atoms_land_where_the_consumers_read(config):
     for tile in schedule.iter_tiles(p.a_offsets, p.expert_ids, p.n, shape):
         g = tile.slot
         start = int(p.a_offsets[g])
-        band = hs.token_scale_band(start, int(p.a_scale_offsets[g]), tile.token_start)
+        band = hr.token_scale_band(start, int(p.a_scale_offsets[g]), tile.token_start)
         image = np.concatenate([tma_box_3d(p.a_scales, args, (0, 0, band + b)) for b in range(side.scale_bands)])
-        row0 = (tile.token_start - start) % hs.SF_ATOM_ROWS
+        row0 = (tile.token_start - start) % SF_ATOM_ROWS
         for t in range(tile.num_tokens):
-            for q in range(hs.QUAD):
+            for q in range(hd.QUAD):
                 bpt = side.blocks_per_thread
-                word = image[scale_byte_offset(row0 + t, hs.scale_word_column(q, bpt), atoms):][:4]
-                got = word[[hs.scale_byte_index(q, bpt, b) for b in range(bpt)]]
+                word = image[scale_byte_offset(row0 + t, hd.scale_word_column(q, bpt), atoms):][:4]
+                got = word[[hd.scale_byte_index(q, bpt, b) for b in range(bpt)]]
                 want = linear[tile.token_start + t, q * side.blocks_per_thread:(q + 1) * side.blocks_per_thread]
                 np.testing.assert_array_equal(got, want, err_msg=f"tile {tile}, token {t}, q {q}")
 
@@ -731,7 +734,7 @@ def test_device_walk_visits_the_tiles_of_the_host_walk(config, k_splits, slices_
     CTA pair steps through its work items, finds exactly ``schedule.iter_tiles``' tiles and K runs: ragged
     groups, an empty group, a -1 slot, a 1-token group, N not a multiple of the tile."""
     spec = dataclasses.replace(spec_for_case("nvfp4", config), split_k=k_splits > 1)
-    next_work = hs.make_ring(spec).next_work.py_func
+    next_work = hr.make_ring(spec).next_work.py_func
     sizes = [5, 0, 1, 300, 130, 7, 9]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32)
     expert_ids = np.array([0, 1, -1, 2, 3, 1, 2], np.int32)
@@ -760,20 +763,20 @@ def test_work_records_round_trip_through_the_stage_words():
     """What the producer writes into a stage's record the consumers read back (``make_ring``'s device
     functions, run here as Python on a host copy of the shared ``bars`` words), the end mark included."""
     spec = spec_of("nvfp4", CONFIGS["decode"], stages=3)
-    ring = hs.make_ring(spec)
-    bars = np.zeros(2 * spec.stages + hs.SPLIT_FLAG_WORDS + hs.WORK_RECORD_WORDS * spec.stages, np.uint64)
+    ring = hr.make_ring(spec)
+    bars = np.zeros(2 * spec.stages + hr.SPLIT_FLAG_WORDS + hr.WORK_RECORD_WORDS * spec.stages, np.uint64)
     write_record = ring.write_work_record.py_func
     unpack_record = ring.unpack_work_record.py_func
-    record_base = 2 * spec.stages + hs.SPLIT_FLAG_WORDS
+    record_base = 2 * spec.stages + hr.SPLIT_FLAG_WORDS
     items = {0: (5, 7, 100, 108, 256, 384, 3, 96), 1: (0, 0, 0, 1, 0, 40, 0, 0),
-             2: (hs.NO_MORE_WORK, 0, 0, 0, 0, 0, 0, 0)}
+             2: (hr.NO_MORE_WORK, 0, 0, 0, 0, 0, 0, 0)}
     for stage, fields in items.items():
         write_record(bars, stage, *map(np.uint32, fields))
-    assert not bars[:2 * spec.stages + hs.SPLIT_FLAG_WORDS].any(), "the mbarriers and the split flag are untouched"
+    assert not bars[:2 * spec.stages + hr.SPLIT_FLAG_WORDS].any(), "the mbarriers and the split flag are untouched"
     for stage, fields in items.items():
-        rec = record_base + hs.WORK_RECORD_WORDS * stage
-        got = tuple(int(v) for v in unpack_record(*bars[rec:rec + hs.WORK_RECORD_WORDS]))
-        want = (-1,) + fields[1:] if fields[0] == hs.NO_MORE_WORK else fields
+        rec = record_base + hr.WORK_RECORD_WORDS * stage
+        got = tuple(int(v) for v in unpack_record(*bars[rec:rec + hr.WORK_RECORD_WORDS]))
+        want = (-1,) + fields[1:] if fields[0] == hr.NO_MORE_WORK else fields
         assert got == want, stage
 
 
@@ -784,7 +787,7 @@ def test_ring_m_rows_256_is_the_wgmma_rings_only():
     spec = spec_for_case("nvfp4", "wgmma_ring_256")
     assert spec.m_side.role == "tokens" and spec.m_side.rows == 256 and spec.m_side.scale_bands == 2
     assert spec.token_box[1] == 256 and spec.tile_shape.tokens == 256 and spec.tile_shape.weight_rows == 128
-    loads = hs.stage_loads(spec)
+    loads = hr.stage_loads(spec)
     assert [size for what, _, size, _ in loads if what == "tokens"] == [256 * spec.token_side.row_bytes]
     assert len([what for what, _, _, _ in loads if what == "token scales"]) == 2
     assert sum(size for _, _, size, _ in loads) == spec.tx_bytes
@@ -819,15 +822,15 @@ def test_stage_boxes_tile_the_stage_and_sum_to_expect_tx(fmt):
     for config in ALL_KNOBS:
         spec = spec_of(fmt, config)
         lay = spec.smem
-        loads = sorted(hs.stage_loads(spec), key=lambda x: x[1])
+        loads = sorted(hr.stage_loads(spec), key=lambda x: x[1])
         assert sum(size for _, _, size, _ in loads) == spec.tx_bytes
         end = 0
         for what, offset, size, _ in loads:
             assert offset >= end, f"{config}: {what} overlaps the previous box"
-            align = hs.DATA_ALIGN if what in ("weights", "tokens") and size >= hs.DATA_ALIGN else hs.SCALE_ALIGN
+            align = hr.DATA_ALIGN if what in ("weights", "tokens") and size >= hr.DATA_ALIGN else hr.SCALE_ALIGN
             assert offset % align == 0, f"{config}: {what} at {offset}"
             end = offset + size
-        assert end <= lay.stage_bytes and lay.stage_bytes % hs.DATA_ALIGN == 0
+        assert end <= lay.stage_bytes and lay.stage_bytes % hr.DATA_ALIGN == 0
         assert spec.tx_bytes < 2 ** 20, "expect_tx counts fit the mbarrier's tx field"
         # the deepest ring fits the H200, one more stage does not
         assert lay.total_bytes <= H200_SMEM_PER_SM
@@ -910,8 +913,8 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
     w_bytes, w_rows, _ = spec.weight_box
     parts = spec.tiled_weight_loads
     assert parts == (2 if w_rows == 256 else 1) and maps[1].box[1] * parts == w_rows
-    k_slices, row_tiles, bands = p.k // spec.k_slice, p.n // hs.TILED_BOX_ROWS, spec.weight_side.scale_bands
-    k_boxes = k_slices * w_bytes // hs.TILED_BOX_BYTES
+    k_slices, row_tiles, bands = p.k // spec.k_slice, p.n // hr.TILED_BOX_ROWS, spec.weight_side.scale_bands
+    k_boxes = k_slices * w_bytes // hr.TILED_BOX_BYTES
     sf_rows = spec.scale_box[1]
     for expert in range(p.num_experts):
         for row0 in range(0, p.n, w_rows):
@@ -919,8 +922,8 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
                 want = tma_box_3d_any(untiled.b, row_major, (s * w_bytes, row0, expert))
                 k_byte = s * w_bytes
                 got = np.concatenate([
-                    tma_box_2d(tiled.b, maps[1], (k_byte % hs.TILED_BOX_BYTES, hs.tiled_weight_row(
-                        expert, row0 + part * hs.TILED_BOX_ROWS, k_byte, row_tiles, k_boxes, spec.weight_chunk_rows)))
+                    tma_box_2d(tiled.b, maps[1], (k_byte % hr.TILED_BOX_BYTES, hr.tiled_weight_row(
+                        expert, row0 + part * hr.TILED_BOX_ROWS, k_byte, row_tiles, k_boxes, spec.weight_chunk_rows)))
                     for part in range(parts)])
                 # rows past N: zero fill in the row-major map, the next expert's first box (or the tiled map's
                 # zero fill) here; their outputs are never stored
@@ -930,19 +933,19 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
                 if not fused:
                     continue
                 for b in range(bands):
-                    band_row = (row0 // hs.TILED_BOX_ROWS + b) * hs.TILED_BOX_ROWS
+                    band_row = (row0 // hr.TILED_BOX_ROWS + b) * hr.TILED_BOX_ROWS
                     if band_row >= p.n:
                         continue
-                    chunk = hs.tiled_weight_row(expert, band_row, k_byte, row_tiles, k_boxes, spec.weight_chunk_rows)
-                    got_sf = tma_box_2d(tiled.b, maps[3], (0, chunk + hs.TILED_BOX_ROWS + k_byte % hs.TILED_BOX_BYTES
+                    chunk = hr.tiled_weight_row(expert, band_row, k_byte, row_tiles, k_boxes, spec.weight_chunk_rows)
+                    got_sf = tma_box_2d(tiled.b, maps[3], (0, chunk + hr.TILED_BOX_ROWS + k_byte % hr.TILED_BOX_BYTES
                                                            // w_bytes * sf_rows))
                     want_sf = tma_box_3d(untiled.b_scales, row_major_scales,
-                                         (0, s * sf_rows, hs.weight_scale_band(expert, row_tiles, row0) + b))
+                                         (0, s * sf_rows, hr.weight_scale_band(expert, row_tiles, row0) + b))
                     np.testing.assert_array_equal(got_sf, want_sf, err_msg=f"scales: expert {expert} row {row0} "
                                                   f"slice {s} band {b}")
-    loads = [(offset, size) for what, offset, size, _ in hs.stage_loads(spec) if what == "weights"]
+    loads = [(offset, size) for what, offset, size, _ in hr.stage_loads(spec) if what == "weights"]
     assert [size for _, size in loads] == [w_bytes * w_rows // parts] * parts
-    assert sum(size for _, _, size, _ in hs.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes
+    assert sum(size for _, _, size, _ in hr.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes
 
 
 def tma_box_3d_any(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
@@ -966,15 +969,15 @@ def test_tiled_weights_are_refused_where_they_cannot_be_read():
             dataclasses.replace(odd, b_layout=LAYOUT_E2M1_H200_TILED)   # a tag on bytes that cannot be tiled
     a, b = PROBLEM_FORMATS["nvfp4"]
     for config in ALL_KNOBS:   # every legal weight tile is whole boxes or a power-of-2 part of one
-        spec = hs.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, 2,
+        spec = hr.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, 2,
                              b_layout=LAYOUT_E2M1_H200_TILED)
         rows = spec.weight_box[1]
-        assert rows % hs.TILED_BOX_ROWS == 0 or hs.TILED_BOX_ROWS % rows == 0, config
+        assert rows % hr.TILED_BOX_ROWS == 0 or hr.TILED_BOX_ROWS % rows == 0, config
     tiled = p.with_b_layout(LAYOUT_E2M1_H200_TILED)
     shapes, addresses = _shapes_and_fake_addresses(tiled)
     shapes["b"] = (4, 512 + 64, 256)
     with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
-        hs.tensor_map_args(hs.StreamSpec(a, b, True, 8, 1, 2, b_layout=LAYOUT_E2M1_H200_TILED), shapes, addresses)
+        hs.tensor_map_args(hr.StreamSpec(a, b, True, 8, 1, 2, b_layout=LAYOUT_E2M1_H200_TILED), shapes, addresses)
 
 
 @pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
@@ -985,7 +988,7 @@ def test_tiled_weights_build_only_the_producer_differently():
     facts = {}
     for layout in (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_TILED, LAYOUT_E2M1_H200_FUSED):
         spec = dataclasses.replace(spec_of("nvfp4", CONFIGS["decode"]), b_layout=layout)
-        cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hs.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         sass = offline.disassemble(cubin)
         hot = [loop for loop in offline.sass_loops(sass) if loop.count("HMMA")][0]
@@ -1077,9 +1080,9 @@ def test_config_for_other_formats_and_bad_types_are_rejected():
     with pytest.raises(TypeError, match="lacks"):
         hs.check_can_implement(p, object())
     with pytest.raises(ValueError, match="stages must be a positive int"):
-        hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 0)
+        hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 0)
     with pytest.raises(ValueError, match="unsupported operand formats"):
-        hs.StreamSpec("nvfp4", "mxfp4", True, 8, 1, 2)
+        hr.StreamSpec("nvfp4", "mxfp4", True, 8, 1, 2)
 
 
 @pytest.mark.skipif(launch.gpu_compute_capability() is not None, reason="checks the no-GPU error")
@@ -1168,9 +1171,9 @@ def _compile_one(case):
     """Worker: compile one spec offline; return its SASS facts (runs in a fresh process)."""
     fmt, config, *knobs = case
     stages = knobs[0] if knobs else None
-    small_n_warps = knobs[1] if len(knobs) > 1 else hs.CONSUMER_WARPS_SMALL_N
+    small_n_warps = knobs[1] if len(knobs) > 1 else hr.CONSUMER_WARPS_SMALL_N
     spec = spec_of(fmt, CONFIGS[config], stages=stages, small_n_warps=small_n_warps)
-    cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+    cubin = offline.compile_cubin(hs.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
     instructions = offline.sass_instructions(sass)
@@ -1237,7 +1240,7 @@ def test_resident_ctas_per_sm():
     decode = spec_of("nvfp4", CONFIGS["decode"])
     assert hs.resident_ctas_per_sm(decode, 96) == 1, "the deepest ring fills the SM"
     four = dataclasses.replace(decode, stages=4)
-    assert four.smem.total_bytes * 2 <= hs.SM90_SMEM_PER_SM
+    assert four.smem.total_bytes * 2 <= hr.SM90_SMEM_PER_SM
     assert hs.resident_ctas_per_sm(four, 96) == 2, "two shallower rings share the SM"
     shallow = dataclasses.replace(decode, stages=2)
     assert hs.resident_ctas_per_sm(shallow, 96) == 4
@@ -1252,11 +1255,11 @@ def test_resident_ctas_per_sm():
 def test_setmaxnreg_split_fits_the_launch_allocation():
     """setmaxnreg only moves registers inside the CTA's allocation: asking for more waits forever."""
     spec = spec_of("nvfp4", CONFIGS["large_prefill"])
-    assert spec.uses_setmaxnreg and spec.threads == 384 and spec.producer_warps == hs.WARPGROUP_WARPS
+    assert spec.uses_setmaxnreg and spec.threads == 384 and spec.producer_warps == hr.WARPGROUP_WARPS
     pool = spec.threads * hs.LAUNCH_BOUND_REGISTERS
     assert pool == 384 * (65536 // 384 // 8 * 8)
-    used = (hs.WARP_SIZE * spec.producer_warps * hs.PRODUCER_WARPGROUP_REGISTERS
-            + hs.WARP_SIZE * spec.consumer_warps * hs.CONSUMER_WARPGROUP_REGISTERS)
+    used = (hr.WARP_SIZE * spec.producer_warps * hs.PRODUCER_WARPGROUP_REGISTERS
+            + hr.WARP_SIZE * spec.consumer_warps * hs.CONSUMER_WARPGROUP_REGISTERS)
     assert used <= pool
     for regs in (hs.PRODUCER_WARPGROUP_REGISTERS, hs.CONSUMER_WARPGROUP_REGISTERS):
         assert regs % 8 == 0 and 24 <= regs <= 256
@@ -1323,7 +1326,7 @@ def _slot_of_tokens(problem) -> np.ndarray:
     return np.repeat(np.arange(problem.num_active_experts), problem.group_sizes)
 
 
-def diagnose(problem, spec: hs.StreamSpec, out: np.ndarray, ref: np.ndarray) -> str:
+def diagnose(problem, spec: hr.StreamSpec, out: np.ndarray, ref: np.ndarray) -> str:
     """Where the output is wrong and which known failure modes fit, for the test log."""
     with np.errstate(invalid="ignore"):   # the poison sentinel is a NaN payload
         o = np.asarray(out).astype(np.float64)
@@ -1588,7 +1591,7 @@ def test_h200_weight_order_decodes_to_the_packed_registers():
     with np.errstate(over="ignore"):   # the spread multiply wraps at 32 bits on purpose (as on the GPU)
         for word, ordered in zip(words, relaid):
             for j in range(4):
-                assert hs.e2m1_h200_pair_bits(ordered, j) == hs.e2m1_pair_bits(word, j), (hex(word), j)
+                assert hd.e2m1_h200_pair_bits(ordered, j) == hd.e2m1_pair_bits(word, j), (hex(word), j)
 
 
 def test_h200_scale_codes_convert_to_the_packed_scale_registers():
@@ -1599,8 +1602,8 @@ def test_h200_scale_codes_convert_to_the_packed_scale_registers():
     u = np.arange(128, dtype=np.uint8)
     codes = UE4M3H200Scales.encode(u).astype(np.uint32)
     u0, u1 = (a.ravel() for a in np.meshgrid(u, u))
-    bits = hs.ue4m3_code_pair_bits(codes[u0] | (codes[u1] << np.uint32(16)))
-    offset = hs.ELEMENT_LOG2_OFFSET["e2m1"] - hs.SCALE_LOG2_PREBIAS["ue4m3"]
+    bits = hd.ue4m3_code_pair_bits(codes[u0] | (codes[u1] << np.uint32(16)))
+    offset = hd.ELEMENT_LOG2_OFFSET["e2m1"] - hd.SCALE_LOG2_PREBIAS["ue4m3"]
     want = (decode_ue4m3(u).astype(np.float64) * 2.0 ** offset).astype(ml_dtypes.bfloat16).view(np.uint16)
     want[0], want[0x7F] = 0x8000, 0x7FC0
     np.testing.assert_array_equal(bits & np.uint32(0xFFFF), want[u0])
@@ -1644,7 +1647,7 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
     with pytest.raises(ValueError, match="b_layout must be one of"):
         problem.with_b_layout("tiled")
     with pytest.raises(ValueError, match="b_layout must be one of"):
-        hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout="tiled")
+        hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout="tiled")
     from gbs.numba_kernels import h200_wgmma, simt, sm100
     with pytest.raises(ValueError, match="SIMT kernel reads b in 'packed' order"):
         simt.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
@@ -1690,7 +1693,7 @@ def test_h200_token_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply
     with pytest.raises(ValueError, match="a_layout 'e2m1_h200' re-lays FP4 \\(E2M1\\) tokens; a is mxfp8"):
         _problem("w4a8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_a_layout(LAYOUT_E2M1_H200)
     with pytest.raises(ValueError, match="a_layout must be one of"):
-        hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, a_layout="tiled")
+        hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, a_layout="tiled")
     with pytest.raises(ValueError, match="a_layout must be one of"):
         dataclasses.replace(problem, a_layout="tiled")
 
@@ -1701,8 +1704,8 @@ def test_h200_weight_layout_shortens_the_decode_loop():
     (4 groups of 16 registers) loses at least 50 of its ~358 instructions, with no spills."""
     sizes = {}
     for layout in ("packed", LAYOUT_E2M1_H200):
-        spec = hs.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout=layout)
-        cubin = offline.compile_cubin(hs.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+        spec = hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout=layout)
+        cubin = offline.compile_cubin(hs.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         assert offline.resource_usage(cubin).local_bytes == 0
         hot = [loop for loop in offline.sass_loops(offline.disassemble(cubin)) if loop.count("HMMA")][0]
@@ -1869,50 +1872,50 @@ def test_gpu_case_list_covers_every_format_and_knob():
 
 
 def test_formats_module_constants_agree_with_quant():
-    for element, offset in hs.ELEMENT_LOG2_OFFSET.items():
+    for element, offset in hd.ELEMENT_LOG2_OFFSET.items():
         dtype = {"e2m1": ml_dtypes.float4_e2m1fn, "e4m3": ml_dtypes.float8_e4m3fn,
                  "e5m2": ml_dtypes.float8_e5m2}[element]
         one = np.array([1.0], np.float32).astype(dtype).view(np.uint8)[0]
         if element == "e2m1":
-            bits = hs.e2m1_pair_bits(np.uint32(one), 0) & 0xFFFF
+            bits = hd.e2m1_pair_bits(np.uint32(one), 0) & 0xFFFF
         else:
-            bits = hs.fp8_pair_bits(np.uint32(one), np.uint32(0), 0, element == "e5m2", True) & 0xFFFF
+            bits = hd.fp8_pair_bits(np.uint32(one), np.uint32(0), 0, element == "e5m2", True) & 0xFFFF
         assert bf16_value(bits) == 2.0 ** -offset, element
     for name in FORMATS:
         for fmt_name in PROBLEM_FORMATS[name]:
-            assert get_format(fmt_name).scale_dtype in hs.SCALE_LOG2_PREBIAS
+            assert get_format(fmt_name).scale_dtype in hd.SCALE_LOG2_PREBIAS
 
 
 # ----------------------------------------------------------------------------------------------
 # The start-up trace build (a diagnostic: StreamSpec.trace, prepare(trace=True))
 # ----------------------------------------------------------------------------------------------
 def test_trace_phases_are_the_gaps_between_reached_events():
-    events = len(hs.TRACE_EVENTS)
-    records = np.zeros((3, events, hs.TRACE_RECORD_WORDS), np.uint64)
+    events = len(ht.TRACE_EVENTS)
+    records = np.zeros((3, events, ht.TRACE_RECORD_WORDS), np.uint64)
     # CTAs 0 and 1 work; CTA 2 has no tile (it finds no work: no slot, no TMA, no stage, no epilogue)
     for cta in range(2):
-        for i, event in enumerate(hs.TRACE_PRODUCER_CHAIN):
+        for i, event in enumerate(ht.TRACE_PRODUCER_CHAIN):
             records[cta, event, 0] = 1_000_000 + 100 * cta + 500 * i
-        for i, event in enumerate(hs.TRACE_CONSUMER_CHAIN[1:], start=1):
+        for i, event in enumerate(ht.TRACE_CONSUMER_CHAIN[1:], start=1):
             records[cta, event, 0] = 1_000_000 + 100 * cta + 1500 * i
-    for event in (hs.TRACE_ENTRY, hs.TRACE_BARRIERS, hs.TRACE_MAPS, hs.TRACE_PRODUCER_WORK, hs.TRACE_PRODUCER_EXIT,
-                  hs.TRACE_CONSUMER_READY, hs.TRACE_CONSUMER_EXIT):
+    for event in (ht.TRACE_ENTRY, ht.TRACE_BARRIERS, ht.TRACE_MAPS, ht.TRACE_PRODUCER_WORK, ht.TRACE_PRODUCER_EXIT,
+                  ht.TRACE_CONSUMER_READY, ht.TRACE_CONSUMER_EXIT):
         records[2, event, 0] = 1_000_300 + 10 * event
     records[:, :, 1] = 7   # clock64 words: not used by the phases
-    phases = hs.trace_phases(records)
+    phases = ht.trace_phases(records)
     np.testing.assert_array_equal(phases["entry skew"], [0, 100, 300])
     np.testing.assert_array_equal(phases["entry -> barriers_ready"], [500, 500, 10])
     np.testing.assert_array_equal(phases["maps_ready -> producer_work_found"], [500, 500, 10])
     assert np.isnan(phases["first_slot_free -> first_tma_issued"][2])
     np.testing.assert_array_equal(phases["first_full -> first_release"][:2], [1500, 1500])
-    np.testing.assert_array_equal(phases["entry -> consumer_ready"], [1500, 1500, 10 * hs.TRACE_CONSUMER_READY])
+    np.testing.assert_array_equal(phases["entry -> consumer_ready"], [1500, 1500, 10 * ht.TRACE_CONSUMER_READY])
     np.testing.assert_array_equal(phases["first_tma_issued -> first_full"][:2], [3000 - 2500] * 2)
     # the last exit of any role in any CTA, after the first entry
-    assert phases["launch span"][0] == 100 + 1500 * (len(hs.TRACE_CONSUMER_CHAIN) - 1)
+    assert phases["launch span"][0] == 100 + 1500 * (len(ht.TRACE_CONSUMER_CHAIN) - 1)
     with pytest.raises(ValueError, match="trace"):
-        hs.trace_phases(records[:, :3])
+        ht.trace_phases(records[:, :3])
     with pytest.raises(ValueError, match="one launch"):
-        hs.trace_phases(records[None])
+        ht.trace_phases(records[None])
 
 
 @pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
@@ -1923,9 +1926,9 @@ def test_trace_build_stamps_and_the_plain_build_does_not():
     texts = {}
     for trace in (False, True):
         traced = dataclasses.replace(spec, trace=trace)
-        cubin = offline.compile_cubin(hs.make_kernel_function(traced), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hs.make_kernel_function(traced), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(traced.threads, traced.min_ctas_per_sm))
         texts[trace] = offline.disassemble(cubin)
     clock = re.compile(r"SR_CLOCK")
     assert not clock.search(texts[False])
-    assert len(clock.findall(texts[True])) >= len(hs.TRACE_EVENTS)
+    assert len(clock.findall(texts[True])) >= len(ht.TRACE_EVENTS)

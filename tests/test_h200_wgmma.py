@@ -15,13 +15,15 @@ import pytest
 
 from gbs.lab.bench import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM
+from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import h200_wgmma as hw
 from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
-from gbs.formats import get_format, scale_byte_offset
+from gbs.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, get_format, scale_byte_offset
 from gbs.reference import check_acceptance, reference_grouped_matmul
 
 FORMATS = tuple(PROBLEM_FORMATS)
@@ -33,8 +35,10 @@ ORIENTED = [(fmt, bn, False) for fmt, bn in FITTING] + [(fmt, bn, True) for fmt 
 def spec_of(fmt: str, mma_bn: int, stages: int | None = None, tile_tokens: int = 128,
             ab_swapped: bool = False) -> hw.WgmmaSpec:
     a, b = PROBLEM_FORMATS[fmt]
-    if stages is None:
-        stages = hw.max_pipeline_stages(a, b, hw.WgmmaConfig(mma_bn, tile_tokens=tile_tokens, ab_swapped=ab_swapped))
+    if stages is None:   # the deepest ring beside the bf16 buffers
+        stages = 1
+        while spec_of(fmt, mma_bn, stages + 1, tile_tokens, ab_swapped).smem.total_bytes <= H200_SMEM_PER_SM:
+            stages += 1
     return hw.WgmmaSpec(a, b, mma_bn, stages, tile_tokens=tile_tokens, ab_swapped=ab_swapped)
 
 
@@ -42,13 +46,13 @@ def sub_step_group(spec: hw.WgmmaSpec, sub: int, step: int, q: int) -> int:
     """The group (inside its quarter) quad lane ``q`` reads at group step ``step`` of sub-step ``sub``, the
     way the kernel addresses it: ``rotated(first_c + step, q)`` in run 0, moved by whole runs."""
     first_c, run = hw.sub_step_groups(spec.groups_per_sub, sub // hw.A_FRAGMENT_SETS, sub % hw.A_FRAGMENT_SETS)
-    return int(hs.rotated_group(first_c + step, q)) + hs.ROTATION_RUN * run
+    return int(hd.rotated_group(first_c + step, q)) + hd.ROTATION_RUN * run
 
 
 def real_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> int:
     """Real k (inside the K slice) of register ``j``'s half ``hi`` of that group."""
-    return (q * (spec.k_slice // hs.QUAD) + sub_step_group(spec, sub, step, q) * hs.GROUP_ELEMENTS
-            + hs.pair_elements(j, spec.ring.pairing)[hi])
+    return (q * (spec.k_slice // hd.QUAD) + sub_step_group(spec, sub, step, q) * hd.GROUP_ELEMENTS
+            + hd.pair_elements(j, spec.ring.pairing)[hi])
 
 
 def writer_k(spec: hw.WgmmaSpec, sub: int, step: int, q: int, j: int, hi: int) -> tuple[int, int]:
@@ -78,7 +82,7 @@ def test_b_writer_puts_every_element_at_its_kappa(fmt, bn, swapped):
     spec = spec_of(fmt, bn, ab_swapped=swapped)
     for sub in range(spec.subs_per_slice):
         for step in range(spec.groups_per_sub):
-            for q in range(hs.QUAD):
+            for q in range(hd.QUAD):
                 for j in range(4):
                     for hi in range(2):
                         kappa, real = writer_k(spec, sub, step, q, j, hi)
@@ -94,7 +98,7 @@ def test_b_items_cover_every_row_step_and_quarter_once(fmt, bn, swapped):
     items = [hw.b_item_row(spec, t, it) for t in range(hw.CONSUMER_THREADS) for it in range(spec.b_items)]
     quarters = [(row, step, first + qq) for row, step, first in items for qq in range(spec.b_quarters)]
     assert sorted(quarters) == [(r, s, q) for r in range(bn) for s in range(spec.groups_per_sub)
-                                for q in range(hs.QUAD)]
+                                for q in range(hd.QUAD)]
     assert all(first % spec.b_quarters == 0 for _, _, first in items), "8- / 4-byte aligned chunk words"
 
 
@@ -107,13 +111,13 @@ def test_weight_loads_of_a_warp_hit_distinct_banks(fmt):
     worst = 1
     for warp in range(8):
         for item in range(spec.b_items):
-            for q in range(hs.QUAD):
+            for q in range(hd.QUAD):
                 banks = collections.Counter()
-                for lane in range(hs.WARP_SIZE):
-                    row, step, _ = hw.b_item_row(spec, hs.WARP_SIZE * warp + lane, item)
-                    gl = int(hs.rotated_group(step, q))   # sub-step 0 (other runs XOR whole runs)
-                    col = int(hs.group_column(q, gl, side.thread_bytes, side.group_bytes,
-                                              hs.swizzle_xor(row, side.row_bytes, side.swizzle_mask)))
+                for lane in range(hr.WARP_SIZE):
+                    row, step, _ = hw.b_item_row(spec, hr.WARP_SIZE * warp + lane, item)
+                    gl = int(hd.rotated_group(step, q))   # sub-step 0 (other runs XOR whole runs)
+                    col = int(hd.group_column(q, gl, side.thread_bytes, side.group_bytes,
+                                              hd.swizzle_xor(row, side.row_bytes, side.swizzle_mask)))
                     for word in range(side.group_bytes // 4):
                         banks[((row * side.row_bytes + col) // 4 + word) % 32] += 1
                 worst = max(worst, max(banks.values()))
@@ -151,11 +155,11 @@ def test_swapped_epilogue_stores_each_weight_row_and_token_once(bn):
     seen = collections.Counter()
     for cw in range(hw.CONSUMER_WARPGROUPS * hw.WARPGROUP_WARPS):
         warpgroup, warp = divmod(cw, hw.WARPGROUP_WARPS)
-        for lane in range(hs.WARP_SIZE):
+        for lane in range(hr.WARP_SIZE):
             m_row = warpgroup * hw.TOKENS_PER_WARPGROUP + warp * hw.ROWS_PER_WARP + lane // 4
             for i in range(bn // 2):
                 row, token = hw.swapped_accumulator_position(m_row, lane % 4, i)
-                mma_row, mma_col = hp.wgmma_accumulator_position(hs.WARP_SIZE * warp + lane, i)
+                mma_row, mma_col = hp.wgmma_accumulator_position(hr.WARP_SIZE * warp + lane, i)
                 assert (row, token) == (warpgroup * hw.TOKENS_PER_WARPGROUP + mma_row, mma_col)
                 seen[row, token] += 1
     assert sorted(seen) == [(r, t) for r in range(128) for t in range(bn)] and set(seen.values()) == {1}
@@ -200,7 +204,7 @@ def test_swapped_ring_puts_weights_on_m_and_tokens_on_n(fmt):
         assert ring.m_side.role == "weights" and ring.m_side.rows == 128
         assert ring.n_side.role == "tokens" and ring.n_side.rows == bn and ring.n_side.scale_bands == 1
         assert ring.tile_shape.tokens == bn and ring.tile_shape.weight_rows == 128
-        assert hs.SF_ATOM_ROWS % bn == 0
+        assert SF_ATOM_ROWS % bn == 0
 
 
 @pytest.mark.parametrize("fmt, bn, swapped, items, quarters, sub_k", [
@@ -225,7 +229,7 @@ def test_256_token_tiles_cover_each_token_row_once():
     spec = spec_of("nvfp4", 128, tile_tokens=256)
     atoms = spec.ring.m_side.sf_atoms_per_slice
     m_tile_rows = hw.CONSUMER_WARPGROUPS * hw.TOKENS_PER_WARPGROUP
-    for q in range(hs.QUAD):
+    for q in range(hd.QUAD):
         rows = collections.Counter()
         for cw in range(hw.CONSUMER_WARPGROUPS * hw.WARPGROUP_WARPS):
             for g in range(8):
@@ -235,8 +239,8 @@ def test_256_token_tiles_cover_each_token_row_once():
                     for i in range(2):
                         row = m_row + m_tile_rows * mt + 8 * i
                         rows[row] += 1
-                        band = scale_byte_offset(row, 0, atoms) // (atoms * hs.SF_ATOM_BYTES)
-                        assert band == row // hs.SF_ATOM_ROWS
+                        band = scale_byte_offset(row, 0, atoms) // (atoms * SF_ATOM_BYTES)
+                        assert band == row // SF_ATOM_ROWS
         assert sorted(rows) == list(range(256)) and set(rows.values()) == {1}
 
 
@@ -263,11 +267,7 @@ def test_wgmma_config_checks_its_knobs():
         hw.WgmmaConfig(128, tile_tokens=192)
     with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
         hw.WgmmaConfig(256, tile_tokens=256)   # 2 x 128 accumulators per thread
-    with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
-        hw.WgmmaConfig(128, mma_operands="e4m3", tile_tokens=256)
     assert hw.WgmmaConfig.of(hs.StreamConfig(True, 32, 1, 4)) == hw.WgmmaConfig(32, 4, ab_swapped=True)
-    with pytest.raises(ValueError, match="mma_operands 'bf16'"):
-        hw.WgmmaConfig(64, mma_operands="e4m3", ab_swapped=True)
     with pytest.raises(ValueError, match="ab_swapped False"):
         hw.WgmmaConfig(32, tile_tokens=256, ab_swapped=True)
     with pytest.raises(TypeError, match="ab_swapped must be a bool"):
@@ -319,7 +319,7 @@ def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens, swapped):
     stays within the budgets above. A B item of two quarters (swapped NVFP4 at 32 tokens, W4A8 at 64) writes
     its half of each chunk with one STS.64."""
     spec = spec_of(fmt, bn, tile_tokens=tile_tokens, ab_swapped=swapped)
-    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
     hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{bn}x16.F32.BF16")]
@@ -341,7 +341,7 @@ def test_h200_token_layout_shortens_the_256_token_k_loop():
     sizes = {}
     for a_layout in ("packed", "e2m1_h200"):
         spec = dataclasses.replace(spec_of("nvfp4", 128, tile_tokens=256), b_layout="e2m1_h200", a_layout=a_layout)
-        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         hot = [loop for loop in offline.sass_loops(offline.disassemble(cubin)) if loop.count("HGMMA")][0]
         assert hot.count("LDL") + hot.count("STL") == 0
@@ -352,7 +352,7 @@ def test_h200_token_layout_shortens_the_256_token_k_loop():
 def test_register_splits_fill_the_launch_allocation():
     """``setmaxnreg``: the producer warpgroup's registers plus the two consumer warpgroups' are exactly the
     launch's 384 threads x 168, for the 128-token split and the 256-token one (multiples of 8, 24..256)."""
-    launch_allocation = hs.WARP_SIZE * (hs.WARPGROUP_WARPS + 2 * hs.WARPGROUP_WARPS) * 168
+    launch_allocation = hr.WARP_SIZE * (hr.WARPGROUP_WARPS + 2 * hr.WARPGROUP_WARPS) * 168
     for producer, consumer in ((hw.PRODUCER_REGISTERS, hw.CONSUMER_REGISTERS),
                                (hw.PRODUCER_REGISTERS_TWO_M_TILES, hw.CONSUMER_REGISTERS_TWO_M_TILES)):
         assert hp.WGMMA_THREADS * (producer + 2 * consumer) == launch_allocation
@@ -459,7 +459,7 @@ def test_swapped_split_k_build_reads_every_sum_before_it_stores(fmt, bn):
     loops = {}
     for spec in (plain, dataclasses.replace(plain, split_k=True)):
         assert spec.ring.split_k == spec.split_k
-        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(spec.threads, spec.min_ctas_per_sm))
         sass = offline.disassemble(cubin)
         instructions = offline.sass_instructions(sass)
@@ -509,7 +509,7 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     assert set(device.host_routing) == {"a_offsets", "expert_ids"}
     assert device.host_routing["a_offsets"] is not problem.a_offsets, "a copy: later edits do not move the plan"
     np.testing.assert_array_equal(device.host_routing["expert_ids"], problem.expert_ids)
-    assert hw.estimated_tiles(device, 32, hs.TILE_M_ROWS) == 30      # six live groups x 5 bands
+    assert hw.estimated_tiles(device, 32, hr.TILE_M_ROWS) == 30      # six live groups x 5 bands
     carried = types.SimpleNamespace(**{f: getattr(problem, f) for f in ("a_format", "b_format", "num_active_experts",
                                                                         "estimated_total_m", "n", "k", "b_layout",
                                                                         "a_layout")},
@@ -521,7 +521,7 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     opaque.a_offsets = types.SimpleNamespace(shape=problem.a_offsets.shape)   # not a host array: no copy kept
     averaged = launch.to_device(opaque)
     assert averaged.host_routing is None
-    assert hw.estimated_tiles(averaged, 32, hs.TILE_M_ROWS) == 40    # 8 slots of ceil(175 / 8) = 22 tokens
+    assert hw.estimated_tiles(averaged, 32, hr.TILE_M_ROWS) == 40    # 8 slots of ceil(175 / 8) = 22 tokens
     assert hw.swapped_k_splits(30, 16, hs.H200_SM_COUNT)[0] == 4 and hw.swapped_k_splits(40, 16, hs.H200_SM_COUNT)[0] == 3
 
 
@@ -543,8 +543,8 @@ def test_fp8_tokens_take_swapped_tiles_where_they_split(fmt, n, slots, tokens, w
         return
     bn, runs = want
     assert plan == hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True) and hw.wgmma_plan(problem) == plan
-    k_slices = problem.k // hs.k_slice_elements(problem.a_format, problem.b_format)
-    assert hw.swapped_k_splits(hw.estimated_tiles(problem, bn, hs.TILE_M_ROWS), k_slices, hs.H200_SM_COUNT)[0] == runs
+    k_slices = problem.k // hr.k_slice_elements(problem.a_format, problem.b_format)
+    assert hw.swapped_k_splits(hw.estimated_tiles(problem, bn, hr.TILE_M_ROWS), k_slices, hs.H200_SM_COUNT)[0] == runs
 
 
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
@@ -601,7 +601,7 @@ GPU_CASES = ([(fmt, 128, 128) for fmt in FORMATS] + [("nvfp4", 256, 128), ("mxfp
 def ragged_gpu_problem(fmt: str, n: int, seed_tag: str):
     """The GPU tests' ragged routing (``GPU_SIZES`` / ``GPU_IDS``) at K 2048, seeded by ``seed_tag``; skips without
     an sm_90 GPU."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     return synthetic_problem(fmt, n=n, k=2048, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS), num_experts=8,
                              seed=zlib.crc32(seed_tag.encode()))
@@ -679,7 +679,7 @@ def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
     """A Kimi-like problem (N 512 + 64: 5 weight bands, the last one partial; 8 slots of up to 32 tokens with a -1
     slot, an empty group and a 1-token group; K 4096): ~30 swapped tiles, so ``prepare``'s default cuts each into
     ``swapped_k_splits`` runs (4 runs of 4 slices on 132 SMs), counting the groups' own tiles."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
                                 expert_ids=[3, 0, 5, 1, -1, 2, 4, 6], num_experts=7,
@@ -687,7 +687,7 @@ def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
     config = hw.wgmma_plan(problem)
     assert (config.ab_swapped, config.mma_bn) == (True, 32)
     prepared = run_split_launch_three_times(problem, config, None)
-    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hs.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
+    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hr.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
     assert prepared.k_splits == want == 4
 
 
@@ -741,7 +741,7 @@ def test_gpu_h200_token_layout_gives_the_same_bits(fmt, bn, tile_tokens):
 
 @pytest.mark.gpu
 def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     from numba import cuda
 
@@ -765,7 +765,7 @@ def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
 @pytest.mark.gpu
 def test_gpu_auto_backend_runs_prefill_on_wgmma():
     """``gbs.grouped_matmul`` with the dispatch's decision: prefill-sized groups go to this kernel."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
@@ -783,7 +783,7 @@ def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
     """The plan's 256-token tiles through ``gbs.grouped_matmul``: ragged groups (a 1-token group, an
     empty one, a -1 slot, sizes not multiples of 256) averaging ~820 tokens on 4096 weight rows (the plan
     counts the live groups' own tiles: 15 of 256 tokens against 29 of 128)."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
@@ -803,7 +803,7 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
     """Tens of FP4 tokens per expert (a -1 slot, a 1-token group; MXFP4 an empty group and groups of 50-64 tokens):
     ``gbs.grouped_matmul`` runs the swapped tile the plan picks, on weights fused with their scales and tokens
     in the H200 order, within the acceptance; rows of the -1 slot keep the poison."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel, h200_weight_layout
@@ -826,7 +826,7 @@ def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt,
     """FP8 tokens on ~30 swapped tiles (N 576: 5 weight bands, the last partial; a -1 slot, an empty group, a
     1-token group; K 2048: 16 slices): ``gbs.grouped_matmul`` runs the swapped tiles in 4 split-K runs
     (``fp8_tokens_swapped_plan``) within the acceptance; rows of the -1 slot keep the poison."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
     from gbs.api import h200_kernel
@@ -845,7 +845,7 @@ def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt,
 def test_gpu_odd_n_takes_the_single_store_paths(fmt):
     """N odd: bf16 pairs are not 4-byte aligned in every token row, so the epilogue stores single
     values (and a tile's last column alone)."""
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=389, k=1024, group_sizes=[130, 0, 7], expert_ids=[1, 0, 2], num_experts=3,
                                 seed=zlib.crc32(f"odd-n/{fmt}".encode()))
@@ -855,7 +855,7 @@ def test_gpu_odd_n_takes_the_single_store_paths(fmt):
 
 @pytest.mark.gpu
 def test_gpu_misaligned_output_is_refused_before_launch():
-    if launch.gpu_compute_capability() != hs.SM90:
+    if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     from numba import cuda
 
@@ -864,133 +864,3 @@ def test_gpu_misaligned_output_is_refused_before_launch():
     misaligned = flat[1:].reshape(problem.total_tokens, problem.n)
     with pytest.raises(ValueError, match="4-byte aligned"):
         hw.prepare(launch.to_device(problem), hw.WgmmaConfig(128), misaligned)
-
-
-# ----------------------------------------------------------------------------------------------
-# mma_operands="e4m3": MXFP8 bytes straight to wgmma k32, block scales applied per partial product
-# ----------------------------------------------------------------------------------------------
-E4M3 = hw.WgmmaConfig(128, AUTO_STAGES, "e4m3")
-
-
-def e4m3_spec(stages: int | None = None) -> hw.WgmmaSpec:
-    a, b = PROBLEM_FORMATS["mxfp8"]
-    if stages is None:
-        stages = hw.max_pipeline_stages(a, b, E4M3)
-    return hw.WgmmaSpec(a, b, 128, stages, mma_operands="e4m3")
-
-
-def test_ue8m0_f32_bits_is_the_exact_scale_of_every_byte():
-    from gbs.formats import decode_ue8m0
-
-    codes = np.arange(256, dtype=np.uint8)
-    got = np.array([hw.ue8m0_f32_bits(c) for c in codes], np.uint32).view(np.float32)
-    want = decode_ue8m0(codes).astype(np.float32)
-    assert np.isnan(got[255]) and np.isnan(want[255])
-    np.testing.assert_array_equal(got[:255], want[:255])
-    assert got[0] == np.float32(2.0 ** -127) and got[127] == 1.0
-
-
-def test_scale_tables_are_distinct_words_inside_the_stage_tables():
-    spec = e4m3_spec()
-    offsets = {hw.scale_table_offset(spec, wg, w, b, r) for wg in range(hw.CONSUMER_WARPGROUPS) for w in (0, 1)
-               for b in range(spec.scale_blocks) for r in range(hw.TOKENS_PER_WARPGROUP if w == 0 else spec.mma_bn)}
-    assert len(offsets) == spec.scale_table_bytes // hw.SCALE_TABLE_WORD
-    assert min(offsets) == 0 and max(offsets) + hw.SCALE_TABLE_WORD == spec.scale_table_bytes
-    # wgmma_scale_accumulate reads column pairs (8 j + 2 q, + 1) as 8-byte loads, 32 bytes apart
-    assert hw.scale_table_offset(spec, 1, 1, 2, 8) - hw.scale_table_offset(spec, 1, 1, 2, 0) == hp.WGMMA_COLUMN_PAIR_STRIDE
-    assert all(hw.scale_table_offset(spec, wg, 1, b, 0) % 8 == 0 for wg in (0, 1) for b in range(spec.scale_blocks))
-
-
-def test_each_warpgroup_fills_every_entry_of_its_tables_once():
-    """The kernel's fill: thread t of a warpgroup converts weight row t of every block and blocks
-    2 (t // 64) .. + 1 of token row t % 64."""
-    spec = e4m3_spec()
-    token_blocks = spec.scale_blocks * hw.TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
-    filled = collections.Counter()
-    for t in range(hp.WGMMA_THREADS):
-        filled.update(("weights", b, t) for b in range(spec.scale_blocks))
-        filled.update(("tokens", (t // hw.TOKENS_PER_WARPGROUP) * token_blocks + h, t % hw.TOKENS_PER_WARPGROUP)
-                      for h in range(token_blocks))
-    assert set(filled.values()) == {1}
-    assert len(filled) == spec.scale_blocks * (hw.TOKENS_PER_WARPGROUP + spec.mma_bn)
-
-
-def test_column_scale_index_matches_the_accumulator_layout():
-    for thread in (0, 5, 38, 127):
-        for i in range(64):
-            _, col = hp.wgmma_accumulator_position(thread, i)
-            j, e = hp.wgmma_column_scale_index(i)
-            assert col == 8 * j + 2 * (thread % 4) + e
-
-
-def test_e4m3_ring_fits_and_one_more_stage_does_not():
-    spec = e4m3_spec()
-    assert spec.stages >= 4 and spec.scale_blocks == 4 and spec.smem.total_bytes <= H200_SMEM_PER_SM
-    assert e4m3_spec(spec.stages + 1).smem.total_bytes > H200_SMEM_PER_SM
-
-
-@pytest.mark.parametrize("fmt, config, match", [
-    ("nvfp4", E4M3, "needs E4M3 elements"),
-    ("w4a8", E4M3, "needs E4M3 elements"),
-    ("mxfp8_e5m2", E4M3, "needs E4M3 elements"),
-    ("mxfp8", hw.WgmmaConfig(128, 9, "e4m3"), "scale tables per stage"),
-])
-def test_e4m3_operands_refuse_other_formats_and_depths(fmt, config, match):
-    with pytest.raises(ValueError, match=match):
-        hw.check_can_implement(_problem(fmt), config)
-
-
-def test_e4m3_config_checks_its_knobs():
-    with pytest.raises(ValueError, match="mma_operands must be one of"):
-        hw.WgmmaConfig(128, AUTO_STAGES, "fp16")
-    with pytest.raises(ValueError, match="takes mma_bn in"):
-        hw.WgmmaConfig(256, AUTO_STAGES, "e4m3")
-    assert hw.WgmmaConfig.of(E4M3) is E4M3
-    assert hw.check_can_implement(_problem("mxfp8"), E4M3).mma_operands == "e4m3"
-
-
-def test_e4m3_sass_is_one_qgmma_per_block_and_the_promotion_in_registers():
-    """Offline (ptxas 13.5, sm_90a): the K slice holds 4 E4M3 wgmmas (QGMMA, no HGMMA: nothing decoded) and
-    4 promotions of 64 FMUL + 64 FFMA and 16 LDS.64 of column scales, with no local memory in between."""
-    spec = e4m3_spec()
-    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hs.kernel_signature(), offline.SM90A,
-                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
-    instructions = offline.sass_instructions(offline.disassemble(cubin))
-    qgmma = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA.64x128x32.F32.E4M3.E4M3")]
-    assert len(qgmma) == hw.E4M3_BLOCKS_PER_SLICE and not any(ins.startswith("HGMMA") for ins in instructions)
-    after = instructions[qgmma[0]:]
-    end = next(i for i, ins in enumerate(after) if ins.startswith("BRA"))
-    loop = collections.Counter(ins.split()[0] for ins in after[:end])
-    blocks = hw.E4M3_BLOCKS_PER_SLICE
-    assert loop["FFMA"] == 64 * blocks and loop["FMUL"] == 64 * blocks and loop["LDS.64"] == 16 * blocks, loop
-    assert not any(op.startswith(("LDL", "STL")) for op in loop), loop
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k, seed", [(4096 + 64, 2048, 1), (389, 1024, 2)])
-def test_gpu_e4m3_operands_match_the_reference(n, k, seed):
-    """MXFP8 on E4M3 wgmma (ragged groups, an empty group, a -1 slot, one token, N not a tile multiple,
-    odd N): within the acceptance of formats.md; poisoned skipped rows keep the poison."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem("mxfp8", n=n, k=k, group_sizes=list(GPU_SIZES), expert_ids=list(GPU_IDS),
-                                num_experts=8, seed=seed)
-    ref = reference_grouped_matmul(problem)
-    out = hw.grouped_matmul_h200(problem, E4M3)
-    result = check_acceptance(problem, out, ref)
-    assert result.passed, f"{hw.check_can_implement(problem, E4M3)}: {result}"
-
-
-@pytest.mark.gpu
-def test_gpu_e4m3_nan_scale_poisons_its_block_only():
-    """A NaN weight scale byte (0xFF) makes the outputs that use that block NaN, and only those."""
-    if launch.gpu_compute_capability() != hs.SM90:
-        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
-    problem = synthetic_problem("mxfp8", n=256, k=512, group_sizes=[40, 130], expert_ids=[1, 0], num_experts=2,
-                                seed=3)
-    scales = problem.b_scales.copy()
-    scales[1, 0, 0, 17, 0, 2] = 0xFF   # expert 1, weight row 17, block 2 (128x4 layout: [e, r // 128, c // 4, r % 32, r % 128 // 32, c % 4])
-    poisoned = dataclasses.replace(problem, b_scales=scales)
-    out = hw.grouped_matmul_h200(poisoned, E4M3).astype(np.float32)
-    nan_rows, nan_cols = np.nonzero(np.isnan(out))
-    assert set(nan_cols) == {17} and set(nan_rows) == set(range(40))

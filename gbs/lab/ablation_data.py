@@ -228,9 +228,9 @@ def tuned_dispatch_config(key: ProblemKey, smem_per_sm: int):
 @functools.lru_cache(maxsize=256)
 def _h200_kernel_max_stages(fmt: str, tile: TileConfig) -> int:
     # imported here: numba-cuda's import costs about a second and only measured H200 rows need it
-    from gbs.numba_kernels import h200_launch, h200_stream
+    from gbs.numba_kernels import h200_launch, h200_ring
 
-    one_stage = h200_stream.StreamSpec(*resolve_names(fmt), tile.ab_swapped, tile.mma_bn, tile.cta_group, 1)
+    one_stage = h200_ring.StreamSpec(*resolve_names(fmt), tile.ab_swapped, tile.mma_bn, tile.cta_group, 1)
     return h200_launch.max_pipeline_stages(one_stage)
 
 

@@ -590,7 +590,7 @@ def launch_knobs(launcher) -> str:
     spec = plan.ring
     kernel = "wgmma " if plan.kernel == "h200_wgmma" else ""
     warps = " w8" if getattr(spec, "small_n_warps", None) == 8 else ""
-    from ..numba_kernels.h200_stream import TILE_M_ROWS   # a prepared launch: numba is there
+    from ..numba_kernels.h200_ring import TILE_M_ROWS   # a prepared launch: numba is there
     tokens = f" t{spec.m_rows}" if getattr(spec, "m_rows", TILE_M_ROWS) != TILE_M_ROWS else ""
     relaid = {}   # layout -> the operands in it
     for op in "ab":

@@ -206,12 +206,12 @@ def h200_kernel_stage_limit() -> StageLimit | None:
     """The H200 kernel's deepest ring per (format, knobs) from its real shared-memory bytes, or None
     when ``gbs.numba_kernels.h200_stream`` does not import."""
     try:
-        from gbs.numba_kernels import h200_launch, h200_stream
+        from gbs.numba_kernels import h200_launch, h200_ring
     except BACKEND_UNAVAILABLE:
         return None
 
     def stage_limit(fmt: str, tile: TileConfig) -> int:
-        one_stage = h200_stream.StreamSpec(*resolve_names(fmt), tile.ab_swapped, tile.mma_bn, tile.cta_group, 1)
+        one_stage = h200_ring.StreamSpec(*resolve_names(fmt), tile.ab_swapped, tile.mma_bn, tile.cta_group, 1)
         return h200_launch.max_pipeline_stages(one_stage)
 
     return stage_limit

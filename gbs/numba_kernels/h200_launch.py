@@ -34,13 +34,15 @@ from gbs import schedule
 from gbs.dispatch import H200_SMEM_PER_SM
 from gbs.formats import BF16, get_format
 from gbs.numba_kernels import launch
+from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels import h200_stream as hs
+from gbs.numba_kernels import h200_trace as ht
 from gbs.numba_kernels import h200_wgmma as hw
 from gbs.problem import PROBLEM_FORMATS, GroupedProblem, check_layout, layout_of
 from gbs.ptx_inline import copy as cp
 from gbs.reference import poison_output
 
-SM90 = hs.SM90
+SM90 = hr.SM90
 WGMMA_OUT_ALIGN = hw.OUT_ALIGN   # the wgmma epilogue's paired bf16 stores need 4-byte aligned rows
 
 
@@ -65,14 +67,14 @@ def resident_ctas_per_sm(spec, registers_per_thread: int | None) -> int:
     threads (2048) and registers: each of the 4 sub-partitions holds 16384 for its warps (allocated per thread in
     steps of 8), so the SM holds 4 x (16384 // warp registers) warps, whatever the CTA's warp count. Without a
     register count (no compile), the launch bounds' guarantee: at least ``spec.min_ctas_per_sm``."""
-    by_smem = hs.SM90_SMEM_PER_SM // spec.smem.total_bytes
-    by_threads = hs.SM90_THREADS_PER_SM // spec.threads
+    by_smem = hr.SM90_SMEM_PER_SM // spec.smem.total_bytes
+    by_threads = hr.SM90_THREADS_PER_SM // spec.threads
     if registers_per_thread is None:
         by_registers = spec.min_ctas_per_sm
     else:
-        warp_registers = hs.WARP_SIZE * -(-registers_per_thread // hs.REGISTER_ALLOC_STEP) * hs.REGISTER_ALLOC_STEP
-        warps = hs.SM90_SUBPARTITIONS * (hs.SM90_REGISTERS_PER_SM // hs.SM90_SUBPARTITIONS // warp_registers)
-        by_registers = warps // (spec.threads // hs.WARP_SIZE)
+        warp_registers = hr.WARP_SIZE * -(-registers_per_thread // hr.REGISTER_ALLOC_STEP) * hr.REGISTER_ALLOC_STEP
+        warps = hr.SM90_SUBPARTITIONS * (hr.SM90_REGISTERS_PER_SM // hr.SM90_SUBPARTITIONS // warp_registers)
+        by_registers = warps // (spec.threads // hr.WARP_SIZE)
     return max(1, min(by_smem, by_threads, by_registers))
 
 
@@ -122,10 +124,10 @@ def check_can_implement(problem, spec) -> None:
                              f"problem's is {layout_of(problem, operand)!r}")
     k_slice = spec.k_slice
     if problem.k % k_slice:
-        kind = "both operands are FP4" if k_slice == 2 * hs.K_SLICE_BYTES else "an operand is FP8"
+        kind = "both operands are FP4" if k_slice == 2 * hr.K_SLICE_BYTES else "an operand is FP8"
         raise ValueError(
             f"K={problem.k} is not a multiple of this kernel's {k_slice}-element K slice ({kind}: "
-            f"{hs.K_SLICE_BYTES} bytes of every row per pipeline stage); pad K to "
+            f"{hr.K_SLICE_BYTES} bytes of every row per pipeline stage); pad K to "
             f"{-(-problem.k // k_slice) * k_slice} with zero elements (zero codes; any scale byte) in A and B")
     for name, row_bytes in (("a", problem.a_format.row_bytes(problem.k)),
                             ("b", problem.b_format.row_bytes(problem.k))):
@@ -180,24 +182,24 @@ def tensor_map_args(ring, shapes: dict, addresses: dict) -> list[TensorMapArgs]:
     w_bytes, w_rows, w_experts = ring.weight_box
 
     def scale_map(name, bands):
-        rows = hs.ATOM_MAP_ROWS * shapes[name][-4]   # 4 rows of 128 B per atom, per column group
-        return TensorMapArgs(name, addresses[name], (hs.SCALE_MAP_ROW_BYTES, rows, bands),
-                             (hs.SCALE_MAP_ROW_BYTES, hs.SCALE_MAP_ROW_BYTES * rows), ring.scale_box, "none")
+        rows = hr.ATOM_MAP_ROWS * shapes[name][-4]   # 4 rows of 128 B per atom, per column group
+        return TensorMapArgs(name, addresses[name], (hr.SCALE_MAP_ROW_BYTES, rows, bands),
+                             (hr.SCALE_MAP_ROW_BYTES, hr.SCALE_MAP_ROW_BYTES * rows), ring.scale_box, "none")
 
     weight_scales = scale_map("b_scales", shapes["b_scales"][0] * shapes["b_scales"][1])
     if ring.tiled_weights:   # rows of one box's width over every expert's boxes (E2M1H200TiledOrder)
         check_layout(ring.b_layout, get_format(ring.b_format), "b", b)
-        box_rows = (hs.TILED_BOX_BYTES, math.prod(b) // hs.TILED_BOX_BYTES)
-        weights = TensorMapArgs("b", addresses["b"], box_rows, (hs.TILED_BOX_BYTES,),
-                                (w_bytes, min(w_rows, hs.TILED_BOX_ROWS)), hs.TMA_SWIZZLE[w_bytes])
+        box_rows = (hr.TILED_BOX_BYTES, math.prod(b) // hr.TILED_BOX_BYTES)
+        weights = TensorMapArgs("b", addresses["b"], box_rows, (hr.TILED_BOX_BYTES,),
+                                (w_bytes, min(w_rows, hr.TILED_BOX_ROWS)), hr.TMA_SWIZZLE[w_bytes])
         if ring.fused_weight_scales:   # the same rows: each box's atoms follow it (E2M1H200FusedOrder)
-            weight_scales = TensorMapArgs("b_scales", addresses["b"], box_rows, (hs.TILED_BOX_BYTES,),
+            weight_scales = TensorMapArgs("b_scales", addresses["b"], box_rows, (hr.TILED_BOX_BYTES,),
                                           ring.scale_box[:2], "none")
     else:
         weights = TensorMapArgs("b", addresses["b"], (b[2], b[1], b[0]), (b[2], b[1] * b[2]),
-                                (w_bytes, w_rows, w_experts), hs.TMA_SWIZZLE[w_bytes])
+                                (w_bytes, w_rows, w_experts), hr.TMA_SWIZZLE[w_bytes])
     return [
-        TensorMapArgs("a", addresses["a"], (a[1], a[0]), (a[1],), (tok_bytes, tok_rows), hs.TMA_SWIZZLE[tok_bytes]),
+        TensorMapArgs("a", addresses["a"], (a[1], a[0]), (a[1],), (tok_bytes, tok_rows), hr.TMA_SWIZZLE[tok_bytes]),
         weights,
         scale_map("a_scales", shapes["a_scales"][0]),
         weight_scales,
@@ -229,7 +231,7 @@ def zeroed_counters(tile_counters: int, stream=0):
     ``SCHEDULE_COUNTER_WORDS`` of the work-item counter; zeroed once here, on the launch's stream. Every launch
     leaves them zeroed (the last run of a tile resets its counter; the last producer zeroes the item counter), so a
     prepared launch must not run concurrently with itself."""
-    counters = cuda.device_array(tile_counters + hs.SCHEDULE_COUNTER_WORDS, np.uint32, stream=stream)
+    counters = cuda.device_array(tile_counters + hr.SCHEDULE_COUNTER_WORDS, np.uint32, stream=stream)
     device_memset(counters, 0, counters.nbytes, stream=stream)
     return counters
 
@@ -241,7 +243,7 @@ def zeroed_counters(tile_counters: int, stream=0):
 def compiled_kernel(spec) -> launch.CompiledKernel:
     """The JIT-compiled kernel of a build for the current GPU (cached per spec)."""
     family, name = (hw, "h200_wgmma") if isinstance(spec, hw.WgmmaSpec) else (hs, "h200_stream")
-    return launch.compile_kernel(family.make_kernel_function(spec), hs.kernel_signature(), threads=spec.threads,
+    return launch.compile_kernel(family.make_kernel_function(spec), hr.kernel_signature(), threads=spec.threads,
                                  min_blocks=spec.min_ctas_per_sm, dynamic_smem_bytes=spec.smem.dynamic_bytes,
                                  cluster_size=spec.cta_group, name=f"grouped_matmul_{name}[{spec}]")
 
@@ -291,12 +293,8 @@ def prepare(problem_device: launch.DeviceProblem, plan, out=None, *, stream=0) -
     images = [m.encode() for m in tensor_map_args(ring_of(spec), {k: tuple(v.shape) for k, v in arrays.items()},
                                                   {k: launch.device_address(v) for k, v in arrays.items()})]
     trace_buffer = None
-    if isinstance(spec, hs.StreamSpec) and spec.trace:   # its address rides in the slot after the maps
-        trace_buffer = cuda.device_array((plan.num_ctas, len(hs.TRACE_EVENTS), hs.TRACE_RECORD_WORDS), np.uint64,
-                                         stream=stream)
-        device_memset(trace_buffer, 0, trace_buffer.nbytes, stream=stream)   # events never reached read 0
-        slot = np.zeros(cp.TENSOR_MAP_BYTES, np.uint8)
-        slot[:8] = np.array([launch.device_address(trace_buffer)], np.uint64).view(np.uint8)
+    if isinstance(spec, hr.StreamSpec) and spec.trace:   # the diagnostic build: its stamps' buffer
+        trace_buffer, slot = ht.trace_buffer(plan.num_ctas, stream)
         images.append(slot)
     maps = launch.device_tensor_maps(images, stream=stream)
     k_slices = problem_device.k // spec.k_slice

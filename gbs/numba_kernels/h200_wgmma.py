@@ -1,5 +1,5 @@
 """The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA), for large
-prefill (tokens on wgmma M) and, swapped, for FP4 small prefill (weights on wgmma M).
+prefill (tokens on wgmma M) and, swapped, for small prefill (weights on wgmma M).
 
 Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 for prefill: ``prefers``),
 ``gbs.grouped_matmul(problem, backend="h200_wgmma")``, or directly::
@@ -9,23 +9,23 @@ Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 f
     prepared()                       # enqueue; prepared.out holds C (bf16 bits)
 
 The streaming kernel (``h200_stream``) feeds ``mma.sync`` from registers that every consumer warp
-decodes itself: right for decode, where the weight bytes bound the time, but prefill reaches only
-~157 TFLOP/s that way (NVFP4, 4096 x 7168, 8 x 1024 tokens). Hopper has no FP4 MMA and no block-scale
-hardware, so here the operands are decoded to bf16 (exactly, scale applied: ``h200_stream``'s rule)
-and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
+decodes itself: right for decode, where the weight bytes bound the time, but far from the tensor cores'
+rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the operands are decoded to bf16
+(exactly, scale applied: ``h200_decode``) and the tensor cores get warpgroup MMAs. Design:
+``docs/design/h200_port.md``. Per CTA (one per SM, 384 threads):
 
-* The ring is ``h200_stream``'s (``make_ring``: same tile walk, work records and dynamic items, TMA maps,
-  128x4 scale atoms, producer warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma M) by
-  ``mma_bn`` weight rows (wgmma N, 128 or 256). The consumers take each tile from the producer's record
-  in the stage of its first K slice. ``setmaxnreg`` leaves the producer 40 registers and gives the
-  consumers 232.
+* The ring is ``h200_ring``'s (``make_ring``: the streaming kernel's tile walk, work records and dynamic items,
+  TMA maps, 128x4 scale atoms, producer warpgroup), for a not-swapped ``128 x mma_bn`` tile: 128 tokens (wgmma
+  M) by ``mma_bn`` weight rows (wgmma N, 128 or 256). The consumers take each tile from the producer's record
+  in the stage of its first K slice. ``setmaxnreg`` leaves the producer 40 registers and gives the consumers
+  232.
 * Two consumer warpgroups, 64 tokens each. Per sub-step (``WgmmaSpec.sub_k``: 64 elements of K, or
   128 = half a raw K slice when both operands are FP4 and ``mma_bn`` is 128):
   - the 256 threads decode the tile's weight rows from the raw stage, scaled, into the wgmma B
     operand (canonical K-major, 128B swizzle, ``b_buffer_offset``) in one of ``BF16_BUFFERS`` shared
     buffers; a warp's 32 lanes cover 8 rows x 4 group steps, so its raw loads hit distinct banks
-    (16 rows x 2 steps with 64-element sub-steps: at most 2 words per bank; ncu on a first version,
-    where a warp read 32 rows at one column: 3.9-way conflicts);
+    (16 rows x 2 steps with 64-element sub-steps: at most 2 words per bank; by ncu, a first version
+    where a warp read 32 rows at one column had 3.9-way conflicts: evidence: wgmma-ncu-run17);
   - each thread decodes its token rows straight into wgmma A fragments (registers; two sets that
     alternate, since an in-flight wgmma still reads the previous set);
   - ``wait_group 1`` (the MMAs of two sub-steps ago are done), a named barrier of the 256 threads
@@ -34,29 +34,26 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
     a buffer is rewritten only after every thread passed a wait that covers its MMAs.
 * Epilogue: ``wait_group 0``, ``C = bf16(acc * 2**epilogue_log2 * expert_scales[e])``, paired 4-byte
   stores where both columns are in range (rows of skipped slots are never written).
-* ``WgmmaConfig.tile_tokens`` = 256 (``mma_bn`` 128): the ring's M side holds 256 token rows (two scale
-  bands, ``h200_stream.StreamSpec.m_rows``) and each warpgroup runs two m64 tiles (rows ``r`` and ``r + 128``)
-  on the same B buffer, so the weights are decoded once for twice the tokens (run 59's diagnostic: the
-  weight decode is ~26 % of NVFP4 large prefill); 64-kappa sub-steps keep the A fragments of both tiles
-  in registers, and the consumers take 240 registers (the producer 24). Offline (ptxas 13.5, NVFP4
+* ``WgmmaSpec.tile_tokens`` = 256 (``mma_bn`` 128): the ring's M side holds 256 token rows (two scale
+  bands, ``h200_ring.StreamSpec.m_rows``) and each warpgroup runs two m64 tiles (rows ``r`` and ``r + 128``)
+  on the same B buffer, so the weights are decoded once for twice the tokens (the weight decode is about a
+  quarter of NVFP4 large prefill's time: evidence: wgmma-decode-split); 64-kappa sub-steps keep the A fragments of
+  both tiles in registers, and the consumers take 240 registers (the producer 24). Offline (ptxas 13.5, NVFP4
   re-laid): 660 K-loop instructions per 128 kappa x 256 tokens against 931 per 256 kappa x 128 tokens, no
   local accesses in the loop (the loop re-reads the lane rather than hold lane-derived columns and
-  selectors, which ptxas spilled). Measured on the H200 (runs 64 and 69): NVFP4 large prefill 1011 -> 918
-  us, MXFP4 993 -> 876; ``wgmma_plan`` picks it where it pays (``wgmma_tile_tokens``).
-* FP4 tokens in ``gbs.formats.E2M1H200Order`` (``a_layout``, as their quantizer would write them): two
+  selectors, which ptxas spilled). Faster where the second tiles are full (evidence: two-m-tiles); the plan
+  weighs it against the groups' padding (``wgmma_tile_tokens``; evidence: ragged-tile-count).
+* FP4 tokens in ``gbs.layouts.E2M1H200Order`` (``a_layout``, as their quantizer would write them): two
   thirds of the elements a 256-token K loop decodes are tokens, and that order decodes in 9 instead of 13
-  integer instructions per word (NVFP4: 660 -> 596 per 128 kappa). Measured (run 72, two rounds each):
-  NVFP4 large prefill 896 -> 860 us, MXFP4 862 -> 836, NVFP4 down-projection 512 -> 496: 3-4 %, not the 10 %
-  of the instructions (the loop is latency-bound); 128-token tiles unchanged (ragged case 1272 / 1285).
+  integer instructions per word (NVFP4: 660 -> 596 per 128 kappa); a few percent faster, not the 10 % of
+  the instructions (the loop is latency-bound; evidence: token-order).
 * Each wgmma's B descriptor is buffer 0's advanced by a 32-bit add (``hopper.wgmma_descriptor_advance``),
   not rebuilt (4 uniform instructions): NVFP4 256-token K loop 596 -> 575 instructions per 128 kappa, MXFP4
-  549 -> 530, NVFP4 128-token 931 -> 882, MXFP8 / W4A8 bn256 807 / 813 -> 773 / 781 (offline). Measured (run
-  80, two rounds, both operands re-laid): NVFP4 large prefill 857.4 -> 855.5 us, MXFP4 836.4 -> 828.3, NVFP4
-  down 498.1 -> 495.9, ragged 1234.0 -> 1218.2, MXFP8 1040.0 -> 1026.0, W4A8 1031.2 -> 1003.0. The sub-step
-  arithmetic is 32-bit (an int64 loop counter made the rotation run's floor division ~14 uniform instructions):
-  575 -> 539 (MXFP4 530 -> 486); run 81: NVFP4 857.3 -> 847.8 us, MXFP4 826.8 -> 822.7, ragged 1226.3 -> 1215.3.
+  549 -> 530, NVFP4 128-token 931 -> 882, MXFP8 / W4A8 bn256 807 / 813 -> 773 / 781 (offline;
+  evidence: desc-advance). The sub-step arithmetic is 32-bit (an int64 loop counter made the rotation run's floor
+  division ~14 uniform instructions): 575 -> 539 (MXFP4 530 -> 486; evidence: u32-steps).
 
-* Swapped tiles (``WgmmaConfig(32 or 64, ab_swapped=True)``, FP4 small prefill): the ring is the streaming
+* Swapped tiles (``WgmmaSpec.ab_swapped``: 32 or 64 tokens, small prefill): the ring is the streaming
   kernel's swapped one (``StreamSpec.warpgroup_consumers``: a producer warpgroup and two consumer warpgroups even
   at 32 columns), so its M side is 128 weight rows and its N side ``mma_bn`` tokens. The same consumer then
   decodes each warpgroup's 64 weight rows into A fragments (the weights are decoded once per tile, as the
@@ -64,81 +61,59 @@ and the tensor cores get warpgroup MMAs. Per CTA (one per SM, 384 threads):
   step) pairs than the 256 consumer threads, each takes 2 (or 1) of the 4 quarters of one (``b_quarters``) and
   writes 8 (or 4) bytes of each 16-byte chunk. The epilogue stores the transposed accumulator
   (``swapped_accumulator_position``). One ``wgmma m64n32k16`` per 64 x 16 weights replaces the streaming
-  kernel's 4 x 4 ``mma.sync`` and their B-fragment loads. Measured (runs 107-109, 32 experts, 4096 x 7168,
-  fused weights): 32 tokens per expert NVFP4 291.7 -> 250.2 us, MXFP4 301.7 -> 236.0; 48-64 tokens (bn64) 456 ->
-  301 / 455 -> 290. ``wgmma_plan`` picks them for FP4 x FP4 (``SWAPPED_ROW_COST``); FP8 tokens stay on the
-  streaming kernel (W4A8 266.8 against 381.4).
-* Split-K runs of swapped tiles (``prepare(..., k_splits=None)``, the default: ``swapped_k_splits``; its own
-  ``WgmmaSpec.split_k`` build): where the swapped tiles are fewer than a wave (Kimi's N 512 x 8 experts x 32
-  tokens: 32 tiles on 132 SMs), the ring's producers hand out runs of a tile's K slices (the streaming kernel's
-  split-K walk), and the epilogue is the streaming kernel's split-K protocol: each run adds its scaled partial to a
-  zeroed fp32 workspace (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back
-  with plain L2 loads before it stores the bf16 outputs and zeroes the words. Measured (runs 119-121): Kimi's 32
-  tiles 36.6 -> 22.0 us in 4 runs (the streaming kernel's split-K: 23.9), 8 tiles 14.6 (19.9), 64 tiles 38.6 ->
-  29.7 (33.7); so ``prefers`` takes the swapped tiles from 17 FP4 tokens per expert at any tile count.
+  kernel's 4 x 4 ``mma.sync`` and their B-fragment loads: faster for FP4 x FP4 from 17 tokens per expert
+  (evidence: swapped-tiles); FP8 tokens take them only where their tiles are few enough to split
+  (evidence: fp8-swapped-tiles).
+* Split-K runs of swapped tiles (``WgmmaSpec.split_k``, its own build): where the swapped tiles are fewer than
+  a wave, the ring's producers hand out runs of a tile's K slices (the ring's split-K walk), and the epilogue is
+  the streaming kernel's split-K protocol: each run adds its scaled partial to a zeroed fp32 workspace
+  (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back with plain L2
+  loads before it stores the bf16 outputs and zeroes the words (evidence: swapped-split-k).
 
-Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``, run 79): while ``wgmma``
+Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
 decode's own time plus 54-82 % of the MMA time, whatever the arrangement (A in registers or shared memory,
 warpgroups in lock step or ping-pong, the decode between the k16 steps), at the kernel's ratio of decode to MMA
-time. Only less decode time helps.
+time (evidence: decode-overlap-probe). Only less decode time helps.
 
-The K permutation: the A fragments come from ``h200_stream``'s M-side decode (each quad lane a
+The K permutation: the A fragments come from ``h200_decode``'s reader of the M side (each quad lane a
 contiguous quarter of the K slice, 8-element groups visited in rotated order), so wgmma's k index
 ``kappa`` is a permutation of the real k; ``b_operand_k`` gives it, the weight decode writes every
 element at its ``kappa``, and the host tests check the two agree element by element.
 
-Where the time goes (ncu, run 17; bench run 30: NVFP4 460 TFLOP/s = 0.60x torch bf16, 475 with the weights
-in ``gbs.formats.E2M1H200Order``, which the shared weight reader decodes with fewer instructions): issue slots 44 %
-busy with 2.25 warps per scheduler (one CTA per SM: shared memory and registers), 0.67 eligible; the
-decode is ~500 instructions per thread and 128-kappa sub-step against ~1500 cycles of MMA, and with two
-warps per scheduler its latency is not hidden. A variant with a dedicated weight-decode warpgroup
-(512 threads; run 22) was no faster (NVFP4 452, MXFP4 -7 %, MXFP8 -13 %: one decoder warp per
-scheduler is latency-bound the same way, and m64n256 cannot compile under a 128-register launch bound).
+Where the time goes (ncu): issue slots 44 % busy with 2.25 warps per scheduler (one CTA per SM: shared
+memory and registers), 0.67 eligible; the decode is ~500 instructions per thread and 128-kappa sub-step
+against ~1500 cycles of MMA, and with two warps per scheduler its latency is not hidden
+(evidence: wgmma-ncu-run17). A variant with a dedicated weight-decode warpgroup (512 threads) was no faster (slower for
+MXFP4 and MXFP8: one decoder warp per scheduler is latency-bound the same way, and m64n256 cannot compile under
+a 128-register launch bound; evidence: decoder-warpgroup).
+MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and promoting each 32-element
+block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
-The other route, ``WgmmaConfig(128, mma_operands="e4m3")`` (MXFP8 only; ``_make_e4m3_consumer``):
-no decode at all, the ring's E4M3 bytes go straight to ``wgmma m64n128k32 .e4m3.e4m3``, one wgmma per
-32-element block into a partial accumulator, and the two UE8M0 scales are applied to each partial
-product in fp32 (``hopper.wgmma_scale_accumulate``: one FMUL + one FFMA per accumulator and block). Correct,
-but slower on the H200 (runs 39-40: 4096 x 7168, 8 x 1024 tokens, 335 TFLOP/s vs 428 for the bf16 route at
-``mma_bn`` 256; 7168 x 2048: 302 vs 332), so ``wgmma_plan`` does not pick it. The arithmetic: 2 FP32
-instructions per accumulator and block are ``M N K / 512`` warp instructions, and an SM issues 4 per clock,
-so even at 100 % issue with nothing else this route tops out at 4096 FLOP per clock and SM = ~950 TFLOP/s on
-132 SMs at 1.75 GHz: below torch's FP8 row-wise grouped GEMM (~1000, one scale per row, no per-block work).
-With two consumer warps per scheduler (the 192 accumulator and partial registers per thread allow no more)
-it reaches ~55 % issue.
-
-Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256
-(``mma_operands="e4m3"``: 128, MXFP8 E4M3 x E4M3), or with ``ab_swapped`` 32 or 64 (bf16 operands, 128-row
-tiles); K a multiple of the K slice (256 elements
-when both operands are FP4, else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA)
-and a 4-byte aligned output (paired bf16 stores); the ring plus the bf16 buffers (or the scale tables)
-within the H200's 227 KiB per block.
+Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256, or with
+``ab_swapped`` 32 or 64 (128-row tiles); K a multiple of the K slice (256 elements when both operands are
+FP4, else 128); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
+(paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32
-from numba.cuda.cudadrv.driver import device_memset
 
-from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, require_int
-from gbs.numba_kernels import h200_stream as hs
-from gbs.numba_kernels import launch
-from gbs.numba_kernels.h200_stream import CONSUMER_WAIT
+from gbs.dispatch import require_int
+from gbs.formats import SF_ATOM_ROWS
+from gbs.layouts import LAYOUT_PACKED
+from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_ring as hr
+from gbs.numba_kernels.h200_ring import CONSUMER_WAIT
 from gbs.numba_kernels.simt import scale_byte_offset
-from gbs.problem import GroupedProblem, layout_of, problem_format_name
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
-from gbs.ptx_inline.shared import ld_shared_f32, ld_shared_u32, st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
-from gbs.formats import BF16, SF_ATOM_ROWS, get_format
-from gbs.layouts import LAYOUT_PACKED
-from gbs.reference import poison_output
+from gbs.ptx_inline.shared import st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
 
 # ----------------------------------------------------------------------------------------------
 # Constants
@@ -152,19 +127,19 @@ SWAPPED_MMA_BN = (32, 64)
 CONSUMER_WARPGROUPS = 2
 CONSUMER_THREADS = CONSUMER_WARPGROUPS * hp.WGMMA_THREADS
 TOKENS_PER_WARPGROUP = hp.WGMMA_M   # 64: the tile's 128 tokens
-WARPGROUP_WARPS = hs.WARPGROUP_WARPS
+WARPGROUP_WARPS = hr.WARPGROUP_WARPS
 ROWS_PER_WARP = TOKENS_PER_WARPGROUP // WARPGROUP_WARPS   # 16 token rows of a warpgroup's 64 per warp
 WGMMA_K = 16
 SW128_KAPPA = 64              # kappa per 128-byte bf16 row of one 128B-swizzle column block
 BF16_ROW_BYTES = 2 * SW128_KAPPA
 A_FRAGMENT_SETS = 2           # consecutive sub-steps alternate two register sets of A fragments
-ROTATION_RUN_LOG2 = 2         # log2(h200_stream.ROTATION_RUN)
-if 1 << ROTATION_RUN_LOG2 != hs.ROTATION_RUN:
-    raise AssertionError("ROTATION_RUN_LOG2 must be log2(h200_stream.ROTATION_RUN)")
+ROTATION_RUN_LOG2 = 2         # log2(h200_decode.ROTATION_RUN)
+if 1 << ROTATION_RUN_LOG2 != hd.ROTATION_RUN:
+    raise AssertionError("ROTATION_RUN_LOG2 must be log2(h200_decode.ROTATION_RUN)")
 WIDE_SUB_K = 64               # mma_bn 256: 64-kappa sub-steps (three 128-kappa buffers of 256 rows do not fit)
-# Tokens per tile (``WgmmaConfig.tile_tokens``): 128 (each consumer warpgroup one m64 tile), or 256 (two m64
-# tiles per warpgroup on the same bf16 B buffer: the weight decode, ~26 % of the NVFP4 large-prefill time by
-# H200 run 59's diagnostic, is done once for twice the tokens). 256 takes mma_bn 128 (2 x 64 accumulators
+# Tokens per tile (``WgmmaSpec.tile_tokens``): 128 (each consumer warpgroup one m64 tile), or 256 (two m64
+# tiles per warpgroup on the same bf16 B buffer: the weight decode, about a quarter of NVFP4 large prefill's
+# time (evidence: wgmma-decode-split), is done once for twice the tokens). 256 takes mma_bn 128 (2 x 64 accumulators
 # per thread, as mma_bn 256 has 128) and 64-kappa sub-steps (the A fragments of two m64 tiles: 2 sets x 2
 # tiles x 4 k16 steps x 4 registers).
 TILE_TOKENS = (2 * TOKENS_PER_WARPGROUP, 4 * TOKENS_PER_WARPGROUP)
@@ -172,14 +147,14 @@ TWO_M_TILES_MMA_BN = (128,)
 # Registers per thread after setmaxnreg: the producer warpgroup only walks tiles and issues TMA (it
 # spills a little below ~64 registers, outside any hot loop) and the consumers need every register
 # they can get (accumulators + two A fragment sets + decode temporaries); 4 x 32 x 40 + 8 x 32 x 232
-# = 64512 = 384 x 168, the launch allocation (see h200_stream's constants).
+# = 64512 = 384 x 168, the launch allocation (see h200_stream's setmaxnreg constants).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 # 256-token tiles (2 x 64 accumulators, two tiles' A fragments) move 16 more per consumer thread from the
 # producer (4 x 32 x 24 + 8 x 32 x 240 = 64512): offline (ptxas 13.5, NVFP4 re-laid, before the K loop
 # re-read the lane) the consumers' K loop had 17 local accesses instead of 34 at 232 (647 instructions instead
-# of 689), the producer's TMA loop 75 instead of 10 (one thread, ~4.6 us per stage at 8 x 1024 tokens: the
-# ring hides it; the 256-token times of runs 64 and 69 include it).
+# of 689), the producer's TMA loop 75 instead of 10 (one thread, a few microseconds per stage at 8 x 1024
+# tokens: the ring hides it; the measured 256-token times include it, evidence: two-m-tiles).
 PRODUCER_REGISTERS_TWO_M_TILES = 24
 CONSUMER_REGISTERS_TWO_M_TILES = 240
 # Three B buffers: the MMAs of sub-step u read buffer u % 3 while the threads write u + 1's. At sub-step
@@ -191,37 +166,19 @@ SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte off
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
 OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
-# What the tensor cores multiply (``WgmmaConfig.mma_operands``): "bf16" decodes both operands, scaled,
-# to bf16 (every format pair); "e4m3" feeds MXFP8's E4M3 bytes from the TMA ring straight to
-# ``wgmma ... k32 .e4m3.e4m3`` and applies the two UE8M0 block scales to each k32 partial product in
-# fp32 (one 32-element block per wgmma: ``kernels.md``'s "FP8 wgmma k32 per block" route): no decode,
-# but per accumulator and block one FMUL (row x column scale) and one FFMA. Measured slower (runs 39-40,
-# 2026-11-30, MXFP8, TFLOP/s, bf16 route bn256 / e4m3 route: 4096 x 7168 8 x 1024 tokens 428.5 / 335.1,
-# 7168 x 2048 331.9 / 302.3, 4096 x 7168 32 x 256 424.7 / 331.0, 32 x 64 206.7 / 166.3; the first e4m3
-# version, one partial set and one barrier of both warpgroups per stage, 315.8): an ablation, not the plan.
-MMA_OPERANDS = ("bf16", "e4m3")
-E4M3_MMA_BN = (128,)          # 64 accumulators + 64 partial products per thread (256 wide: 256 registers)
-E4M3_WGMMA_K = 32             # K elements of one wgmma k32 step: one MX scale block
-E4M3_BLOCK = 32
-SCALE_TABLE_WORD = 4
-E4M3_BLOCKS_PER_SLICE = 4     # the consumer's block sequence is written out for 4 blocks (128-element K slices)
-WARPGROUP_BARRIER_BASE = 2    # named barriers 2, 3: one per consumer warpgroup (1 is h200_stream's CONSUMER_BARRIER)
-UE8M0_F32_SHIFT = 23          # a UE8M0 byte b as the fp32 exponent field: 2**(b - 127)
-UE8M0_ZERO_F32 = 0x00400000   # byte 0x00: 2**-127, an fp32 subnormal
-UE8M0_NAN_F32 = 0x7FC00000    # byte 0xFF: NaN
-
-
 @dataclass(frozen=True)
-class WgmmaConfig:
-    """The knobs this kernel takes: the tile's weight rows (wgmma N), the ring depth (``AUTO_STAGES``
-    = the deepest that fits) and what the tensor cores multiply (``MMA_OPERANDS``: "e4m3" only for
-    E4M3 x E4M3 with UE8M0 blocks of 32, i.e. MXFP8, and ``mma_bn`` in ``E4M3_MMA_BN``)."""
+class WgmmaSpec:
+    """Everything the kernel is specialised on (hashable: compiled kernels are cached per spec)."""
 
-    mma_bn: int = 256
-    num_pipeline_stages: int = AUTO_STAGES
-    mma_operands: str = "bf16"
+    a_format: str
+    b_format: str
+    mma_bn: int
+    stages: int
+    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.layouts.OPERAND_LAYOUTS``)
+    a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
     tile_tokens: int = TILE_TOKENS[0]
-    ab_swapped: bool = False   # weights on wgmma M, ``mma_bn`` tokens on N (``SWAPPED_MMA_BN``)
+    ab_swapped: bool = False
+    split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
@@ -231,80 +188,26 @@ class WgmmaConfig:
         object.__setattr__(self, "ab_swapped", bool(self.ab_swapped))
         if tokens not in TILE_TOKENS:
             raise ValueError(f"the wgmma kernel takes tile_tokens in {TILE_TOKENS}, got {tokens}")
-        if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.mma_operands != "bf16"
-                                         or self.ab_swapped):
-            raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN}, mma_operands 'bf16' and "
-                             f"ab_swapped False (two m64 token tiles per warpgroup), got mma_bn={bn}, "
-                             f"{self.mma_operands!r}, ab_swapped={self.ab_swapped}")
-        object.__setattr__(self, "tile_tokens", int(tokens))
+        if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.ab_swapped):
+            raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN} and ab_swapped False (two "
+                             f"m64 token tiles per warpgroup), got mma_bn={bn}, ab_swapped={self.ab_swapped}")
         legal_bn = SWAPPED_MMA_BN if self.ab_swapped else WGMMA_MMA_BN
         if bn not in legal_bn:
             raise ValueError(f"the wgmma kernel takes mma_bn in {legal_bn} with ab_swapped={self.ab_swapped}, got {bn}")
-        if self.ab_swapped and self.mma_operands != "bf16":
-            raise ValueError(f"ab_swapped=True decodes both operands to bf16: mma_operands 'bf16', "
-                             f"got {self.mma_operands!r}")
-        if self.mma_operands not in MMA_OPERANDS:
-            raise ValueError(f"mma_operands must be one of {MMA_OPERANDS}, got {self.mma_operands!r}")
-        if self.mma_operands == "e4m3" and bn not in E4M3_MMA_BN:
-            raise ValueError(f"mma_operands='e4m3' takes mma_bn in {E4M3_MMA_BN} (accumulators and partial "
-                             f"products in registers), got {bn}")
-        stages = self.num_pipeline_stages
-        if isinstance(stages, (bool, np.bool_)) or not isinstance(stages, (int, np.integer)):
-            raise TypeError(f"num_pipeline_stages must be an int, got {stages!r}")
-        if stages < 1 and stages != AUTO_STAGES:
-            raise ValueError(f"num_pipeline_stages must be >= 1 or {AUTO_STAGES} (auto), got {stages}")
+        if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)):
+            raise TypeError(f"stages must be an int, got {self.stages!r}")
         object.__setattr__(self, "mma_bn", int(bn))
-        object.__setattr__(self, "num_pipeline_stages", int(stages))
-
-    @classmethod
-    def of(cls, config) -> "WgmmaConfig":
-        """From a ``WgmmaConfig``, or any config with ``mma_bn`` (``KernelConfig``, ``StreamConfig``,
-        ``TileConfig``) that has ``cta_group`` 1; its orientation and stage count if it has them."""
-        if isinstance(config, cls):
-            return config
-        cta_group = getattr(config, "cta_group", 1)
-        if cta_group != 1:
-            raise ValueError(f"the wgmma kernel runs cta_group=1 only (one CTA per tile), got {cta_group!r}")
-        if not hasattr(config, "mma_bn"):
-            raise TypeError(f"config must have mma_bn, got {type(config).__name__}")
-        return cls(config.mma_bn, getattr(config, "num_pipeline_stages", AUTO_STAGES),
-                   getattr(config, "mma_operands", "bf16"), getattr(config, "tile_tokens", TILE_TOKENS[0]),
-                   getattr(config, "ab_swapped", False))
-
-
-@dataclass(frozen=True)
-class WgmmaSpec:
-    """Everything the kernel is specialised on (hashable: compiled kernels are cached per spec)."""
-
-    a_format: str
-    b_format: str
-    mma_bn: int
-    stages: int
-    b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.formats.OPERAND_LAYOUTS``)
-    mma_operands: str = "bf16"
-    a_layout: str = LAYOUT_PACKED   # the tokens' byte layout
-    tile_tokens: int = TILE_TOKENS[0]
-    ab_swapped: bool = False
-    split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
-
-    def __post_init__(self):
-        WgmmaConfig(self.mma_bn, self.stages, self.mma_operands, self.tile_tokens, self.ab_swapped)
+        object.__setattr__(self, "tile_tokens", int(tokens))
         if self.split_k and not self.ab_swapped:
             raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
                              "ab_swapped must be True")
-        ring = self.ring   # format pair, layout and stage checks
-        if self.mma_operands == "e4m3":
-            for side in (ring.token_side, ring.weight_side):
-                fmt = side.fmt
-                if (fmt.element, fmt.scale_dtype, fmt.block_size) != ("e4m3", "ue8m0", E4M3_BLOCK):
-                    raise ValueError(f"mma_operands='e4m3' needs E4M3 elements with UE8M0 scales per "
-                                     f"{E4M3_BLOCK} (MXFP8) on both sides; the {side.role} are {side.format}")
+        self.ring   # format pair, layout and stage checks
 
     @property
-    def ring(self) -> hs.StreamSpec:
-        """The TMA ring's spec: ``h200_stream``'s tile in this orientation with a producer warpgroup and 8
+    def ring(self) -> hr.StreamSpec:
+        """The TMA ring's spec: the streaming kernel's tile in this orientation with a producer warpgroup and 8
         consumer warps (its readers also decode for this kernel, in the operands' layouts)."""
-        return hs.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
+        return hr.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
                              warpgroup_consumers=True, split_k=self.split_k)
 
@@ -367,12 +270,12 @@ class WgmmaSpec:
         buffer has fewer (row, group step) pairs than there are consumer threads (the swapped 32- and 64-token
         tiles): the consumer warps then form ``b_quarter_parts`` groups, each taking its share of the quarters
         and writing its 8 or 4 bytes of every 16-byte chunk."""
-        return min(hs.QUAD, self.groups_per_sub * self.mma_bn * hs.QUAD // CONSUMER_THREADS)
+        return min(hd.QUAD, self.groups_per_sub * self.mma_bn * hd.QUAD // CONSUMER_THREADS)
 
     @property
     def b_quarter_parts(self) -> int:
         """Groups of consumer warps that split each B row's quarters (1, 2 or 4)."""
-        return hs.QUAD // self.b_quarters
+        return hd.QUAD // self.b_quarters
 
     @property
     def warps_per_b_part(self) -> int:
@@ -383,7 +286,7 @@ class WgmmaSpec:
         """Lanes of a warp that share a group step: 8 rows x 4 steps (or 16 x 2) per weight load,
         so the 32 lanes read distinct banks (rows 8 apart share the swizzle, steps differ in the
         word their rotation picks)."""
-        return hs.WARP_SIZE // self.groups_per_sub
+        return hr.WARP_SIZE // self.groups_per_sub
 
     @property
     def buffer_bytes(self) -> int:
@@ -395,50 +298,9 @@ class WgmmaSpec:
         return -(-self.ring.smem.dynamic_bytes // SW128_ATOM_BYTES) * SW128_ATOM_BYTES
 
     @property
-    def scale_blocks(self) -> int:
-        """E4M3 operands: scale blocks (= wgmma k32 steps) per K slice."""
-        return self.k_slice // E4M3_BLOCK
-
-    @property
-    def warpgroup_table_bytes(self) -> int:
-        """E4M3 operands: one warpgroup's fp32 scale tables of one ring stage: its 64 token rows, then the
-        tile's ``mma_bn`` weight rows, each ``[block][row]`` (``scale_table_offset``)."""
-        return self.scale_blocks * (TOKENS_PER_WARPGROUP + self.mma_bn) * SCALE_TABLE_WORD
-
-    @property
-    def scale_table_bytes(self) -> int:
-        """E4M3 operands: one ring stage's scale tables (each warpgroup has its own: the warpgroups meet
-        at their own barrier and run out of step, one's wgmma during the other's scaling)."""
-        return CONSUMER_WARPGROUPS * self.warpgroup_table_bytes
-
-    @property
     def smem(self) -> "WgmmaSmem":
-        if self.mma_operands == "e4m3":   # the ring, then one pair of scale tables per ring stage
-            return WgmmaSmem(self.buffers_offset + self.stages * self.scale_table_bytes,
-                             self.ring.smem.static_bytes)
+        """The ring, then ``BF16_BUFFERS`` bf16 B buffers."""
         return WgmmaSmem(self.buffers_offset + BF16_BUFFERS * self.buffer_bytes, self.ring.smem.static_bytes)
-
-
-def scale_table_offset(spec: WgmmaSpec, warpgroup: int, weights: int, block: int, row: int) -> int:
-    """E4M3 operands: byte offset, inside one stage's scale tables, of ``warpgroup``'s fp32 copy of the scale
-    of ``block`` (0 .. ``scale_blocks`` - 1) of its token row ``row`` (``weights`` 0; 0 .. 63) or of the
-    tile's weight row ``row`` (``weights`` 1)."""
-    if weights:
-        offset = spec.scale_blocks * TOKENS_PER_WARPGROUP + block * spec.mma_bn + row
-    else:
-        offset = block * TOKENS_PER_WARPGROUP + row
-    return warpgroup * spec.warpgroup_table_bytes + offset * SCALE_TABLE_WORD
-
-
-def ue8m0_f32_bits(scale_byte):
-    """fp32 bits of the UE8M0 scale ``2**(byte - 127)``: exact for every byte (0x00 is the subnormal
-    2**-127), NaN for 0xFF. Host and device (``_device``)."""
-    byte = np.uint32(scale_byte)
-    if byte == np.uint32(0):
-        return np.uint32(UE8M0_ZERO_F32)
-    if byte == np.uint32(0xFF):
-        return np.uint32(UE8M0_NAN_F32)
-    return np.uint32(byte << np.uint32(UE8M0_F32_SHIFT))
 
 
 @dataclass(frozen=True)
@@ -458,7 +320,7 @@ def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
     """Real k (inside the K slice) that wgmma's k index ``kappa`` (0 .. sub_k - 1) of sub-step
     ``sub`` (0 .. subs_per_slice - 1) carries.
 
-    A fragments (``h200_stream``'s decode): quad lane ``q`` holds, for its rotated group ``gl`` at
+    A fragments (``h200_decode``'s reader): quad lane ``q`` holds, for its rotated group ``gl`` at
     step ``gi = groups_per_sub * sub + p``, register ``j`` = elements (j, j + 4) (FP4 pairing; FP8 x
     FP8 pairs (0,2),(1,3),(4,6),(5,7)) of its quarter, and feeds them to k16 step ``kb = 2 p + j // 2``
     at ``kappa = 16 kb + 2 q + 8 (j % 2)`` (+1 for the high half)."""
@@ -469,10 +331,10 @@ def b_operand_k(spec: WgmmaSpec, sub: int, kappa: int) -> int:
     p, j_half = divmod(kb, 2)
     j = 2 * j_half + h
     gi = spec.groups_per_sub * sub + p
-    gl = int(hs.rotated_group(gi, q))
-    element = hs.pair_elements(j, ring.pairing)[hi]
-    quarter = spec.k_slice // hs.QUAD
-    return q * quarter + gl * hs.GROUP_ELEMENTS + element
+    gl = int(hd.rotated_group(gi, q))
+    element = hd.pair_elements(j, ring.pairing)[hi]
+    quarter = spec.k_slice // hd.QUAD
+    return q * quarter + gl * hd.GROUP_ELEMENTS + element
 
 
 def b_buffer_offset(mma_bn: int, row: int, kb: int, h: int) -> int:
@@ -489,7 +351,7 @@ def sub_step_groups(groups_per_sub: int, sub_pair: int, parity: int) -> tuple[in
     of 4. A pair of sub-steps covers ``2 groups_per_sub`` groups, a whole number of runs, so the first
     step depends on the parity only (a constant once the pair is unrolled)."""
     # a shift, not a floor division: on a signed loop counter the division costs the kernel a sign fix-up
-    return (groups_per_sub * parity % hs.ROTATION_RUN,
+    return (groups_per_sub * parity % hd.ROTATION_RUN,
             (groups_per_sub * (A_FRAGMENT_SETS * sub_pair + parity)) >> ROTATION_RUN_LOG2)
 
 
@@ -503,7 +365,7 @@ def a_fragment_index(p: int, j: int, i: int) -> int:
 def b_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, int, int]:
     """(B row, group step within the sub-step, first of its ``b_quarters`` quarters) of a consumer thread's
     ``item``."""
-    warp, lane = divmod(consumer_thread, hs.WARP_SIZE)
+    warp, lane = divmod(consumer_thread, hr.WARP_SIZE)
     part, warp = divmod(warp, spec.warps_per_b_part)
     lanes = spec.lanes_per_group_step
     return lanes * (spec.b_items * warp + item) + lane % lanes, lane // lanes, part * spec.b_quarters
@@ -512,15 +374,14 @@ def b_item_row(spec: WgmmaSpec, consumer_thread: int, item: int) -> tuple[int, i
 # ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
-_device = hs._device
+_device = hd.inline_device
 
 
 def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
-    both routes share (``_kernel_frame``) around the consumer of ``spec.mma_operands``."""
-    ring = hs.make_ring(spec.ring)
-    make_consumer = _make_e4m3_consumer if spec.mma_operands == "e4m3" else _make_bf16_consumer
-    return _kernel_frame(spec, ring, make_consumer(spec, ring))
+    (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
+    ring = hr.make_ring(spec.ring)
+    return _kernel_frame(spec, ring, _make_bf16_consumer(spec, ring))
 
 
 def _kernel_frame(spec: WgmmaSpec, ring, consume):
@@ -537,9 +398,9 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
     producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS_TWO_M_TILES if two_m_tiles else PRODUCER_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS_TWO_M_TILES if two_m_tiles else CONSUMER_REGISTERS)
     barrier_words = ring_spec.smem.barrier_words
-    routing_offset_words = hs.ROUTING_SMEM_SLOTS + 1
+    routing_offset_words = hr.ROUTING_SMEM_SLOTS + 1
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
-    DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hs.DYNAMIC_SMEM_ALIGN, hs.ROUTING_SMEM_SLOTS
+    DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hr.DYNAMIC_SMEM_ALIGN, hr.ROUTING_SMEM_SLOTS
 
     def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                   out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
@@ -565,7 +426,8 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
 
 
 def _make_bf16_consumer(spec: WgmmaSpec, ring):
-    """The consumer of ``mma_operands="bf16"`` (module docstring): a device function for ``_kernel_frame``."""
+    """The consumer (module docstring): both operands decoded, scaled, to bf16; a device function for
+    ``_kernel_frame``."""
     ring_spec = spec.ring
     read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
     stages, lay = ring_spec.stages, ring_spec.smem
@@ -584,10 +446,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     consumer_threads = CONSUMER_THREADS
     num_acc = mma_bn // 2
     epilogue_scale = np.float32(2.0 ** ring_spec.epilogue_log2)
-    m_load, m_decode, m_load_scales, m_selector, m_group_scale = hs._make_side_reader(m_side, ring_spec.pairing)
-    n_load, n_decode, n_load_scales, n_selector, n_group_scale = hs._make_side_reader(n_side, ring_spec.pairing)
-    m_sel_step, n_sel_step = hs.scale_selector_run_step(m_side), hs.scale_selector_run_step(n_side)
-    m_run_bytes, n_run_bytes = hs.ROTATION_RUN * m_side.group_bytes, hs.ROTATION_RUN * n_side.group_bytes
+    m_load, m_decode, m_load_scales, m_selector, m_group_scale = hd.make_side_reader(m_side, ring_spec.pairing)
+    n_load, n_decode, n_load_scales, n_selector, n_group_scale = hd.make_side_reader(n_side, ring_spec.pairing)
+    m_sel_step, n_sel_step = hd.scale_selector_run_step(m_side), hd.scale_selector_run_step(n_side)
+    m_run_bytes, n_run_bytes = hd.ROTATION_RUN * m_side.group_bytes, hd.ROTATION_RUN * n_side.group_bytes
     m_blocks, n_blocks = m_side.blocks_per_thread, n_side.blocks_per_thread
     m_row_bytes, n_row_bytes = m_side.row_bytes, n_side.row_bytes
     m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
@@ -596,10 +458,10 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     mma = hp.wgmma_bf16_rs(mma_bn)
     zero_acc = hp.wgmma_zero_accumulators(mma_bn)
     sf_offset = _device(scale_byte_offset)
-    rotated = _device(hs.rotated_group)
-    swizzle = _device(hs.swizzle_xor)
-    word_column = _device(hs.scale_word_column)
-    column = _device(hs.group_column)
+    rotated = _device(hd.rotated_group)
+    swizzle = _device(hd.swizzle_xor)
+    word_column = _device(hd.scale_word_column)
+    column = _device(hd.group_column)
     chunk_offset = _device(b_buffer_offset)
     step_groups = _device(sub_step_groups)
     a_index = _device(a_fragment_index)
@@ -608,19 +470,19 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     store_tile = _make_store_tile(num_acc, swapped)
     split_k = spec.split_k
     add_partial, take_store = _make_split_epilogue(num_acc)
-    split_flag = 2 * stages   # the ring's shared flag word after the mbarriers (h200_stream.SPLIT_FLAG_WORDS)
+    split_flag = 2 * stages   # the ring's shared flag word after the mbarriers (h200_ring.SPLIT_FLAG_WORDS)
     # local-array sizes must be plain constants in numba
-    w_sc_words, w_dec_words = 2 * hs.QUAD * items, 4 * hs.QUAD
+    w_sc_words, w_dec_words = 2 * hd.QUAD * items, 4 * hd.QUAD
     m_tiles = spec.m_tiles
     two_m_tiles = m_tiles == 2   # a second m64 tile per warpgroup: 128 token rows further
     m_tile_rows = CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP
-    a_frag_words, m_sc_words, rotation_run = A_FRAGMENT_SETS * m_tiles * 4 * k_steps, 4 * m_tiles, hs.ROTATION_RUN
+    a_frag_words, m_sc_words, rotation_run = A_FRAGMENT_SETS * m_tiles * 4 * k_steps, 4 * m_tiles, hd.ROTATION_RUN
     subs_per_slice = spec.subs_per_slice
     # module constants as plain names (numba reads globals of other modules at compile time only by name)
     CONSUMER_BARRIER, MBARRIER_BYTES, NEG_ZERO_BF16X2, QUAD = (
-        hs.CONSUMER_BARRIER, hs.MBARRIER_BYTES, hs.NEG_ZERO_BF16X2, hs.QUAD)
+        hr.CONSUMER_BARRIER, hr.MBARRIER_BYTES, hd.NEG_ZERO_BF16X2, hd.QUAD)
     DESCRIPTOR_UNIT_BYTES = hp.DESCRIPTOR_UNIT_BYTES
-    ROTATION_RUN = hs.ROTATION_RUN
+    ROTATION_RUN = hd.ROTATION_RUN
 
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
@@ -721,7 +583,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                         if two_m_tiles:   # the group step from the lane read again (see the tokens, 3.)
                             c_w = first_c + cm.laneid() // lanes_per_step
                         else:
-                            c_w = first_c + w_step   # this thread's group step in run 0
+                            c_w = first_c + w_step   # this thread's group step in the first rotation run
                         for it in range(items):
                             w_row = w_row0 + lanes_per_step * it
                             st_w = np.uint32(st + n_data_off + w_row * n_row_bytes)
@@ -812,7 +674,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
             hp.wgmma_wait_group_0()
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
-            if split_k:   # h200_stream's split-K protocol: add this run's partial; the tile's last run stores
+            if split_k:   # the streaming kernel's split-K protocol: add this run's partial; the tile's last run stores
                 sums_address = np.int64(cm.generic_address(split_sums))
                 add_partial(acc_out, sums_address, n, t0, t1, r0, r1, m_row, q, expert_scales[expert] * epilogue_scale)
                 cuda.threadfence()
@@ -835,142 +697,6 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                 hp.accumulators_to_array(acc_hi, acc_out)
                 store_tile(acc_out, out, n, t0, t1, r0, r1, m_row + m_tile_rows, q,
                            expert_scales[expert] * epilogue_scale)
-            item += 1
-
-
-    return _device(consume)
-
-
-def _make_e4m3_consumer(spec: WgmmaSpec, ring):
-    """The consumer of ``mma_operands="e4m3"`` (MXFP8 x MXFP8), a device function for ``_kernel_frame``: the
-    same ring, tile walk and epilogue as the bf16 route; it multiplies the raw stage.
-
-    Per K slice (4 blocks of 32) each warpgroup first converts the UE8M0 scales it needs into its own
-    fp32 tables of the stage (``scale_table_offset``: thread ``t`` of 128 takes weight row ``t``, all
-    blocks, and blocks ``2 (t // 64)``, ``+ 1`` of its token row ``t % 64``) and meets at its own named
-    barrier (the two warpgroups stay out of step: one's wgmma runs while the other scales). Per block
-    it issues one ``wgmma m64n128k32 .e4m3.e4m3`` into a partial accumulator, both operands read in
-    place (the ring's 128B-swizzled 128-byte rows are wgmma's canonical K-major layout; block b is +32 b
-    bytes of descriptor start address), and adds the partial product times (token row scale x weight row
-    scale) to the tile's accumulators (``wgmma_scale_accumulate``). Two partial sets alternate, so block
-    b + 1's wgmma runs while block b is scaled. A warp releases the stage after its last block; a
-    stage's tables are rewritten only after its refill, i.e. after every warp released it."""
-    ring_spec = spec.ring
-    read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
-    stages, lay = ring_spec.stages, ring_spec.smem
-    stage_bytes = lay.stage_bytes
-    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
-    m_atoms, n_atoms = ring_spec.m_side.sf_atoms_per_slice, ring_spec.n_side.sf_atoms_per_slice
-    mma_bn, blocks = spec.mma_bn, spec.scale_blocks
-    if blocks != E4M3_BLOCKS_PER_SLICE or mma_bn != hp.WGMMA_THREADS:
-        raise AssertionError("the e4m3 consumer is written for 4 blocks per K slice and one weight row per thread")
-    tables_off, table_bytes = spec.buffers_offset, spec.scale_table_bytes
-    warpgroup_table_bytes = spec.warpgroup_table_bytes
-    token_block_bytes = TOKENS_PER_WARPGROUP * SCALE_TABLE_WORD
-    weight_table = scale_table_offset(spec, 0, 1, 0, 0)
-    weight_block_bytes = mma_bn * SCALE_TABLE_WORD
-    token_fill_blocks = blocks * TOKENS_PER_WARPGROUP // hp.WGMMA_THREADS
-    k_step_bytes = E4M3_WGMMA_K   # one byte per E4M3 element
-    warpgroup_a_bytes = TOKENS_PER_WARPGROUP * ring_spec.m_side.row_bytes
-    num_acc = mma_bn // 2
-    mma = hp.wgmma_e4m3_ss(mma_bn)
-    scale_accumulate = hp.wgmma_scale_accumulate(mma_bn)
-    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
-    sf_offset = _device(scale_byte_offset)
-    scale_bits = _device(ue8m0_f32_bits)
-    store_tile = _make_store_tile(num_acc)
-    MBARRIER_BYTES, WGMMA_THREADS = hs.MBARRIER_BYTES, hp.WGMMA_THREADS
-
-    def issue(part, a_start, b_start, block):
-        """This warpgroup's wgmma of ``block`` into ``part`` (fresh: scale_d 0), committed as one group."""
-        desc_a = hp.wgmma_smem_descriptor_device(a_start + block * k_step_bytes, SW128_LEADING_BYTES,
-                                                 SW128_ATOM_BYTES, "128B")
-        desc_b = hp.wgmma_smem_descriptor_device(b_start + block * k_step_bytes, SW128_LEADING_BYTES,
-                                                 SW128_ATOM_BYTES, "128B")
-        hp.wgmma_fence()   # part was read by the previous block's scaling
-        part = mma(part, desc_a, desc_b, np.uint32(0))
-        hp.wgmma_commit_group()
-        return part
-
-    def promote(acc, part, tables, row_scales, q, block):
-        """acc += part x (token row scale x weight row scale) of ``block`` (``part`` waited for)."""
-        part = hp.wgmma_fence_accumulators(part)
-        token = row_scales + block * token_block_bytes
-        return scale_accumulate(acc, part, ld_shared_f32(token), ld_shared_f32(token + 8 * SCALE_TABLE_WORD),
-                                tables + weight_table + block * weight_block_bytes + 2 * q * SCALE_TABLE_WORD)
-
-    issue, promote = _device(issue), _device(promote)
-
-    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
-                slices_per_split):
-        lane = cm.laneid()
-        base = np.int64(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
-        wg = cw // WARPGROUP_WARPS
-        q = lane & 3
-        # accumulator rows m_row, m_row + 8 (tokens of the tile), columns 8 j + 2 q (+ 1) (weight rows)
-        warp_row = (cw % WARPGROUP_WARPS) * ROWS_PER_WARP + (lane >> 2)   # inside the warpgroup's 64
-        m_row = wg * TOKENS_PER_WARPGROUP + warp_row
-        # the table fill: weight row wt (every block), token row wt % 64 (token_fill_blocks blocks)
-        wt = (cw % WARPGROUP_WARPS) * 32 + lane
-        fill_token = wt % TOKENS_PER_WARPGROUP
-        fill_block = (wt // TOKENS_PER_WARPGROUP) * token_fill_blocks
-        table_base = np.uint32(base + tables_off + wg * warpgroup_table_bytes)
-        acc_out = cuda.local.array(num_acc, float32)
-        acc = zero_acc()
-        part_a = zero_acc()
-        part_b = zero_acc()
-        stage = np.uint32(0)
-        phase = np.uint32(0)
-        item = np.int64(0)
-        while item < max_tiles:   # one tile per pass, as the producer's records say (a record ends the loop)
-            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            expert, _, t0, t1, r0, r1, _, group_start = read_work_record(bars, stage, lane)
-            if expert < 0:
-                break
-            m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + wg * TOKENS_PER_WARPGROUP + fill_token)
-            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS + wt)
-            acc = zero_acc()
-            for _ in range(k_slices):
-                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-                st = np.uint32(base + stage * stage_bytes)
-                tables = np.uint32(table_base + stage * table_bytes)
-                # 1. this warpgroup's scales of the stage as fp32
-                m_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, m_atoms))
-                n_word = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, n_atoms))
-                for block in range(blocks):
-                    st_shared_u32(tables + weight_table + block * weight_block_bytes + wt * SCALE_TABLE_WORD,
-                                  scale_bits((n_word >> np.uint32(8 * block)) & np.uint32(0xFF)))
-                for h in range(token_fill_blocks):
-                    block = np.uint32(fill_block + h)
-                    st_shared_u32(tables + block * token_block_bytes + fill_token * SCALE_TABLE_WORD,
-                                  scale_bits((m_word >> (np.uint32(8) * block)) & np.uint32(0xFF)))
-                cm.named_barrier_sync(WARPGROUP_BARRIER_BASE + wg, WGMMA_THREADS)
-                # 2. blocks 0..3, two partial sets: block b + 1's wgmma runs while b is scaled
-                a_start = st + m_data_off + wg * warpgroup_a_bytes
-                b_start = st + n_data_off
-                row_scales = tables + warp_row * SCALE_TABLE_WORD
-                part_a = issue(part_a, a_start, b_start, 0)
-                part_b = issue(part_b, a_start, b_start, 1)
-                hp.wgmma_wait_group_1()
-                acc = promote(acc, part_a, tables, row_scales, q, 0)
-                part_a = issue(part_a, a_start, b_start, 2)
-                hp.wgmma_wait_group_1()
-                acc = promote(acc, part_b, tables, row_scales, q, 1)
-                part_b = issue(part_b, a_start, b_start, 3)
-                hp.wgmma_wait_group_1()
-                acc = promote(acc, part_a, tables, row_scales, q, 2)
-                hp.wgmma_wait_group_0()
-                acc = promote(acc, part_b, tables, row_scales, q, 3)
-                cuda.syncwarp()
-                if lane == 0:
-                    mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
-                stage = np.uint32(stage + np.uint32(1))
-                if stage == np.uint32(stages):
-                    stage = np.uint32(0)
-                    phase = np.uint32(phase ^ np.uint32(1))
-            hp.accumulators_to_array(acc, acc_out)
-            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
             item += 1
 
 
@@ -1020,7 +746,7 @@ def _make_split_epilogue(num_acc: int):
 
 def _make_store_tile(num_acc: int, swapped: bool = False):
     """Device function ``store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale)``: the epilogue
-    of both consumers, ``C[token, row] = bf16(acc * out_scale)`` for a thread's ``num_acc`` accumulators
+    of the consumer, ``C[token, row] = bf16(acc * out_scale)`` for a thread's ``num_acc`` accumulators
     (copied to ``acc_out``) with paired 4-byte stores where both columns are in range and 4-byte aligned;
     tokens past ``t1`` and rows past ``r1`` are not written. ``swapped``: the accumulator's rows are weight
     rows and its columns tokens, so a thread's two columns are two output rows: one 2-byte store each."""

@@ -393,59 +393,6 @@ def wgmma_bf16_rs(n: int):
                             "registers.\n\n" % (n, n) + _WGMMA_COMMON_DOC.format(count=count, n=n))
 
 
-WGMMA_COLUMN_PAIR_STRIDE = 32   # bytes between a thread's fp32 column-scale pairs (8 columns apart)
-
-
-def wgmma_column_scale_index(i: int) -> tuple[int, int]:
-    """(column pair j, element e) of the column scale ``wgmma_scale_accumulate`` applies to accumulator
-    ``i`` of any thread: its column is ``8 j + 2 (lane % 4) + e`` (``wgmma_accumulator_position``)."""
-    return i >> 2, i & 1
-
-
-@functools.cache
-def wgmma_scale_accumulate(n: int):
-    """Intrinsic ``acc = f(acc, part, row_scale_lo, row_scale_hi, col_scales)``: the block-scale
-    promotion of an FP8 wgmma, ``acc[i] += part[i] * (row_scale(i) * col_scale(i))`` in fp32 for the
-    m64nN accumulator layout (``wgmma_accumulator_position``): ``row_scale_lo`` / ``_hi`` (f32) scale
-    rows g / g + 8 of the thread's warp; the column scales are fp32 in shared memory, columns
-    ``8 j + 2 q`` and ``+ 1`` as one 8-byte pair at ``col_scales + 32 j`` (j = 0 .. N/8 - 1, q = lane % 4;
-    ``col_scales``: the 8-byte aligned shared-window address of the thread's first pair). Per call N/8
-    ``ld.shared.v2.f32``, and per accumulator one FMUL and one FFMA (``llvm.fma.f32``: no contraction
-    choices left to the compiler). ``part`` must be readable (after a wait and
-    ``wgmma_fence_accumulators``)."""
-    count = _check_n("wgmma_scale_accumulate", n)
-    acc_t = types.UniTuple(types.float32, count)
-    pair_t = ir.LiteralStructType([F32, F32])
-
-    def codegen(context, builder, sig, args):
-        accs, parts = tuple_fields(builder, args[0], count), tuple_fields(builder, args[1], count)
-        rows = [context.cast(builder, v, t, types.float32) for v, t in zip(args[2:4], sig.args[2:4])]
-        base = context.cast(builder, args[4], sig.args[4], types.uint32)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32] * 3), "llvm.fma.f32")
-        out = []
-        for j in range(n // 8):
-            address = builder.add(base, ir.Constant(I32, WGMMA_COLUMN_PAIR_STRIDE * j))
-            pair = asm(builder, pair_t, [I32], "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", [address],
-                       memory=False)
-            cols = [builder.extract_value(pair, e) for e in range(2)]
-            for i in range(4 * j, 4 * j + 4):
-                scale = builder.fmul(rows[(i >> 1) & 1], cols[wgmma_column_scale_index(i)[1]])
-                out.append(builder.call(fma, [parts[i], scale, accs[i]]))
-        return context.make_tuple(builder, acc_t, out)
-
-    @intrinsic
-    def _impl(typingctx, acc, part, row_scale_lo, row_scale_hi, col_scales):
-        _check_tuple("wgmma_scale_accumulate", "acc", acc, acc_t)
-        _check_tuple("wgmma_scale_accumulate", "part", part, acc_t)
-        for name, ty in (("row_scale_lo", row_scale_lo), ("row_scale_hi", row_scale_hi)):
-            if not isinstance(ty, types.Float):
-                raise TypeError(f"wgmma_scale_accumulate: {name} must be a float, got {ty}")
-        _check_integer("wgmma_scale_accumulate", "col_scales", col_scales)
-        return acc_t(acc, part, row_scale_lo, row_scale_hi, col_scales), codegen
-
-    return _impl
-
-
 # ---------------------------------------------------------------------------------------------
 # setmaxnreg (sm_90a and sm_100a)
 # ---------------------------------------------------------------------------------------------

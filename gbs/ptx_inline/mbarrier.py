@@ -20,7 +20,7 @@ into a launch error instead of a hung GPU. The loops pass ``SUSPEND_TIME_HINT_NS
 through issue slots other warps need. ``spin_wait_parity*_or_trap`` are the same bounded loops without
 the hint (no ``NANOSLEEP``): a warp that has nothing else to do and must start the moment the phase
 completes (a consumer waiting for its stage's bytes) retries after the hardware's short default
-instead of sleeping, which on the H200 can wake it late (``h200_stream.CONSUMER_WAIT``).
+instead of sleeping, which on the H200 can wake it late (``h200_ring.CONSUMER_WAIT``).
 """
 from __future__ import annotations
 
