@@ -384,6 +384,7 @@ def _sm_count() -> int:
     return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+PROBLEM_METADATA = ("a_format", "b_format", "n", "k", "num_active_experts", "estimated_total_m", "total_tokens")
 TILE_CONSTRAINTS = ("ab_swapped", "mma_bn", "cta_group", "stages", "small_n_warps", "tile_tokens")
 
 
@@ -401,6 +402,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     wrong."""
     if backend not in ("auto",) + KERNELS:
         raise ValueError(f"not an H200 backend: {backend!r} (one of {('auto',) + KERNELS})")
+    missing = [name for name in PROBLEM_METADATA if not hasattr(problem, name)]
+    if missing:
+        raise TypeError(f"problem must be a GroupedProblem, a device problem or a ProblemMeta (it lacks {missing}), "
+                        f"got {type(problem).__name__}")
     unknown = set(tile) - set(TILE_CONSTRAINTS)
     if unknown:
         raise TypeError(f"unknown plan constraints {sorted(unknown)}; the knobs are {TILE_CONSTRAINTS}")

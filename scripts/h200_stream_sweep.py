@@ -57,7 +57,7 @@ def parse_case(text: str, point: str) -> bench.BenchCase:
 
 def parse_wgmma_point(text: str):
     parts = text.split(":")
-    k_splits = 1   # split-K runs (swapped tiles): a last ":k<runs>" or ":kauto" (h200_wgmma.swapped_k_splits)
+    k_splits = 1   # split-K runs (swapped tiles): a last ":k<runs>" or ":kauto" (gbs.plan.swapped_k_splits)
     if parts[-1] == "kauto" or (parts[-1].startswith("k") and parts[-1][1:].isdigit()):
         runs = parts.pop()[1:]
         k_splits = None if runs == "auto" else int(runs)

@@ -48,3 +48,37 @@ def run(problem, knobs, out=None, **launch):
 def prepare(device_problem, knobs, out=None, *, stream=0, **launch):
     """``knobs`` prepared on a ``launch.DeviceProblem``."""
     return h200_launch.prepare(device_problem, knobs.plan(device_problem, **launch), out, stream=stream)
+
+
+def one_stage_spec(a_format: str, b_format: str, knobs):
+    """``knobs``' build with one stage (what the stage questions take)."""
+    from gbs.numba_kernels.h200_ring import StreamSpec
+    from gbs.numba_kernels.h200_wgmma import WgmmaSpec
+
+    if isinstance(knobs, Wgmma):
+        return WgmmaSpec(a_format, b_format, knobs.mma_bn, 1, tile_tokens=knobs.tile_tokens,
+                         ab_swapped=knobs.ab_swapped)
+    return StreamSpec(a_format, b_format, knobs.ab_swapped, knobs.mma_bn, knobs.cta_group, 1,
+                      small_n_warps=knobs.small_n_warps)
+
+
+def max_stages(a_format: str, b_format: str, knobs) -> int:
+    """The deepest ring of ``knobs``' build that fits the H200."""
+    return h200_launch.max_pipeline_stages(one_stage_spec(a_format, b_format, knobs))
+
+
+def can_implement(problem, knobs) -> tuple[bool, str]:
+    """(True, "") if ``knobs`` plan for ``problem``, else (False, the reason)."""
+    try:
+        knobs.plan(problem)
+    except (TypeError, ValueError) as err:
+        return False, str(err)
+    return True, ""
+
+
+def plan_spec(problem, knobs, backend: str = "h200_stream"):
+    """The build ``knobs`` (test knobs, or anything else ``gbs.plan.plan_h200`` takes as a config) plan for
+    ``problem`` (its checks raise as the launch's would)."""
+    if isinstance(knobs, (Stream, Wgmma)):
+        return knobs.plan(problem).spec
+    return plan_h200(problem, knobs, backend).spec

@@ -37,8 +37,10 @@ from numba import cuda
 
 from gbs import schedule
 from gbs.lab.bench import synthetic_problem
-from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, grouped_matmul_nvfp4_dispatch
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, grouped_matmul_nvfp4_dispatch, pipeline_smem_terms
+from gbs import plan as gbs_plan
 from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_launch as hl
 from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels import h200_stream as hs
 from gbs.numba_kernels import h200_trace as ht
@@ -51,25 +53,26 @@ from gbs.formats import (BF16, SF_ATOM_ROWS, BlockScaled, decode_elements, decod
 from gbs.layouts import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, OPERAND_LAYOUTS, E2M1H200Order, UE4M3H200Scales)
 from gbs.reference import (MAX_REL_TOL, RMS_REL_TOL, check_acceptance, is_poison, reference_grouped_matmul,
                            relative_errors)
+from h200_knobs import can_implement, max_stages, plan_spec, prepare, run, Stream, Wgmma
 
 FORMATS = tuple(PROBLEM_FORMATS)
 CONFIGS = {
-    "decode": hs.StreamConfig(True, 8, 1),
-    "small_prefill": hs.StreamConfig(True, 64, 2),
-    "large_prefill": hs.StreamConfig(True, 128, 2),
-    "not_swapped": hs.StreamConfig(False, 128, 1),
-    "wide": hs.StreamConfig(True, 256, 2),
-    "wide_cg1": hs.StreamConfig(True, 256, 1),
-    "not_swapped_wide": hs.StreamConfig(False, 256, 1),
-    "not_swapped_decode": hs.StreamConfig(False, 8, 1),
-    "mid": hs.StreamConfig(True, 32, 1),
+    "decode": Stream(True, 8, 1),
+    "small_prefill": Stream(True, 64, 2),
+    "large_prefill": Stream(True, 128, 2),
+    "not_swapped": Stream(False, 128, 1),
+    "wide": Stream(True, 256, 2),
+    "wide_cg1": Stream(True, 256, 1),
+    "not_swapped_wide": Stream(False, 256, 1),
+    "not_swapped_decode": Stream(False, 8, 1),
+    "mid": Stream(True, 32, 1),
 }
 
 
-def spec_of(fmt: str, config: hs.StreamConfig, stages: int | None = None,
+def spec_of(fmt: str, config: Stream, stages: int | None = None,
             small_n_warps: int = hr.CONSUMER_WARPS_SMALL_N) -> hr.StreamSpec:
     a, b = PROBLEM_FORMATS[fmt]
-    stages = hs.max_pipeline_stages(a, b, config) if stages is None else stages
+    stages = max_stages(a, b, config) if stages is None else stages
     return hr.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, stages,
                          small_n_warps=small_n_warps)
 
@@ -82,11 +85,11 @@ def spec_for_case(fmt: str, name: str) -> hr.StreamSpec:
     return spec_of(fmt, CONFIGS[name])
 
 
-def eight_warps(config: hs.StreamConfig) -> hs.StreamConfig:
-    return dataclasses.replace(config, small_n_warps=8)
+def eight_warps(config: Stream) -> Stream:
+    return config._replace(small_n_warps=8)
 
 
-def eight_warp_legal(fmt: str, config: hs.StreamConfig) -> bool:
+def eight_warp_legal(fmt: str, config: Stream) -> bool:
     """Whether ``small_n_warps=8`` builds for ``fmt`` and ``config`` (``StreamSpec``'s checks)."""
     try:
         spec_of(fmt, config, small_n_warps=8)
@@ -416,7 +419,7 @@ def test_decoded_token_slot_is_a_bijection_read_without_bank_conflicts(fmt, bn):
     """Every (token row, quad lane, group) owns its own 16-byte chunk of the slot, and each 8-lane
     phase of the consumers' LDS.128 (rows g, g + 1 x lanes q = 0..3 at their rotated groups) covers
     the 8 distinct 16-byte bank groups of a 128-byte line."""
-    spec = spec_of(fmt, hs.StreamConfig(True, bn, 1))
+    spec = spec_of(fmt, Stream(True, bn, 1))
     assert spec.predecoded_tokens
     side, groups = spec.n_side, spec.n_side.groups
     rows, qs, gls = np.meshgrid(np.arange(side.rows), np.arange(hd.QUAD), np.arange(groups), indexing="ij")
@@ -460,10 +463,10 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
     item of one consumer thread; every thread has the same number of items, each inside one rotation
     run (one block-scale choice per run for UE8M0) and, for whole 16-byte chunks, the 8 lanes of a
     load phase read 8 different 16-byte bank groups (TMA's swizzle XOR included)."""
-    if not eight_warp_legal(fmt, hs.StreamConfig(True, bn, 1)) and warps != hr.CONSUMER_WARPS_SMALL_N:
+    if not eight_warp_legal(fmt, Stream(True, bn, 1)) and warps != hr.CONSUMER_WARPS_SMALL_N:
         pytest.skip(f"{fmt} bn{bn} has fewer token-decode items than 8 warps have threads: rejected "
                     "(test_eight_small_n_warps_are_checked)")
-    spec = spec_of(fmt, hs.StreamConfig(True, bn, 1), small_n_warps=warps)
+    spec = spec_of(fmt, Stream(True, bn, 1), small_n_warps=warps)
     side, groups, item_groups = spec.n_side, spec.n_side.groups, spec.token_decode_groups
     threads = hr.WARP_SIZE * spec.consumer_warps
     chunks = groups // item_groups
@@ -523,7 +526,7 @@ def test_eight_small_n_warps_are_checked():
     assert spec.predecoded_tokens and spec.prefetch_groups
     assert spec.min_ctas_per_sm == hr.SMALL_N_EIGHT_WARPS_MIN_CTAS_PER_SM == 2, "two 9-warp CTAs per SM"
     assert spec_of("nvfp4", CONFIGS["decode"], small_n_warps=8).min_ctas_per_sm == 1, "the deepest ring fills the SM"
-    assert hs.resident_ctas_per_sm(spec, 96) == 2, "5 warps of 96 registers per sub-partition"
+    assert hl.resident_ctas_per_sm(spec, 96) == 2, "5 warps of 96 registers per sub-partition"
     four = spec_of("nvfp4", CONFIGS["decode"], stages=2)
     assert spec.smem == four.smem and spec.tx_bytes == four.tx_bytes, "the ring does not change"
     assert not spec_of("nvfp4", CONFIGS["not_swapped_decode"], small_n_warps=8).predecoded_tokens
@@ -533,18 +536,16 @@ def test_eight_small_n_warps_are_checked():
         spec_of("nvfp4", CONFIGS["decode"], small_n_warps=6)
     with pytest.raises(ValueError, match="do not split evenly"):   # FP8 tokens: 128 items at bn8
         spec_of("w4a8", CONFIGS["decode"], small_n_warps=8)
-    assert eight_warp_legal("w4a8", hs.StreamConfig(True, 16, 1))
+    assert eight_warp_legal("w4a8", Stream(True, 16, 1))
     rng = np.random.default_rng(3)
     problem = build_problem(random_activations(rng, 4, 256), random_weights(rng, 2, 64, 256), [3, 1], [1, 0],
                             fmt="nvfp4")
-    assert hs.check_can_implement(problem, eight_warps(CONFIGS["decode"])).small_n_warps == 8
+    assert plan_spec(problem, eight_warps(CONFIGS["decode"])).small_n_warps == 8
     with pytest.raises(ValueError, match="mma_bn <= 32"):
-        hs.check_can_implement(problem, eight_warps(CONFIGS["small_prefill"]))
-    for bad in (6, True, "8", None):   # the config refuses what is not a warp count before any spec
+        plan_spec(problem, eight_warps(CONFIGS["small_prefill"]))
+    for bad in (6, True, "8", None):   # the plan refuses what is not a warp count
         with pytest.raises(ValueError, match="small_n_warps must be one of"):
-            hs.StreamConfig(True, 8, 1, 2, bad)
-    assert hs.StreamConfig.of(eight_warps(CONFIGS["decode"])).small_n_warps == 8
-    assert hs.StreamConfig.of(schedule.TileConfig(True, 8, 1)).small_n_warps == hr.CONSUMER_WARPS_SMALL_N
+            plan_spec(problem, Stream(True, 8, 1, 2, bad))
 
 
 def test_small_n_builds_ask_for_three_ctas_per_sm():
@@ -570,37 +571,37 @@ def test_small_n_builds_ask_for_three_ctas_per_sm():
     (10, 56, 396, (8, 7)),       # MXFP8 Kimi (56 slices): 39 slots per tile, 9 runs wanted: 8 of 7 (none empty)
 ])
 def test_choose_k_splits(max_tiles, k_slices, pair_slots, want):
-    got = hs.choose_k_splits(max_tiles, k_slices, pair_slots)
+    got = gbs_plan.stream_k_splits(max_tiles, k_slices, pair_slots)
     assert got == want
     k_splits, per_split = got
     assert (k_splits - 1) * per_split < k_slices <= k_splits * per_split, "no empty run"
 
 
 def test_split_runs_and_its_errors():
-    assert hs.split_runs(28, 5) == (5, 6)
-    assert hs.split_runs(28, 28) == (28, 1)
-    assert hs.split_runs(7, 4) == (4, 2)
-    assert hs.split_runs(9, 4) == (3, 3), "4 runs of 3 would leave one empty: 3 runs"
+    assert hl.split_runs(28, 5) == (5, 6)
+    assert hl.split_runs(28, 28) == (28, 1)
+    assert hl.split_runs(7, 4) == (4, 2)
+    assert hl.split_runs(9, 4) == (3, 3), "4 runs of 3 would leave one empty: 3 runs"
     for bad in (0, 29):
         with pytest.raises(ValueError, match="k_splits must be in"):
-            hs.split_runs(28, bad)
+            hl.split_runs(28, bad)
     with pytest.raises(ValueError, match="max_tiles"):
-        hs.choose_k_splits(0, 28, 132)
+        gbs_plan.stream_k_splits(0, 28, 132)
 
 
 # (n = 512: 4 weight-row tiles per expert)
 @pytest.mark.parametrize("fmt, total_tokens, slots, decided, want", [
-    ("nvfp4", 256, 64, hs.StreamConfig(True, 8, 1, 6), hs.StreamConfig(True, 8, 1, 2)),      # decode: 256 tiles
-    ("nvfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2, 8)),     # Kimi: 32 tiles
-    ("mxfp4", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2, 8)),
-    ("nvfp4", 1024, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2, 8)),   # small prefill
-    ("mxfp4", 512, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2, 8)),    # 128 tiles
-    ("mxfp4", 528, 33, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 16, 1, 2)),       # 132 tiles
-    ("w4a8", 640, 32, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 32, 1, 2)),     # FP8 tokens
-    ("w4a8", 8, 8, hs.StreamConfig(True, 64, 2, 6), hs.StreamConfig(True, 8, 1, 2)),
-    ("mxfp8", 4096, 64, hs.StreamConfig(True, 64, 2, 9), hs.StreamConfig(True, 64, 2, hs.AUTO_STAGES)),
-    ("mxfp8", 256, 64, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(True, 8, 1, 2)),   # default route
-    ("mxfp8", 16384, 32, hs.StreamConfig(False, 128, 1, 5), hs.StreamConfig(False, 128, 1, hs.AUTO_STAGES)),
+    ("nvfp4", 256, 64, Stream(True, 8, 1, 6), Stream(True, 8, 1, 2)),      # decode: 256 tiles
+    ("nvfp4", 8, 8, Stream(True, 64, 2, 6), Stream(True, 8, 1, 2, 8)),     # Kimi: 32 tiles
+    ("mxfp4", 8, 8, Stream(True, 64, 2, 6), Stream(True, 8, 1, 2, 8)),
+    ("nvfp4", 1024, 32, Stream(True, 64, 2, 6), Stream(True, 32, 1, 2, 8)),   # small prefill
+    ("mxfp4", 512, 32, Stream(True, 64, 2, 6), Stream(True, 16, 1, 2, 8)),    # 128 tiles
+    ("mxfp4", 528, 33, Stream(True, 64, 2, 6), Stream(True, 16, 1, 2)),       # 132 tiles
+    ("w4a8", 640, 32, Stream(True, 64, 2, 6), Stream(True, 32, 1, 2)),     # FP8 tokens
+    ("w4a8", 8, 8, Stream(True, 64, 2, 6), Stream(True, 8, 1, 2)),
+    ("mxfp8", 4096, 64, Stream(True, 64, 2, 9), Stream(True, 64, 2, AUTO_STAGES)),
+    ("mxfp8", 256, 64, Stream(False, 128, 1, 5), Stream(True, 8, 1, 2)),   # default route
+    ("mxfp8", 16384, 32, Stream(False, 128, 1, 5), Stream(False, 128, 1, AUTO_STAGES)),
 ])
 def test_h200_plan(fmt, total_tokens, slots, decided, want):
     """Small token tiles are cut to the tokens per expert, without a pair, on a 2-stage ring, on 8 warps
@@ -608,18 +609,17 @@ def test_h200_plan(fmt, total_tokens, slots, decided, want):
     keep the decision's tile knobs with the deepest ring that fits."""
     problem = _problem(fmt, n=512, k=1024, group_sizes=[total_tokens // slots] * slots,
                        expert_ids=list(range(slots)), num_experts=slots)
-    plan = hs.h200_plan(problem, decided)
+    knobs, _ = gbs_plan.stream_knobs(problem, decided)
+    assert Stream(**{"stages": AUTO_STAGES, **knobs}) == want
     a, b = PROBLEM_FORMATS[fmt]
-    deepest = hs.max_pipeline_stages(a, b, want)
-    stages = deepest if want.num_pipeline_stages == hs.AUTO_STAGES else want.num_pipeline_stages
-    assert plan == dataclasses.replace(want, num_pipeline_stages=stages)
-    hs.check_can_implement(problem, plan)
+    deepest = max_stages(a, b, want)
+    assert plan_spec(problem, want).stages == (deepest if want.stages == AUTO_STAGES else want.stages)
 
 
 def test_split_spec_is_its_own_kernel():
     spec = spec_of("nvfp4", CONFIGS["decode"])
-    assert not hs.split_spec(spec, 1).split_k and hs.split_spec(spec, 2).split_k
-    assert hs.split_spec(spec, 2) != spec and hash(hs.split_spec(spec, 2)) != hash(spec)
+    split = dataclasses.replace(spec, split_k=True)
+    assert split != spec and hash(split) != hash(spec)
 
 
 
@@ -630,7 +630,7 @@ def test_split_k_epilogue_reads_every_sum_before_it_stores():
     The build without split-K has neither."""
     spec = spec_of("nvfp4", CONFIGS["decode"], stages=2, small_n_warps=8)
     for split in (False, True):
-        build = hs.split_spec(spec, 2 if split else 1)
+        build = dataclasses.replace(spec, split_k=split)
         cubin = offline.compile_cubin(hs.make_kernel_function(build), hr.kernel_signature(), offline.SM90A,
                                       launch_bounds=(build.threads, build.min_ctas_per_sm))
         instructions = offline.sass_instructions(offline.disassemble(cubin))
@@ -646,7 +646,7 @@ def test_split_k_epilogue_reads_every_sum_before_it_stores():
 # =============================================================================================
 # Scale atoms after a TMA box: the kernel's addressing against the 128x4 layouts
 # =============================================================================================
-def tma_box_3d(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
+def tma_box_3d(tensor: np.ndarray, args: hl.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
     """Bytes of a 3-D box of a C-contiguous (dims reversed) byte tensor, zero outside (no swizzle)."""
     assert args.swizzle == "none" and len(args.dims) == 3
     view = tensor.reshape(args.dims[::-1])
@@ -674,7 +674,7 @@ def test_weight_scale_atoms_land_where_the_consumers_read(fmt, config):
     spec = spec_of(fmt, CONFIGS[config])
     p = _problem(fmt, n=640, k=2 * spec.k_slice, group_sizes=[3], expert_ids=[2])
     shapes, addresses = _shapes_and_fake_addresses(p)
-    args = hs.tensor_map_args(spec, shapes, addresses)[3]
+    args = hl.tensor_map_args(spec, shapes, addresses)[3]
     side = spec.weight_side
     bands_per_expert = p.b_scales.shape[1]
     linear = unswizzle_scales(p.b_scales, p.n, p.b_format.scale_cols(p.k))   # (E, N, C)
@@ -706,7 +706,7 @@ def test_token_scale_atoms_land_where_the_consumers_read(config):
     sizes = [5, 0, 1, 300, 130, 7]
     p = _problem(fmt, n=256, k=spec.k_slice, group_sizes=sizes, expert_ids=[0, 1, -1, 2, 3, 1])
     shapes, addresses = _shapes_and_fake_addresses(p)
-    args = hs.tensor_map_args(spec, shapes, addresses)[2]
+    args = hl.tensor_map_args(spec, shapes, addresses)[2]
     side = spec.token_side
     linear = gather_group_scales(p.a_scales, p.a_offsets, p.a_scale_offsets, p.a_format.scale_cols(p.k))
     atoms = side.sf_atoms_per_slice
@@ -813,7 +813,7 @@ def test_dynamic_items_only_for_single_ctas():
 # =============================================================================================
 # Stage carve-up, boxes, tensor maps, stages
 # =============================================================================================
-ALL_KNOBS = [hs.StreamConfig(sw, bn, cg) for sw in (True, False) for cg in (1, 2) for bn in (8, 16, 32, 64, 128, 256)
+ALL_KNOBS = [Stream(sw, bn, cg) for sw in (True, False) for cg in (1, 2) for bn in (8, 16, 32, 64, 128, 256)
              if not (cg == 2 and (not sw or bn < 64))]
 
 
@@ -844,8 +844,12 @@ def test_real_and_formula_stage_counts_for_the_regimes():
     for fmt in FORMATS:
         a, b = PROBLEM_FORMATS[fmt]
         for name in ("decode", "small_prefill", "large_prefill", "not_swapped"):
-            got[fmt, name] = (hs.max_pipeline_stages(a, b, CONFIGS[name]),
-                              hs.formula_pipeline_stages(a, b, CONFIGS[name]))
+            config = CONFIGS[name]
+            formula = pipeline_smem_terms(mma_bn=config.mma_bn, cta_group=config.cta_group,
+                                          ab_swapped=config.ab_swapped,
+                                          num_sf_k_tiles=spec_of(fmt, config, 1).m_side.sf_atoms_per_slice,
+                                          smem_per_sm=H200_SMEM_PER_SM).stages
+            got[fmt, name] = (max_stages(a, b, config), formula)
     assert got["nvfp4", "decode"] == (10, 10)
     assert got["nvfp4", "small_prefill"] == (7, 8), "the shared routing copy (4 KiB) costs the 8th stage"
     assert got["nvfp4", "large_prefill"] == (6, 7), "both CTAs of a pair hold the whole token tile here"
@@ -859,7 +863,7 @@ def test_tensor_map_arguments_are_valid(fmt, config):
     spec = spec_of(fmt, CONFIGS[config])
     p = _problem(fmt, n=512, k=4 * spec.k_slice, group_sizes=[9, 0, 200], expert_ids=[1, 0, 3])
     shapes, addresses = _shapes_and_fake_addresses(p)
-    maps = hs.tensor_map_args(spec, shapes, addresses)
+    maps = hl.tensor_map_args(spec, shapes, addresses)
     assert [m.name for m in maps] == ["a", "b", "a_scales", "b_scales"]
     for m in maps:
         m.check()
@@ -873,7 +877,7 @@ def test_tensor_map_arguments_are_valid(fmt, config):
 FP4_WEIGHT_FORMATS = tuple(f for f in FORMATS if get_format(PROBLEM_FORMATS[f][1]).packed)
 
 
-def tma_box_2d(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int]) -> np.ndarray:
+def tma_box_2d(tensor: np.ndarray, args: hl.TensorMapArgs, coords: tuple[int, int]) -> np.ndarray:
     """Bytes of a 2-D box of a C-contiguous byte tensor, zero outside (before the swizzle, which both weight
     maps apply alike: same box width, same shared-memory destination)."""
     assert len(args.dims) == 2 and args.strides == (args.dims[0],)
@@ -901,8 +905,8 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
     tiled = p.with_b_layout(layout)
     assert not np.array_equal(tiled.b[..., :untiled.b.shape[2]], untiled.b)
     shapes, addresses = _shapes_and_fake_addresses(tiled)
-    maps = hs.tensor_map_args(spec, shapes, addresses)
-    row_major_maps = hs.tensor_map_args(dataclasses.replace(spec, b_layout=LAYOUT_E2M1_H200),
+    maps = hl.tensor_map_args(spec, shapes, addresses)
+    row_major_maps = hl.tensor_map_args(dataclasses.replace(spec, b_layout=LAYOUT_E2M1_H200),
                                         _shapes_and_fake_addresses(untiled)[0], addresses)
     row_major, row_major_scales = row_major_maps[1], dataclasses.replace(row_major_maps[3], swizzle="none")
     for m in maps:
@@ -948,7 +952,7 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
     assert sum(size for _, _, size, _ in hr.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes
 
 
-def tma_box_3d_any(tensor: np.ndarray, args: hs.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
+def tma_box_3d_any(tensor: np.ndarray, args: hl.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
     """``tma_box_3d`` for a swizzled map, before the swizzle (see ``tma_box_2d``)."""
     return tma_box_3d(tensor, dataclasses.replace(args, swizzle="none"), coords)
 
@@ -977,7 +981,7 @@ def test_tiled_weights_are_refused_where_they_cannot_be_read():
     shapes, addresses = _shapes_and_fake_addresses(tiled)
     shapes["b"] = (4, 512 + 64, 256)
     with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
-        hs.tensor_map_args(hr.StreamSpec(a, b, True, 8, 1, 2, b_layout=LAYOUT_E2M1_H200_TILED), shapes, addresses)
+        hl.tensor_map_args(hr.StreamSpec(a, b, True, 8, 1, 2, b_layout=LAYOUT_E2M1_H200_TILED), shapes, addresses)
 
 
 @pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
@@ -1021,7 +1025,7 @@ def test_max_tiles_bound_covers_the_walk():
             spec = spec_of("nvfp4", config)
             n = int(rng.integers(1, 1000))
             walk = schedule.total_tiles(offsets, ids, n, spec.tile_shape)
-            assert hs.max_tiles_bound(spec, int(sizes.sum()), sizes.size, n) >= walk
+            assert hl.max_tiles_bound(spec, int(sizes.sum()), sizes.size, n) >= walk
 
 
 # =============================================================================================
@@ -1029,56 +1033,61 @@ def test_max_tiles_bound_covers_the_walk():
 # =============================================================================================
 def test_can_implement_accepts_dispatch_configs_and_reports_why_not():
     p = _problem("nvfp4", n=256, k=512, group_sizes=[4, 0, 9], expert_ids=[0, -1, 1])
-    ok, why = hs.can_implement(p, hs.StreamConfig(True, 8, 1))
+    ok, why = can_implement(p, Stream(True, 8, 1))
     assert ok and why == ""
     decided = grouped_matmul_nvfp4_dispatch(n=256, k=512, num_active_experts=3, estimated_total_m=13)
-    assert hs.check_can_implement(p, decided).stages == decided.num_pipeline_stages
+    assert plan_spec(p, decided).stages == decided.num_pipeline_stages
 
 
 def test_k_not_a_multiple_of_the_slice_is_rejected_with_the_padding_to_use():
     p = _problem("nvfp4", n=128, k=384, group_sizes=[4], expert_ids=[0])
     with pytest.raises(ValueError, match=r"K=384 is not a multiple of this kernel's 256-element K slice.*pad K to 512"):
-        hs.check_can_implement(p, hs.StreamConfig(True, 8, 1))
+        plan_spec(p, Stream(True, 8, 1))
     fp8 = _problem("mxfp8", n=128, k=384, group_sizes=[4], expert_ids=[0])
-    assert hs.can_implement(fp8, hs.StreamConfig(True, 8, 1))[0], "128-element slices for FP8"
+    assert can_implement(fp8, Stream(True, 8, 1))[0], "128-element slices for FP8"
     fp8_bad = _problem("w4a8", n=128, k=160, group_sizes=[4], expert_ids=[0])
-    ok, why = hs.can_implement(fp8_bad, hs.StreamConfig(True, 8, 1))
+    ok, why = can_implement(fp8_bad, Stream(True, 8, 1))
     assert not ok and "128-element K slice" in why and "pad K to 256" in why
 
 
-def test_too_many_stages_are_rejected_and_the_cap_is_opt_in():
+def test_too_many_stages_are_refused_and_a_configs_are_capped():
+    """A stage constraint that does not fit is refused, naming the limit; a caller's SM100 config (B200 stage
+    counts) is capped at the deepest ring, and the plan says so; the launch layer refuses a build that does not
+    fit whatever asked for it."""
     p = _problem("nvfp4", n=256, k=512, group_sizes=[40], expert_ids=[0])
-    with pytest.raises(ValueError, match=r"7 pipeline stages do not fit the H200.*at most 6 stages.*formula.*says 7"):
-        hs.check_can_implement(p, hs.StreamConfig(True, 128, 2, 7))
+    with pytest.raises(ValueError, match=r"7 pipeline stages do not fit the H200.*at most 6 stages"):
+        plan_spec(p, Stream(True, 128, 2, 7))
     decided = grouped_matmul_nvfp4_dispatch(n=4096, k=7168, num_active_experts=8, estimated_total_m=8000)
     assert decided.num_pipeline_stages == 7 and decided.mma_bn == 128
-    assert not hs.can_implement(p, decided)[0]
-    capped = hs.h200_stream_config(p, decided)
-    assert capped.num_pipeline_stages == 6 and hs.check_can_implement(p, capped).stages == 6
+    plan = gbs_plan.plan_h200(p, decided)
+    assert plan.spec.stages == 6 and any("capped" in rule.decided for rule in plan.rules)
+    with pytest.raises(ValueError, match="do not fit the H200"):
+        hl.check_can_implement(p, dataclasses.replace(plan.spec, stages=7))
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group=2 requires ab_swapped"),
     (dict(ab_swapped=True, mma_bn=24, cta_group=1), ValueError, "mma_bn=24 is illegal"),
     (dict(ab_swapped=True, mma_bn=32, cta_group=2), ValueError, "mma_bn=32 is illegal with cta_group=2"),
-    (dict(ab_swapped=True, mma_bn=8, cta_group=1, num_pipeline_stages=0), ValueError, "num_pipeline_stages"),
-    (dict(ab_swapped=True, mma_bn=8, cta_group=1, num_pipeline_stages=2.0), TypeError, "must be an int"),
+    (dict(ab_swapped=True, mma_bn=8, cta_group=1, stages=0), ValueError, "stages must be a positive int"),
+    (dict(ab_swapped=True, mma_bn=8, cta_group=1, stages=2.0), ValueError, "stages must be a positive int"),
     (dict(ab_swapped=1, mma_bn=8, cta_group=1), TypeError, "ab_swapped must be a bool"),
 ])
-def test_stream_config_rejects_illegal_knobs(kwargs, error, match):
+def test_plan_constraints_reject_illegal_knobs(kwargs, error, match):
+    p = _problem("nvfp4", n=128, k=512, group_sizes=[4], expert_ids=[0])
     with pytest.raises(error, match=match):
-        hs.StreamConfig(**kwargs)
+        plan_spec(p, Stream(**kwargs))
 
 
 def test_config_for_other_formats_and_bad_types_are_rejected():
     p = _problem("mxfp4", n=128, k=512, group_sizes=[4], expert_ids=[0])
     nvfp4_config = grouped_matmul_nvfp4_dispatch(n=128, k=512, num_active_experts=1, estimated_total_m=4)
-    with pytest.raises(ValueError, match="decided for a_format='nvfp4'"):
-        hs.check_can_implement(p, nvfp4_config)
-    with pytest.raises(TypeError, match="GroupedProblem or DeviceProblem"):
-        hs.check_can_implement("problem", hs.StreamConfig(True, 8, 1))
-    with pytest.raises(TypeError, match="lacks"):
-        hs.check_can_implement(p, object())
+    with pytest.raises(ValueError, match="decided for nvfp4 x nvfp4, the problem is mxfp4 x mxfp4"):
+        plan_spec(p, nvfp4_config)
+    with pytest.raises(TypeError, match="problem must be"):
+        plan_spec("problem", Stream(True, 8, 1))
+    with pytest.raises(TypeError, match="KernelConfig"):
+        plan_spec(p, object())
     with pytest.raises(ValueError, match="stages must be a positive int"):
         hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 0)
     with pytest.raises(ValueError, match="unsupported operand formats"):
@@ -1089,7 +1098,7 @@ def test_config_for_other_formats_and_bad_types_are_rejected():
 def test_running_without_a_gpu_is_a_clear_error():
     p = _problem("nvfp4", n=128, k=256, group_sizes=[4], expert_ids=[0])
     with pytest.raises(launch.NoSuitableGPUError, match="needs an sm_90 GPU"):
-        hs.grouped_matmul_h200(p, hs.StreamConfig(True, 8, 1))
+        run(p, Stream(True, 8, 1))
 
 
 # =============================================================================================
@@ -1238,18 +1247,18 @@ def test_compiles_for_sm90a_with_the_promised_sass(compiled, case):
 
 def test_resident_ctas_per_sm():
     decode = spec_of("nvfp4", CONFIGS["decode"])
-    assert hs.resident_ctas_per_sm(decode, 96) == 1, "the deepest ring fills the SM"
+    assert hl.resident_ctas_per_sm(decode, 96) == 1, "the deepest ring fills the SM"
     four = dataclasses.replace(decode, stages=4)
     assert four.smem.total_bytes * 2 <= hr.SM90_SMEM_PER_SM
-    assert hs.resident_ctas_per_sm(four, 96) == 2, "two shallower rings share the SM"
+    assert hl.resident_ctas_per_sm(four, 96) == 2, "two shallower rings share the SM"
     shallow = dataclasses.replace(decode, stages=2)
-    assert hs.resident_ctas_per_sm(shallow, 96) == 4
+    assert hl.resident_ctas_per_sm(shallow, 96) == 4
     # registers per sub-partition (16384 each): 5-warp CTAs, so 3 CTAs need 4 warps on one of them
-    assert hs.resident_ctas_per_sm(shallow, 128) == 3
-    assert hs.resident_ctas_per_sm(shallow, 133) == 2, "ncu's Block Limit Registers at 133 (run 31)"
-    assert hs.resident_ctas_per_sm(shallow, 200) == 1, "2 warps of 200 registers per sub-partition"
+    assert hl.resident_ctas_per_sm(shallow, 128) == 3
+    assert hl.resident_ctas_per_sm(shallow, 133) == 2, "ncu's Block Limit Registers at 133 (run 31)"
+    assert hl.resident_ctas_per_sm(shallow, 200) == 1, "2 warps of 200 registers per sub-partition"
     wide = spec_of("nvfp4", CONFIGS["large_prefill"], stages=2)
-    assert hs.resident_ctas_per_sm(wide, hs.LAUNCH_BOUND_REGISTERS) == 1, "384 x 168 registers per CTA"
+    assert hl.resident_ctas_per_sm(wide, hs.LAUNCH_BOUND_REGISTERS) == 1, "384 x 168 registers per CTA"
 
 
 def test_setmaxnreg_split_fits_the_launch_allocation():
@@ -1471,9 +1480,9 @@ def _gpu_case_id(case):
 def test_gpu_matches_the_reference(case):
     fmt, shape, sw, bn, cg, stages, pairs = case
     problem, ref = gpu_problem(fmt, shape)
-    config = hs.StreamConfig(sw, bn, cg, stages)
-    spec = hs.check_can_implement(problem, config)
-    out = hs.grouped_matmul_h200(problem, config, num_ctas=None if pairs is None else pairs * cg)
+    config = Stream(sw, bn, cg, stages)
+    spec = plan_spec(problem, config)
+    out = run(problem, config, num_ctas=None if pairs is None else pairs * cg)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
 
@@ -1491,9 +1500,9 @@ EIGHT_WARP_CASES = [("nvfp4", "n512_k7168", True, 8, 4), ("mxfp4", "n512_k7168",
 def test_gpu_eight_small_n_warps_match_the_reference(case):
     fmt, shape, sw, bn, k_splits = case
     problem, ref = gpu_problem(fmt, shape)
-    config = hs.StreamConfig(sw, bn, 1, 2, small_n_warps=8)
-    spec = hs.check_can_implement(problem, config)
-    out = hs.grouped_matmul_h200(problem, config, k_splits=k_splits)
+    config = Stream(sw, bn, 1, 2, small_n_warps=8)
+    spec = plan_spec(problem, config)
+    out = run(problem, config, k_splits=k_splits)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
 
@@ -1516,12 +1525,12 @@ def test_gpu_the_plan_runs_and_matches_the_reference(case):
     fmt, n, k, sizes, ids, (mma_bn, warps) = case
     problem = _problem(fmt, n=n, k=k, group_sizes=sizes, expert_ids=ids, num_experts=8,
                        seed=zlib.crc32(f"plan/{fmt}/{n}".encode()))
-    plan = gbs.api.h200_stream_knobs(problem)
-    assert (plan.mma_bn, plan.small_n_warps) == (mma_bn, warps)
+    plan = gbs_plan.plan_h200(problem, backend="h200_stream")
+    assert (plan.spec.mma_bn, plan.spec.small_n_warps) == (mma_bn, warps)
     out = gbs.grouped_matmul(problem, backend="h200_stream")
     ref = reference_grouped_matmul(problem)
     result = check_acceptance(problem, out, ref)
-    assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(problem, plan), out, ref)}"
+    assert result.passed, f"{result}\n{diagnose(problem, plan.spec, out, ref)}"
 
 
 @pytest.mark.gpu
@@ -1529,11 +1538,11 @@ def test_gpu_prepared_launch_reruns_identically_and_keeps_skipped_rows():
     from numba import cuda
 
     problem, ref = gpu_problem("nvfp4", "n512_k7168")
-    config = hs.StreamConfig(True, 8, 1)
+    config = Stream(True, 8, 1)
     device_problem = launch.to_device(problem)
     sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
     device_out = cuda.to_device(sentinel)
-    prepared = hs.prepare(device_problem, config, device_out)
+    prepared = prepare(device_problem, config, device_out)
     prepared()
     first = device_out.copy_to_host()
     for _ in range(3):
@@ -1544,7 +1553,7 @@ def test_gpu_prepared_launch_reruns_identically_and_keeps_skipped_rows():
     assert np.all(first[skipped] == 0x1234), "rows of -1 slots are never written"
     out = first.view(BF16)
     poisoned = np.where(skipped[:, None], ref.view(np.uint16), first).view(BF16)
-    assert check_acceptance(problem, poisoned, ref).passed, diagnose(problem, prepared.spec, out, ref)
+    assert check_acceptance(problem, poisoned, ref).passed, diagnose(problem, prepared.plan.ring, out, ref)
 
 
 def rerun_and_check(problem, ref, config, launches=3, **prepare_args):
@@ -1555,7 +1564,7 @@ def rerun_and_check(problem, ref, config, launches=3, **prepare_args):
 
     sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
     device_out = cuda.to_device(sentinel)
-    prepared = hs.prepare(launch.to_device(problem), config, device_out, **prepare_args)
+    prepared = prepare(launch.to_device(problem), config, device_out, **prepare_args)
     skipped = ~problem.written_rows()
     for launch_index in range(launches):
         device_out.copy_to_device(sentinel)
@@ -1564,8 +1573,8 @@ def rerun_and_check(problem, ref, config, launches=3, **prepare_args):
         assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
         merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(BF16)
         result = check_acceptance(problem, merged, ref)
-        assert result.passed, f"launch {launch_index}: {result}\n{diagnose(problem, prepared.spec, merged, ref)}"
-        if prepared.k_splits > 1:
+        assert result.passed, f"launch {launch_index}: {result}\n{diagnose(problem, prepared.plan.ring, merged, ref)}"
+        if prepared.plan.k_splits > 1:
             assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
         assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
     return prepared
@@ -1577,8 +1586,8 @@ def test_gpu_dynamic_items_cover_every_tile_and_leave_the_counter_zero(num_ctas)
     """Grids far smaller than the tile count: past the first wave every item comes from the global
     counter; three launches in a row give the reference's result and leave the counters at zero."""
     problem, ref = gpu_problem("nvfp4", "n512_k7168")
-    prepared = rerun_and_check(problem, ref, hs.StreamConfig(True, 8, 1), num_ctas=num_ctas, k_splits=1)
-    assert prepared.spec.dynamic_items and prepared.num_ctas == num_ctas
+    prepared = rerun_and_check(problem, ref, Stream(True, 8, 1), num_ctas=num_ctas, k_splits=1)
+    assert prepared.plan.ring.dynamic_items and prepared.plan.num_ctas == num_ctas
 
 
 def test_h200_weight_order_decodes_to_the_packed_registers():
@@ -1637,23 +1646,23 @@ def test_h200_weight_layout_reaches_the_spec_and_is_refused_where_it_cannot_appl
     signed = dataclasses.replace(problem, b_scales=problem.b_scales | np.uint8(0x80))
     with pytest.raises(ValueError, match="has the sign bit set"):
         signed.with_b_layout(layout)
-    config = hs.StreamConfig(True, 8, 1)
-    assert hs.check_can_implement(relaid, config).b_layout == layout
-    assert hs.check_can_implement(problem, config).b_layout == "packed"
-    assert hs.check_can_implement(relaid, config).m_side.layout == layout
-    assert hs.check_can_implement(relaid, config).n_side.layout == "packed"   # tokens stay packed
+    config = Stream(True, 8, 1)
+    assert plan_spec(relaid, config).b_layout == layout
+    assert plan_spec(problem, config).b_layout == "packed"
+    assert plan_spec(relaid, config).m_side.layout == layout
+    assert plan_spec(relaid, config).n_side.layout == "packed"   # tokens stay packed
     with pytest.raises(ValueError, match="re-lays FP4"):
         _problem("mxfp8", n=128, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(layout)
     with pytest.raises(ValueError, match="b_layout must be one of"):
         problem.with_b_layout("tiled")
     with pytest.raises(ValueError, match="b_layout must be one of"):
         hr.StreamSpec("nvfp4", "nvfp4", True, 8, 1, 2, b_layout="tiled")
-    from gbs.numba_kernels import h200_wgmma, simt, sm100
+    from gbs.numba_kernels import simt, sm100
     with pytest.raises(ValueError, match="SIMT kernel reads b in 'packed' order"):
         simt.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
     with pytest.raises(ValueError, match="SM100 kernel reads b in 'packed' order"):
         sm100.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
-    wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
+    wgmma_spec = plan_spec(relaid, Wgmma(128))
     assert wgmma_spec.b_layout == layout and wgmma_spec.ring.weight_side.layout == layout
     if layout == LAYOUT_E2M1_H200_FUSED:   # b holds a copy of the scales too; its bytes come only with them
         assert relaid.nbytes() == {**problem.nbytes(), "b": problem.b.nbytes + problem.b_scales.nbytes}
@@ -1679,12 +1688,12 @@ def test_h200_token_layout_reaches_the_spec_and_is_refused_where_it_cannot_apply
     np.testing.assert_array_equal(reference_grouped_matmul(relaid).view(np.uint16),
                                   reference_grouped_matmul(problem).view(np.uint16))
     np.testing.assert_array_equal(relaid.with_a_layout("packed").a, problem.a)
-    for config, token_side in ((hs.StreamConfig(True, 8, 1), "n_side"), (hs.StreamConfig(False, 128, 1), "m_side")):
-        spec = hs.check_can_implement(relaid, config)
+    for config, token_side in ((Stream(True, 8, 1), "n_side"), (Stream(False, 128, 1), "m_side")):
+        spec = plan_spec(relaid, config)
         assert spec.a_layout == LAYOUT_E2M1_H200 and getattr(spec, token_side).layout == LAYOUT_E2M1_H200
         assert spec.weight_side.layout == "packed"
-    from gbs.numba_kernels import h200_wgmma, simt, sm100
-    wgmma_spec = h200_wgmma.check_can_implement(relaid, h200_wgmma.WgmmaConfig(128))
+    from gbs.numba_kernels import simt, sm100
+    wgmma_spec = plan_spec(relaid, Wgmma(128))
     assert wgmma_spec.ring.token_side.layout == LAYOUT_E2M1_H200 and wgmma_spec.ring.weight_side.layout == "packed"
     with pytest.raises(ValueError, match="SIMT kernel reads a in 'packed' order"):
         simt.check_can_implement(relaid, schedule.TileConfig(True, 8, 1))
@@ -1731,14 +1740,14 @@ def test_gpu_h200_weight_layout_gives_the_same_bits(case, layout):
     land in any order) and passes the reference either way."""
     fmt, shape, sw, bn, cg, splits = case
     problem, ref = gpu_problem(fmt, shape)
-    config = hs.StreamConfig(sw, bn, cg)
+    config = Stream(sw, bn, cg)
     relaid = problem.with_b_layout(layout)
-    assert hs.check_can_implement(relaid, config).b_layout == layout
-    out = hs.grouped_matmul_h200(relaid, config, k_splits=splits)
+    assert plan_spec(relaid, config).b_layout == layout
+    out = run(relaid, config, k_splits=splits)
     result = check_acceptance(problem, out, ref)
-    assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"
+    assert result.passed, f"{result}\n{diagnose(problem, plan_spec(relaid, config), out, ref)}"
     if splits == 1:
-        packed = hs.grouped_matmul_h200(problem, config, k_splits=1)
+        packed = run(problem, config, k_splits=1)
         np.testing.assert_array_equal(out.view(np.uint16), packed.view(np.uint16))
 
 
@@ -1751,13 +1760,13 @@ def test_gpu_h200_token_layout_gives_the_same_bits(case):
     token decode (not swapped) give bit-identical output."""
     fmt, shape, sw, bn, cg, warps = case
     problem, ref = gpu_problem(fmt, shape)
-    config = hs.StreamConfig(sw, bn, cg, AUTO_STAGES, warps)
+    config = Stream(sw, bn, cg, AUTO_STAGES, warps)
     relaid = problem.with_a_layout(LAYOUT_E2M1_H200)
-    assert hs.check_can_implement(relaid, config).token_side.layout == LAYOUT_E2M1_H200
-    out = hs.grouped_matmul_h200(relaid, config, k_splits=1)
+    assert plan_spec(relaid, config).token_side.layout == LAYOUT_E2M1_H200
+    out = run(relaid, config, k_splits=1)
     result = check_acceptance(problem, out, ref)
-    assert result.passed, f"{result}\n{diagnose(problem, hs.check_can_implement(relaid, config), out, ref)}"
-    np.testing.assert_array_equal(out.view(np.uint16), hs.grouped_matmul_h200(problem, config, k_splits=1).view(np.uint16))
+    assert result.passed, f"{result}\n{diagnose(problem, plan_spec(relaid, config), out, ref)}"
+    np.testing.assert_array_equal(out.view(np.uint16), run(problem, config, k_splits=1).view(np.uint16))
 
 
 def _with_zero_and_nan_scales(problem, rng):
@@ -1776,16 +1785,15 @@ def test_gpu_h200_scale_codes_keep_zero_and_nan_blocks(kernel):
     """Both operands in the H200 order, UE4M3 scales as codes, with zero-scale blocks whose element codes
     are not zero and one NaN weight block: the same output bits as the packed operands (NaN where they are
     NaN), and the reference's values wherever the NaN block does not reach."""
-    from gbs.numba_kernels import h200_wgmma as hw
 
     base, _ = gpu_problem("nvfp4", "n512_k7168")
     problem = _with_zero_and_nan_scales(base, np.random.default_rng(23))
     relaid = problem.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
     assert np.any(relaid.b_scales == UE4M3H200Scales.ZERO_BYTE) and np.any(relaid.b_scales == UE4M3H200Scales.NAN_BYTE)
     if kernel == "h200_stream":
-        run = lambda p: hs.grouped_matmul_h200(p, hs.StreamConfig(True, 8, 1), k_splits=1)   # noqa: E731
+        run = lambda p: run(p, Stream(True, 8, 1), k_splits=1)   # noqa: E731
     else:
-        run = lambda p: hw.grouped_matmul_h200(p, hw.WgmmaConfig(128, AUTO_STAGES, tile_tokens=256))   # noqa: E731
+        run = lambda p: run(p, Wgmma(128, AUTO_STAGES, tile_tokens=256))   # noqa: E731
     packed, coded = run(problem).view(np.uint16), run(relaid).view(np.uint16)
     np.testing.assert_array_equal(coded, packed)
     ref = reference_grouped_matmul(problem)
@@ -1815,8 +1823,8 @@ def test_gpu_split_k_matches_the_reference_and_cleans_up(case):
     launch reruns correctly)."""
     fmt, sw, bn, cg, k_splits = case
     problem, ref = gpu_problem(fmt, "n512_k7168")
-    prepared = rerun_and_check(problem, ref, hs.StreamConfig(sw, bn, cg, 2), k_splits=k_splits)
-    assert prepared.k_splits == k_splits and prepared.spec.split_k
+    prepared = rerun_and_check(problem, ref, Stream(sw, bn, cg, 2), k_splits=k_splits)
+    assert prepared.plan.k_splits == k_splits and prepared.plan.ring.split_k
 
 
 @pytest.mark.gpu
@@ -1828,9 +1836,9 @@ def test_gpu_quantized_real_data_decode(fmt):
     weights = random_weights(rng, 3, 256, 1024)
     acts = random_activations(rng, int(np.sum(sizes)), 1024)
     problem = build_problem(acts, weights, sizes, ids, fmt=fmt)
-    config = hs.StreamConfig(True, 8, 1)
-    spec = hs.check_can_implement(problem, config)
-    out = hs.grouped_matmul_h200(problem, config)
+    config = Stream(True, 8, 1)
+    spec = plan_spec(problem, config)
+    out = run(problem, config)
     ref = reference_grouped_matmul(problem)
     result = check_acceptance(problem, out, ref)
     assert result.passed, f"{result}\n{diagnose(problem, spec, out, ref)}"
@@ -1840,7 +1848,7 @@ def test_gpu_quantized_real_data_decode(fmt):
 def test_gpu_compiled_kernel_resources():
     """The JIT overload that runs: no local memory, dynamic shared memory as budgeted."""
     spec = spec_of("nvfp4", CONFIGS["large_prefill"])
-    kernel = hs.compiled_kernel(spec)
+    kernel = hl.compiled_kernel(spec)
     assert kernel.local_bytes == 0
     assert kernel.dynamic_smem_bytes == spec.smem.dynamic_bytes
     assert kernel.dynamic_smem_bytes + kernel.static_smem_bytes <= launch.device_smem_optin_limit()
@@ -1848,11 +1856,11 @@ def test_gpu_compiled_kernel_resources():
     # (93 registers <= 96: 528 decode CTAs, H200 runs 55-56), W4A8 bn32 (122 registers: 396 CTAs, bench run 60)
     for fmt, bn, warps, ctas, resident in (("nvfp4", 8, 4, 3, 4), ("nvfp4", 16, 4, 3, 3), ("w4a8", 32, 4, 2, 3),
                                             ("nvfp4", 32, 8, 2, 2)):
-        small = spec_of(fmt, hs.StreamConfig(True, bn, 1), stages=2, small_n_warps=warps)
-        built = hs.compiled_kernel(small)
+        small = spec_of(fmt, Stream(True, bn, 1), stages=2, small_n_warps=warps)
+        built = hl.compiled_kernel(small)
         assert built.local_bytes == 0
         assert small.min_ctas_per_sm == ctas
-        assert hs.resident_ctas_per_sm(small, built.registers) == resident, (fmt, bn, warps, built.registers)
+        assert hl.resident_ctas_per_sm(small, built.registers) == resident, (fmt, bn, warps, built.registers)
 
 
 def test_gpu_case_list_covers_every_format_and_knob():
@@ -1866,9 +1874,9 @@ def test_gpu_case_list_covers_every_format_and_knob():
     assert 0 in sizes and 1 in sizes and -1 in GPU_EXPERT_IDS and sizes.max() > 256
     for fmt, shape, sw, bn, cg, stages, _ in GPU_CASES:
         n, k = GPU_SHAPES[shape]
-        assert k % spec_of(fmt, hs.StreamConfig(sw, bn, cg)).k_slice == 0
+        assert k % spec_of(fmt, Stream(sw, bn, cg)).k_slice == 0
         a, b = PROBLEM_FORMATS[fmt]
-        assert stages == MAX or stages <= hs.max_pipeline_stages(a, b, hs.StreamConfig(sw, bn, cg))
+        assert stages == MAX or stages <= max_stages(a, b, Stream(sw, bn, cg))
 
 
 def test_formats_module_constants_agree_with_quant():
@@ -1922,7 +1930,7 @@ def test_trace_phases_are_the_gaps_between_reached_events():
 def test_trace_build_stamps_and_the_plain_build_does_not():
     """Offline (sm_90a): the trace build reads %globaltimer / %clock64 (SASS S2UR / CS2R of them); the plain
     build reads no timer in its K loop or anywhere but the bounded waits' deadlock timer."""
-    spec = spec_of("nvfp4", hs.StreamConfig(True, 8, 1), stages=2)
+    spec = spec_of("nvfp4", Stream(True, 8, 1), stages=2)
     texts = {}
     for trace in (False, True):
         traced = dataclasses.replace(spec, trace=trace)

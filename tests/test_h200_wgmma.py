@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from gbs.lab.bench import synthetic_problem
-from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM
+from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, dispatch_for
+from gbs import plan as gbs_plan
 from gbs.numba_kernels import h200_decode as hd
 from gbs.numba_kernels import h200_ring as hr
-from gbs.numba_kernels import h200_stream as hs
+
 from gbs.numba_kernels import h200_wgmma as hw
 from gbs.numba_kernels import launch
 from gbs.problem import PROBLEM_FORMATS
@@ -25,6 +26,7 @@ from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
 from gbs.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, get_format, scale_byte_offset
 from gbs.reference import check_acceptance, reference_grouped_matmul
+from h200_knobs import plan_spec, prepare, run, Wgmma
 
 FORMATS = tuple(PROBLEM_FORMATS)
 FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN]
@@ -244,34 +246,38 @@ def test_256_token_tiles_cover_each_token_row_once():
         assert sorted(rows) == list(range(256)) and set(rows.values()) == {1}
 
 
-@pytest.mark.parametrize("config, error, match", [
-    (hs.StreamConfig(True, 128, 1), ValueError, "mma_bn in \\(32, 64\\) with ab_swapped=True"),
-    (hs.StreamConfig(True, 8, 1), ValueError, "mma_bn in \\(32, 64\\) with ab_swapped=True"),
-    (types.SimpleNamespace(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group=1"),
-    (hw.WgmmaConfig(128, 9), ValueError, "do not fit"),
-    (object(), TypeError, "mma_bn"),
+@pytest.mark.parametrize("constraints, error, match", [
+    (dict(ab_swapped=True, mma_bn=128), ValueError, "mma_bn in \\(32, 64\\) with ab_swapped=True"),
+    (dict(ab_swapped=True, mma_bn=8), ValueError, "mma_bn in \\(32, 64\\) with ab_swapped=True"),
+    (dict(ab_swapped=False, mma_bn=128, cta_group=2), ValueError, "cta_group 1"),
+    (dict(mma_bn=128, stages=9), ValueError, "do not fit"),
+    (dict(mma_n=128), TypeError, "unknown plan constraints"),
 ])
-def test_illegal_configs_are_refused_with_the_reason(config, error, match):
+def test_illegal_constraints_are_refused_with_the_reason(constraints, error, match):
     with pytest.raises(error, match=match):
-        hw.check_can_implement(_problem("nvfp4"), config)
+        gbs_plan.plan_h200(_problem("nvfp4"), backend="h200_wgmma", **constraints)
 
 
-def test_wgmma_config_checks_its_knobs():
+def test_a_config_with_a_pair_is_refused():
+    problem = _problem("nvfp4")
+    decision = dataclasses.replace(dispatch_for(problem), ab_swapped=True, mma_bn=64, cta_group=2)
+    with pytest.raises(ValueError, match="cta_group=1 only"):
+        gbs_plan.plan_h200(problem, decision, "h200_wgmma")
+
+
+def test_wgmma_spec_checks_its_knobs():
     with pytest.raises(ValueError, match="mma_bn in"):
-        hw.WgmmaConfig(64)
-    with pytest.raises(TypeError):
-        hw.WgmmaConfig(128, 2.0)
-    assert hw.WgmmaConfig.of(hs.StreamConfig(False, 256, 1, 3)) == hw.WgmmaConfig(256, 3)
-    assert hw.WgmmaConfig.of(hw.WgmmaConfig(128, tile_tokens=256)).tile_tokens == 256
+        hw.WgmmaSpec("nvfp4", "nvfp4", 64, 2)
+    with pytest.raises(TypeError, match="stages must be an int"):
+        hw.WgmmaSpec("nvfp4", "nvfp4", 128, 2.0)
     with pytest.raises(ValueError, match="tile_tokens in"):
-        hw.WgmmaConfig(128, tile_tokens=192)
+        hw.WgmmaSpec("nvfp4", "nvfp4", 128, 2, tile_tokens=192)
     with pytest.raises(ValueError, match="tile_tokens=256 takes mma_bn"):
-        hw.WgmmaConfig(256, tile_tokens=256)   # 2 x 128 accumulators per thread
-    assert hw.WgmmaConfig.of(hs.StreamConfig(True, 32, 1, 4)) == hw.WgmmaConfig(32, 4, ab_swapped=True)
+        hw.WgmmaSpec("nvfp4", "nvfp4", 256, 2, tile_tokens=256)   # 2 x 128 accumulators per thread
     with pytest.raises(ValueError, match="ab_swapped False"):
-        hw.WgmmaConfig(32, tile_tokens=256, ab_swapped=True)
+        hw.WgmmaSpec("nvfp4", "nvfp4", 32, 2, tile_tokens=256, ab_swapped=True)
     with pytest.raises(TypeError, match="ab_swapped must be a bool"):
-        hw.WgmmaConfig(32, ab_swapped=1)
+        hw.WgmmaSpec("nvfp4", "nvfp4", 32, 2, ab_swapped=1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -292,7 +298,7 @@ def test_256_token_tiles_share_one_weight_decode(fmt):
 
 def test_k_not_a_multiple_of_the_slice_is_refused():
     with pytest.raises(ValueError, match="pad K"):
-        hw.check_can_implement(_problem("nvfp4", k=384), hw.WgmmaConfig(128))
+        plan_spec(_problem("nvfp4", k=384), Wgmma(128))
 
 
 # Local memory the offline compile may use (ptxas 13.5), per (mma_bn, tile_tokens). 128 x 128: nothing in
@@ -379,10 +385,16 @@ def test_three_buffers_are_the_fewest_the_sub_step_order_allows():
 
 
 def _metadata(fmt, n, slots, tokens_per_expert, k=7168):
-    """Host metadata of a balanced problem: all ``wgmma_plan`` reads."""
+    """Host metadata of a balanced problem: all the plan reads."""
     a_format, b_format = (get_format(name) for name in PROBLEM_FORMATS[fmt])
-    return types.SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=k,
-                                 num_active_experts=slots, estimated_total_m=slots * tokens_per_expert)
+    return types.SimpleNamespace(a_format=a_format, b_format=b_format, n=n, k=k, num_active_experts=slots,
+                                 estimated_total_m=slots * tokens_per_expert, total_tokens=slots * tokens_per_expert)
+
+
+def wgmma_plan(problem) -> Wgmma:
+    """The wgmma kernel's knobs the plan's rules pick for ``problem`` (stages: the deepest, resolved later)."""
+    knobs, _ = gbs_plan.wgmma_knobs(problem)
+    return Wgmma(**knobs)
 
 
 # what compare run 64 (run 63 for W4A8, sweep run 69 for NVFP4) measured faster: 256-token tiles or the
@@ -396,10 +408,10 @@ def _metadata(fmt, n, slots, tokens_per_expert, k=7168):
 ])
 def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slots, tokens, want_tokens):
     problem = _metadata(fmt, n, slots, tokens)
-    plan = hw.wgmma_plan(problem)
+    plan = wgmma_plan(problem)
     assert plan.tile_tokens == want_tokens
-    assert plan.mma_bn == (128 if want_tokens == 256 or hw._both_fp4(problem) else 256)
-    assert plan.num_pipeline_stages == AUTO_STAGES
+    assert plan.mma_bn == (128 if want_tokens == 256 or gbs_plan._both_fp4(problem) else 256)
+    assert plan.stages == AUTO_STAGES
 
 
 @pytest.mark.parametrize("tiles, k_slices, want", [
@@ -414,7 +426,7 @@ def test_plan_takes_256_token_tiles_where_they_were_measured_faster(fmt, n, slot
     (1, 11, (1, 11)), (30, 14, (4, 4)),   # below 12 slices never; 14 slices in 4 runs (4, 4, 4, 2)
 ])
 def test_swapped_k_splits_fill_one_wave_with_runs_of_at_least_two_slices(tiles, k_slices, want):
-    assert hw.swapped_k_splits(tiles, k_slices, hs.H200_SM_COUNT) == want
+    assert gbs_plan.swapped_k_splits(tiles, k_slices, gbs_plan.H200_SM_COUNT) == want
     runs, per_run = want
     assert (runs - 1) * per_run < k_slices <= runs * per_run
 
@@ -422,9 +434,9 @@ def test_swapped_k_splits_fill_one_wave_with_runs_of_at_least_two_slices(tiles, 
 def test_swapped_k_splits_refuses_bad_counts():
     for bad in ((0, 28, 132), (32, 0, 132), (32, 28, 0)):
         with pytest.raises(ValueError, match="must be >= 1"):
-            hw.swapped_k_splits(*bad)
+            gbs_plan.swapped_k_splits(*bad)
     with pytest.raises(TypeError, match="must be an int"):
-        hw.swapped_k_splits(32.0, 28, 132)
+        gbs_plan.swapped_k_splits(32.0, 28, 132)
 
 
 # what sweep runs 107-108 measured fastest at 32 experts, 4096 x 7168 (notes/h200 "Session 24"): (mma_bn, ab_swapped)
@@ -440,8 +452,8 @@ def test_swapped_k_splits_refuses_bad_counts():
     ("mxfp8", 4096, 32, 48, (256, False)), ("w4a8", 4096, 32, 64, (256, False)),   # FP8 tokens: never swapped
 ])
 def test_plan_takes_swapped_tiles_where_they_were_measured_faster(fmt, n, slots, tokens, want):
-    plan = hw.wgmma_plan(_metadata(fmt, n, slots, tokens))
-    assert (plan.mma_bn, plan.ab_swapped) == want and plan.num_pipeline_stages == AUTO_STAGES
+    plan = wgmma_plan(_metadata(fmt, n, slots, tokens))
+    assert (plan.mma_bn, plan.ab_swapped) == want and plan.stages == AUTO_STAGES
     if plan.ab_swapped:
         assert plan.tile_tokens == 128
 
@@ -495,7 +507,7 @@ def test_auto_takes_swapped_tiles_from_17_fp4_tokens_at_any_tile_count(fmt, n, s
     """With split-K runs for few swapped tiles (``swapped_k_splits``) the swapped tiles beat the streaming
     kernel's split-K at every tile count measured (8-128 tiles, K 2048-7168): ``prefers`` is the average
     tokens per expert alone for FP4 x FP4; FP8 tokens also from 17 where their swapped tiles split."""
-    assert hw.prefers(_metadata(fmt, n, slots, tokens, k)) is want
+    assert (gbs_plan.prefers_wgmma(_metadata(fmt, n, slots, tokens, k)) is not None) is want
 
 
 def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
@@ -509,7 +521,7 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     assert set(device.host_routing) == {"a_offsets", "expert_ids"}
     assert device.host_routing["a_offsets"] is not problem.a_offsets, "a copy: later edits do not move the plan"
     np.testing.assert_array_equal(device.host_routing["expert_ids"], problem.expert_ids)
-    assert hw.estimated_tiles(device, 32, hr.TILE_M_ROWS) == 30      # six live groups x 5 bands
+    assert gbs_plan.estimated_tiles(device, 32, hr.TILE_M_ROWS) == 30      # six live groups x 5 bands
     carried = types.SimpleNamespace(**{f: getattr(problem, f) for f in ("a_format", "b_format", "num_active_experts",
                                                                         "estimated_total_m", "n", "k", "b_layout",
                                                                         "a_layout")},
@@ -521,8 +533,8 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
     opaque.a_offsets = types.SimpleNamespace(shape=problem.a_offsets.shape)   # not a host array: no copy kept
     averaged = launch.to_device(opaque)
     assert averaged.host_routing is None
-    assert hw.estimated_tiles(averaged, 32, hr.TILE_M_ROWS) == 40    # 8 slots of ceil(175 / 8) = 22 tokens
-    assert hw.swapped_k_splits(30, 16, hs.H200_SM_COUNT)[0] == 4 and hw.swapped_k_splits(40, 16, hs.H200_SM_COUNT)[0] == 3
+    assert gbs_plan.estimated_tiles(averaged, 32, hr.TILE_M_ROWS) == 40    # 8 slots of ceil(175 / 8) = 22 tokens
+    assert gbs_plan.swapped_k_splits(30, 16, gbs_plan.H200_SM_COUNT)[0] == 4 and gbs_plan.swapped_k_splits(40, 16, gbs_plan.H200_SM_COUNT)[0] == 3
 
 
 @pytest.mark.parametrize("fmt, n, slots, tokens, want", [
@@ -537,22 +549,22 @@ def test_device_problem_keeps_host_routing_for_the_split_estimate(monkeypatch):
 ])
 def test_fp8_tokens_take_swapped_tiles_where_they_split(fmt, n, slots, tokens, want):
     problem = _metadata(fmt, n, slots, tokens)
-    plan = hw.fp8_tokens_swapped_plan(problem)
+    swapped_bn = gbs_plan.fp8_tokens_swapped_bn(problem)
     if want is None:
-        assert plan is None
+        assert swapped_bn is None
         return
     bn, runs = want
-    assert plan == hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True) and hw.wgmma_plan(problem) == plan
+    assert swapped_bn == bn and wgmma_plan(problem) == Wgmma(bn, AUTO_STAGES, ab_swapped=True)
     k_slices = problem.k // hr.k_slice_elements(problem.a_format, problem.b_format)
-    assert hw.swapped_k_splits(hw.estimated_tiles(problem, bn, hr.TILE_M_ROWS), k_slices, hs.H200_SM_COUNT)[0] == runs
+    assert gbs_plan.swapped_k_splits(gbs_plan.estimated_tiles(problem, bn, hr.TILE_M_ROWS), k_slices, gbs_plan.H200_SM_COUNT)[0] == runs
 
 
 def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
     problem = _metadata("mxfp4", 4096, 16, 384)   # 3 tiles of 128 or 2 of 256 per expert, 32 columns
-    assert hw.estimated_tile_work(problem, 128, 128, 1.0) == pytest.approx(16 * 3 * 32 / 132 * 128 * 128)
-    assert hw.estimated_tile_work(problem, 256, 128, 0.5) == pytest.approx(16 * 2 * 32 / 132 * 256 * 128 * 0.5)
+    assert gbs_plan.estimated_tile_work(problem, 128, 128, 1.0) == pytest.approx(16 * 3 * 32 / 132 * 128 * 128)
+    assert gbs_plan.estimated_tile_work(problem, 256, 128, 0.5) == pytest.approx(16 * 2 * 32 / 132 * 256 * 128 * 0.5)
     single = _metadata("mxfp4", 4096, 1, 256)     # fewer tiles than SMs: one wave, whatever the count
-    assert hw.estimated_tile_work(single, 128, 128, 1.0) == 128 * 128
+    assert gbs_plan.estimated_tile_work(single, 128, 128, 1.0) == 128 * 128
 
 
 def test_plan_counts_each_ragged_group_s_own_tiles_on_host_problems():
@@ -564,26 +576,26 @@ def test_plan_counts_each_ragged_group_s_own_tiles_on_host_problems():
     sizes = case.group_sizes()
     for fmt in ("nvfp4", "mxfp4"):
         averaged = _metadata(fmt, case.n, case.slots, case.tokens_per_expert)
-        assert hw.wgmma_plan(averaged).tile_tokens == 256   # a device problem: the average only
+        assert wgmma_plan(averaged).tile_tokens == 256   # a device problem: the average only
         host = types.SimpleNamespace(**vars(averaged), expert_ids=np.arange(case.slots, dtype=np.int32),
                                      a_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32))
-        assert hw.tile_token_rows(host, 128) == 10240 and hw.tile_token_rows(host, 256) == 12800
-        assert hw.wgmma_plan(host).tile_tokens == 128
+        assert gbs_plan.tile_token_rows(host, 128) == 10240 and gbs_plan.tile_token_rows(host, 256) == 12800
+        assert wgmma_plan(host).tile_tokens == 128
     # -1 slots cost no tiles, empty groups none either
     skipped = types.SimpleNamespace(**vars(_metadata("mxfp4", 4096, 3, 200)), expert_ids=np.array([0, -1, 2]),
                                     a_offsets=np.array([0, 300, 600, 600], np.uint32))
-    assert hw.tile_token_rows(skipped, 128) == 384 and hw.tile_token_rows(skipped, 256) == 512
+    assert gbs_plan.tile_token_rows(skipped, 128) == 384 and gbs_plan.tile_token_rows(skipped, 256) == 512
     real = synthetic_problem("mxfp4", n=256, k=256, group_sizes=[300, 0, 40], expert_ids=[0, 1, -1], num_experts=2)
-    assert hw.tile_token_rows(real, 128) == 384
+    assert gbs_plan.tile_token_rows(real, 128) == 384
 
 
 def test_a_kernel_config_decided_for_other_formats_is_refused():
-    from gbs.dispatch import dispatch_for
+
 
     problem = _problem("w4a8")
     mxfp8 = dispatch_for(_problem("mxfp8"))
     with pytest.raises(ValueError, match="config was decided for"):
-        hw.check_can_implement(problem, mxfp8)
+        plan_spec(problem, mxfp8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,10 +624,10 @@ def ragged_gpu_problem(fmt: str, n: int, seed_tag: str):
 def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
     problem = ragged_gpu_problem(fmt, 4096 + 64, f"wgmma/{fmt}")
     ref = reference_grouped_matmul(problem)
-    config = hw.WgmmaConfig(bn, AUTO_STAGES, tile_tokens=tile_tokens)
-    out = hw.grouped_matmul_h200(problem, config)   # poisoned output: skipped rows keep it
+    config = Wgmma(bn, AUTO_STAGES, tile_tokens=tile_tokens)
+    out = run(problem, config)   # poisoned output: skipped rows keep it
     result = check_acceptance(problem, out, ref)
-    assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+    assert result.passed, f"{plan_spec(problem, config)}: {result}"
 
 
 # swapped tiles (weights on M, tokens on N): every way the B decode splits (4, 2 and 1 quarters per item)
@@ -630,10 +642,10 @@ def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
     token tiles and a partial last one), N not a multiple of the 128-row weight tile; poisoned output (skipped
     rows keep the poison: ``check_acceptance``)."""
     problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped/{fmt}/{bn}")
-    config = hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True)
-    out = hw.grouped_matmul_h200(problem, config)
+    config = Wgmma(bn, AUTO_STAGES, ab_swapped=True)
+    out = run(problem, config)
     result = check_acceptance(problem, out, reference_grouped_matmul(problem))
-    assert result.passed, f"{hw.check_can_implement(problem, config)}: {result}"
+    assert result.passed, f"{plan_spec(problem, config)}: {result}"
 
 
 SWAPPED_SPLIT_GPU_CASES = [("nvfp4", 32, 2), ("mxfp4", 32, 4), ("nvfp4", 64, 3), ("w4a8", 32, 5), ("mxfp8", 64, 3)]
@@ -648,8 +660,8 @@ def run_split_launch_three_times(problem, config, k_splits):
     ref = reference_grouped_matmul(problem)
     sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
     device_out = cuda.to_device(sentinel)
-    prepared = hw.prepare(launch.to_device(problem), config, device_out, k_splits=k_splits)
-    assert prepared.k_splits > 1 and prepared.spec.split_k
+    prepared = prepare(launch.to_device(problem), config, device_out, k_splits=k_splits)
+    assert prepared.plan.k_splits > 1 and prepared.plan.ring.split_k
     skipped = ~problem.written_rows()
     for _ in range(3):
         device_out.copy_to_device(sentinel)
@@ -658,7 +670,7 @@ def run_split_launch_three_times(problem, config, k_splits):
         assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
         merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
         result = check_acceptance(problem, merged, ref)
-        assert result.passed, f"{prepared.k_splits} runs: {result}"
+        assert result.passed, f"{prepared.plan.k_splits} runs: {result}"
         assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
         assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
     return prepared
@@ -670,7 +682,7 @@ def test_gpu_swapped_split_k_matches_the_reference_and_cleans_up(fmt, bn, k_spli
     """Swapped tiles in split-K runs (``prepare(k_splits=...)``): every run adds its partial, the tile's last run
     reads the sums back and stores."""
     problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped-split/{fmt}/{bn}")
-    run_split_launch_three_times(problem, hw.WgmmaConfig(bn, AUTO_STAGES, ab_swapped=True), k_splits)
+    run_split_launch_three_times(problem, Wgmma(bn, AUTO_STAGES, ab_swapped=True), k_splits)
 
 
 @pytest.mark.gpu
@@ -684,11 +696,11 @@ def test_gpu_few_swapped_tiles_split_k_by_default(fmt):
     problem = synthetic_problem(fmt, n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],
                                 expert_ids=[3, 0, 5, 1, -1, 2, 4, 6], num_experts=7,
                                 seed=zlib.crc32(f"wgmma-swapped-default-split/{fmt}".encode()))
-    config = hw.wgmma_plan(problem)
+    config = wgmma_plan(problem)
     assert (config.ab_swapped, config.mma_bn) == (True, 32)
     prepared = run_split_launch_three_times(problem, config, None)
-    want = hw.swapped_k_splits(hw.estimated_tiles(problem, 32, hr.TILE_M_ROWS), 16, hs.H200_SM_COUNT)[0]
-    assert prepared.k_splits == want == 4
+    want = gbs_plan.swapped_k_splits(gbs_plan.estimated_tiles(problem, 32, hr.TILE_M_ROWS), 16, gbs_plan.H200_SM_COUNT)[0]
+    assert prepared.plan.k_splits == want == 4
 
 
 @pytest.mark.gpu
@@ -697,13 +709,13 @@ def test_gpu_swapped_tiles_read_the_h200_layouts_to_the_same_bits(fmt):
     """Swapped, FP4 weights fused with their scales (read on the M side) and FP4 tokens in ``E2M1H200Order``
     (decoded into the B buffer): bit-identical to packed operands."""
     problem = ragged_gpu_problem(fmt, 1024 + 128, f"wgmma-swapped-layouts/{fmt}")
-    config = hw.WgmmaConfig(32, AUTO_STAGES, ab_swapped=True)
-    packed = hw.grouped_matmul_h200(problem, config)
+    config = Wgmma(32, AUTO_STAGES, ab_swapped=True)
+    packed = run(problem, config)
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
     relaid = problem.with_a_layout("e2m1_h200").with_b_layout("e2m1_h200_fused")
-    spec = hw.check_can_implement(relaid, config)
+    spec = plan_spec(relaid, config)
     assert spec.ring.weight_side == spec.ring.m_side and spec.ring.weight_side.layout == "e2m1_h200_fused"
-    np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
+    np.testing.assert_array_equal(run(relaid, config).view(np.uint16), packed.view(np.uint16))
 
 
 @pytest.mark.gpu
@@ -717,11 +729,11 @@ def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn, layout):
     past N (it reads the next expert's first box; never stored)."""
     n = 1024 + (64 if layout == "e2m1_h200" else 128)
     problem = ragged_gpu_problem(fmt, n, f"wgmma-layout/{fmt}")
-    config = hw.WgmmaConfig(bn, AUTO_STAGES)
-    packed = hw.grouped_matmul_h200(problem, config)
+    config = Wgmma(bn, AUTO_STAGES)
+    packed = run(problem, config)
     relaid = problem.with_b_layout(layout)
-    assert hw.check_can_implement(relaid, config).ring.weight_side.layout == layout
-    np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
+    assert plan_spec(relaid, config).ring.weight_side.layout == layout
+    np.testing.assert_array_equal(run(relaid, config).view(np.uint16), packed.view(np.uint16))
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
 
 
@@ -731,12 +743,12 @@ def test_gpu_h200_token_layout_gives_the_same_bits(fmt, bn, tile_tokens):
     """FP4 tokens in ``E2M1H200Order`` (``a_layout``) decode to the same A fragments: bit-identical output,
     weights packed or re-laid too."""
     problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-token-layout/{fmt}/{tile_tokens}")
-    config = hw.WgmmaConfig(bn, AUTO_STAGES, tile_tokens=tile_tokens)
-    packed = hw.grouped_matmul_h200(problem, config)
+    config = Wgmma(bn, AUTO_STAGES, tile_tokens=tile_tokens)
+    packed = run(problem, config)
     assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
     for relaid in (problem.with_a_layout("e2m1_h200"), problem.with_a_layout("e2m1_h200").with_b_layout("e2m1_h200")):
-        assert hw.check_can_implement(relaid, config).ring.token_side.layout == "e2m1_h200"
-        np.testing.assert_array_equal(hw.grouped_matmul_h200(relaid, config).view(np.uint16), packed.view(np.uint16))
+        assert plan_spec(relaid, config).ring.token_side.layout == "e2m1_h200"
+        np.testing.assert_array_equal(run(relaid, config).view(np.uint16), packed.view(np.uint16))
 
 
 @pytest.mark.gpu
@@ -749,7 +761,7 @@ def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
     ref = reference_grouped_matmul(problem)
     sentinel = np.full((problem.total_tokens, problem.n), 0x1234, np.uint16)
     device_out = cuda.to_device(sentinel)
-    prepared = hw.prepare(launch.to_device(problem), hw.WgmmaConfig(128), device_out, num_ctas=3)
+    prepared = prepare(launch.to_device(problem), Wgmma(128), device_out, num_ctas=3)
     skipped = ~problem.written_rows()
     for _ in range(2):
         device_out.copy_to_device(sentinel)
@@ -768,11 +780,10 @@ def test_gpu_auto_backend_runs_prefill_on_wgmma():
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
-    from gbs.api import h200_kernel
 
     problem = synthetic_problem("nvfp4", n=640, k=1024, group_sizes=[300, 0, 200, 129], expert_ids=[1, 0, -1, 2],
                                 num_experts=3, seed=5)
-    assert h200_kernel(problem)[0] is hw
+    assert gbs_plan.plan_h200(problem).kernel == "h200_wgmma"
     out = gbs.grouped_matmul(problem)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
@@ -786,12 +797,11 @@ def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
-    from gbs.api import h200_kernel
 
     problem = synthetic_problem(fmt, n=4096, k=1024, group_sizes=[2000, 1, 0, 1500, 600],
                                 expert_ids=[2, 0, 1, 3, -1], num_experts=4, seed=7)
-    kernel, plan = h200_kernel(problem)
-    assert kernel is hw and plan.tile_tokens == 256
+    plan = gbs_plan.plan_h200(problem)
+    assert plan.kernel == "h200_wgmma" and plan.spec.tile_tokens == 256
     out = gbs.grouped_matmul(problem)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
@@ -806,14 +816,13 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
-    from gbs.api import h200_kernel, h200_weight_layout
 
     problem = synthetic_problem(fmt, n=4096 + 128, k=1024, group_sizes=sizes, expert_ids=[2, 0, -1, 3, 1, 4],
                                 num_experts=5, seed=zlib.crc32(f"auto-swapped/{fmt}".encode()))
-    relaid = problem.with_b_layout(h200_weight_layout(problem.b_format, problem.n, problem.k)).with_a_layout(
+    relaid = problem.with_b_layout(gbs_plan.h200_weight_layout(problem.b_format, problem.n, problem.k)).with_a_layout(
         "e2m1_h200")
-    kernel, plan = h200_kernel(relaid)
-    assert kernel is hw and (plan.ab_swapped, plan.mma_bn) == (True, want_bn)
+    plan = gbs_plan.plan_h200(relaid)
+    assert plan.kernel == "h200_wgmma" and (plan.spec.ab_swapped, plan.spec.mma_bn) == (True, want_bn)
     out = gbs.grouped_matmul(relaid)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
@@ -829,13 +838,12 @@ def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt,
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     import gbs
-    from gbs.api import h200_kernel
 
     problem = synthetic_problem(fmt, n=512 + 64, k=2048, group_sizes=sizes, expert_ids=[3, 0, 5, 1, -1, 2, 4, 6],
                                 num_experts=7, seed=zlib.crc32(f"auto-fp8-few/{fmt}".encode()))
-    kernel, plan = h200_kernel(problem)
-    assert kernel is hw and (plan.ab_swapped, plan.mma_bn) == (True, want_bn)
-    assert hw.prepare(launch.to_device(problem), plan).k_splits == 4
+    plan = gbs_plan.plan_h200(problem)
+    assert plan.kernel == "h200_wgmma" and (plan.spec.ab_swapped, plan.spec.mma_bn) == (True, want_bn)
+    assert plan.k_splits == 4
     out = gbs.grouped_matmul(problem)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
@@ -849,7 +857,7 @@ def test_gpu_odd_n_takes_the_single_store_paths(fmt):
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=389, k=1024, group_sizes=[130, 0, 7], expert_ids=[1, 0, 2], num_experts=3,
                                 seed=zlib.crc32(f"odd-n/{fmt}".encode()))
-    out = hw.grouped_matmul_h200(problem)
+    out = run(problem)
     assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
 
 
@@ -863,4 +871,4 @@ def test_gpu_misaligned_output_is_refused_before_launch():
     flat = cuda.device_array(problem.total_tokens * problem.n + 1, np.uint16)
     misaligned = flat[1:].reshape(problem.total_tokens, problem.n)
     with pytest.raises(ValueError, match="4-byte aligned"):
-        hw.prepare(launch.to_device(problem), hw.WgmmaConfig(128), misaligned)
+        prepare(launch.to_device(problem), Wgmma(128), misaligned)
