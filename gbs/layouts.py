@@ -129,7 +129,7 @@ class E2M1H200Order:
 class E2M1H200TiledOrder(E2M1H200Order):
     """``E2M1H200Order``'s bits, with each expert's weight matrix stored box by box: faster than row-major for
     NVFP4 weights, slower for MXFP4; ``E2M1H200FusedOrder`` (each box followed by its scales) is faster for both
-    and is the one ``gbs.api.h200_weight_layout`` recommends.
+    and is the one ``gbs.plan.h200_weight_layout`` recommends.
 
     The kernels' producer loads a weight stage as a TMA box of 128 rows x one 128-byte K slice (16 KB).
     In row-major weights those are 128 pieces of 128 B, one per row, ``K / 2`` bytes apart; here each box
@@ -198,7 +198,7 @@ class E2M1H200TiledOrder(E2M1H200Order):
 
 class E2M1H200FusedOrder(E2M1H200TiledOrder):
     """``E2M1H200TiledOrder``'s boxes, each followed by its block scales: one contiguous chunk per stage of
-    the H200 kernels (``gbs.api.h200_weight_layout``: the H200 order of FP4 weights, NVFP4 and MXFP4).
+    the H200 kernels (``gbs.plan.h200_weight_layout``: the H200 order of FP4 weights, NVFP4 and MXFP4).
 
     A weight stage is a 16 KB box (128 rows x one 128-byte K slice, 256 elements) plus that slice's 128x4
     scale atoms for the box's 128-row band: ``64 / block_size`` atoms of 512 B (MXFP4 2 = 1 KB, NVFP4 4 =

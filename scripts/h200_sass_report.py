@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Offline SASS facts of the H200 kernels (no GPU): for each spec, registers, local memory, and the
 innermost loop that holds the tensor-core instructions (HMMA for ``h200_stream``, HGMMA for
-``h200_wgmma``) with its instruction mix. This is how the instruction counts quoted in the kernels'
-docstrings and in ``notes/`` are read; compare before / after a decode change. ~8 s per spec.
+``h200_wgmma``) with its instruction mix, and a hash of the whole SASS (sha256 of the instruction list): how the
+instruction counts quoted in the kernels' docstrings are read, and how a refactor shows it left a build's machine
+code unchanged (the same hash before and after). ~8 s per spec.
 
 Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] | wgmma:FMT:MMA_BN[:t256] ...]
 (``:w8``: 8 consumer warps on a small-N tile, ``h200_ring.StreamSpec.small_n_warps``; ``:t256``: 256-token
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import sys
 
-from gbs.dispatch import H200_SMEM_PER_SM
-from gbs.numba_kernels import h200_ring, h200_stream, h200_wgmma
+from gbs.numba_kernels import h200_launch, h200_ring, h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
 from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
@@ -57,10 +58,7 @@ def parse_spec(text: str):
             return h200_wgmma.WgmmaSpec(a_format, b_format, int(knobs[0]), stages, b_layout=b_layout,
                                         tile_tokens=tile_tokens, ab_swapped=swapped)
 
-        stages = 1   # the deepest ring beside the bf16 buffers
-        while wgmma_spec(stages + 1).smem.total_bytes <= H200_SMEM_PER_SM:
-            stages += 1
-        return wgmma_spec(stages), h200_wgmma, "HGMMA"
+        return wgmma_spec(h200_launch.max_pipeline_stages(wgmma_spec(1))), h200_wgmma, "HGMMA"
     raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256][:swap] "
                      f"(either may end in a layout, e.g. :{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, "
                      f":t256 = 256-token tiles, :swap = weights on wgmma M)")
@@ -73,8 +71,10 @@ def report(text: str) -> str:
     sass = offline.disassemble(cubin)
     resources = offline.resource_usage(cubin)
     mma_loops = [loop for loop in offline.sass_loops(sass) if loop.count(mma_prefix)]
+    instructions = offline.sass_instructions(sass)
+    digest = hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:12]
     lines = [f"{text}: {resources.registers} registers (entry), {resources.local_bytes} B local, "
-             f"{len(offline.sass_instructions(sass))} instructions"]
+             f"{len(instructions)} instructions, sass {digest}"]
     if mma_loops:
         hot = mma_loops[0]
         mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(

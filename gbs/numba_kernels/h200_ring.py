@@ -324,7 +324,7 @@ class StreamSpec:
     mma_bn: int
     cta_group: int
     stages: int
-    split_k: bool = False   # built for split-K runs (``choose_k_splits``): the atomic epilogue
+    split_k: bool = False   # built for split-K runs (``gbs.plan``: ``stream_k_splits``): the atomic epilogue
     b_layout: str = LAYOUT_PACKED   # the weights' byte layout (``gbs.formats.OPERAND_LAYOUTS``)
     a_layout: str = LAYOUT_PACKED   # the tokens' byte layout (the same layouts)
     trace: bool = False     # stamps the start-up events (``TRACE_EVENTS``): a diagnostic build

@@ -1,5 +1,5 @@
 """The start-up trace of the H200 streaming kernel: a diagnostic build, chosen at compile time
-(``StreamSpec.trace``; ``h200_stream.prepare(trace=True)``), never the plan.
+(``StreamSpec.trace``; ``gbs.plan.plan_h200(..., trace=True)``), never what ``"auto"`` plans.
 
 A traced launch writes, per CTA and event (``TRACE_EVENTS``), one record of (``%globaltimer`` ns, ``%clock64``
 cycles): the producer's first thread stamps the producer's chain (``TRACE_PRODUCER_CHAIN``: from the CTA's

@@ -1,11 +1,12 @@
 """The H200 (sm_90a) prefill path: the grouped block-scaled matmul on ``wgmma`` (warpgroup MMA), for large
 prefill (tokens on wgmma M) and, swapped, for small prefill (weights on wgmma M).
 
-Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 for prefill: ``prefers``),
+Run it through ``gbs.grouped_matmul(problem)`` (``"auto"`` picks it on an H200 for prefill: ``gbs.plan``),
 ``gbs.grouped_matmul(problem, backend="h200_wgmma")``, or directly::
 
-    from gbs.numba_kernels import h200_wgmma, launch
-    prepared = h200_wgmma.prepare(launch.to_device(problem), h200_wgmma.wgmma_plan(problem))
+    from gbs.numba_kernels import h200_launch, launch
+    from gbs.plan import plan_h200
+    prepared = h200_launch.prepare(launch.to_device(problem), plan_h200(problem, backend="h200_wgmma"))
     prepared()                       # enqueue; prepared.out holds C (bf16 bits)
 
 The streaming kernel (``h200_stream``) feeds ``mma.sync`` from registers that every consumer warp

@@ -1,7 +1,7 @@
 """FP4 operands into ``gbs.formats.E2M1H200Order`` on the GPU: for tokens that arrive in ``pack_fp4`` order
 with UE4M3 / UE8M0 scale bytes (from a quantizer that cannot write the H200 order itself) before a launch
 with ``a_layout="e2m1_h200"``, and for weights that already live on the GPU (a one-time step:
-``to_e2m1_h200_fused`` writes ``b_layout="e2m1_h200_fused"``, the one ``gbs.api.h200_weight_layout`` recommends;
+``to_e2m1_h200_fused`` writes ``b_layout="e2m1_h200_fused"``, the one ``gbs.plan.h200_weight_layout`` recommends;
 ``to_e2m1_h200_tiled`` the tiled order, ``to_e2m1_h200`` the row-major one).
 
     from gbs.numba_kernels import relayout
