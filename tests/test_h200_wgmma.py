@@ -25,8 +25,8 @@ from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
 from gbs.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, get_format, scale_byte_offset
-from gbs.reference import check_acceptance, reference_grouped_matmul
-from h200_knobs import plan_spec, prepare, run, Wgmma
+from gbs.reference import POISON_BITS, reference_grouped_matmul
+from h200_knobs import check_kernel, plan_spec, prepare, run, Wgmma
 
 FORMATS = tuple(PROBLEM_FORMATS)
 FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN]
@@ -626,7 +626,7 @@ def test_gpu_matches_the_reference(fmt, bn, tile_tokens):
     ref = reference_grouped_matmul(problem)
     config = Wgmma(bn, AUTO_STAGES, tile_tokens=tile_tokens)
     out = run(problem, config)   # poisoned output: skipped rows keep it
-    result = check_acceptance(problem, out, ref)
+    result = check_kernel(problem, out, ref, "h200_wgmma")
     assert result.passed, f"{plan_spec(problem, config)}: {result}"
 
 
@@ -640,11 +640,11 @@ SWAPPED_GPU_CASES = [("nvfp4", 32), ("nvfp4", 64), ("mxfp4", 32), ("mxfp8", 32),
 def test_gpu_swapped_tiles_match_the_reference(fmt, bn):
     """Weights on wgmma M, ``mma_bn`` tokens on N: ragged groups (empty, a -1 slot, 1 token, groups of several
     token tiles and a partial last one), N not a multiple of the 128-row weight tile; poisoned output (skipped
-    rows keep the poison: ``check_acceptance``)."""
+    rows keep the poison: ``gbs.exactness``)."""
     problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-swapped/{fmt}/{bn}")
     config = Wgmma(bn, AUTO_STAGES, ab_swapped=True)
     out = run(problem, config)
-    result = check_acceptance(problem, out, reference_grouped_matmul(problem))
+    result = check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma")
     assert result.passed, f"{plan_spec(problem, config)}: {result}"
 
 
@@ -668,8 +668,8 @@ def run_split_launch_three_times(problem, config, k_splits):
         prepared()
         bits = device_out.copy_to_host()
         assert np.all(bits[skipped] == 0x1234), "rows of -1 slots are never written"
-        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
-        result = check_acceptance(problem, merged, ref)
+        merged = np.where(skipped[:, None], np.uint16(POISON_BITS), bits).view(ref.dtype)
+        result = check_kernel(problem, merged, ref, "h200_wgmma")
         assert result.passed, f"{prepared.plan.k_splits} runs: {result}"
         assert not np.any(prepared.split_sums.copy_to_host()), "workspace zeroed by the last run"
         assert not np.any(prepared.split_counters.copy_to_host()), "tile and item counters reset"
@@ -711,7 +711,7 @@ def test_gpu_swapped_tiles_read_the_h200_layouts_to_the_same_bits(fmt):
     problem = ragged_gpu_problem(fmt, 1024 + 128, f"wgmma-swapped-layouts/{fmt}")
     config = Wgmma(32, AUTO_STAGES, ab_swapped=True)
     packed = run(problem, config)
-    assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, packed, reference_grouped_matmul(problem), "h200_wgmma").passed
     relaid = problem.with_a_layout("e2m1_h200").with_b_layout("e2m1_h200_fused")
     spec = plan_spec(relaid, config)
     assert spec.ring.weight_side == spec.ring.m_side and spec.ring.weight_side.layout == "e2m1_h200_fused"
@@ -734,7 +734,7 @@ def test_gpu_h200_weight_layout_gives_the_same_bits(fmt, bn, layout):
     relaid = problem.with_b_layout(layout)
     assert plan_spec(relaid, config).ring.weight_side.layout == layout
     np.testing.assert_array_equal(run(relaid, config).view(np.uint16), packed.view(np.uint16))
-    assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, packed, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 
 @pytest.mark.gpu
@@ -745,7 +745,7 @@ def test_gpu_h200_token_layout_gives_the_same_bits(fmt, bn, tile_tokens):
     problem = ragged_gpu_problem(fmt, 1024 + 64, f"wgmma-token-layout/{fmt}/{tile_tokens}")
     config = Wgmma(bn, AUTO_STAGES, tile_tokens=tile_tokens)
     packed = run(problem, config)
-    assert check_acceptance(problem, packed, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, packed, reference_grouped_matmul(problem), "h200_wgmma").passed
     for relaid in (problem.with_a_layout("e2m1_h200"), problem.with_a_layout("e2m1_h200").with_b_layout("e2m1_h200")):
         assert plan_spec(relaid, config).ring.token_side.layout == "e2m1_h200"
         np.testing.assert_array_equal(run(relaid, config).view(np.uint16), packed.view(np.uint16))
@@ -768,8 +768,8 @@ def test_gpu_prepared_launch_reruns_and_uses_fewer_ctas():
         prepared()
         bits = device_out.copy_to_host()
         assert np.all(bits[skipped] == 0x1234)
-        merged = np.where(skipped[:, None], ref.view(np.uint16), bits).view(ref.dtype)
-        assert check_acceptance(problem, merged, ref).passed
+        merged = np.where(skipped[:, None], np.uint16(POISON_BITS), bits).view(ref.dtype)
+        assert check_kernel(problem, merged, ref, "h200_wgmma").passed
         # 3 CTAs take the tiles past the first three from the global counter; the last producer zeroes it
         assert not prepared.split_counters.copy_to_host().any(), "the work-item counter is zero again"
 
@@ -785,7 +785,7 @@ def test_gpu_auto_backend_runs_prefill_on_wgmma():
                                 num_experts=3, seed=5)
     assert gbs_plan.plan_h200(problem).kernel == "h200_wgmma"
     out = gbs.grouped_matmul(problem)
-    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 
 @pytest.mark.gpu
@@ -803,7 +803,7 @@ def test_gpu_auto_backend_takes_256_token_tiles_and_matches_the_reference(fmt):
     plan = gbs_plan.plan_h200(problem)
     assert plan.kernel == "h200_wgmma" and plan.spec.tile_tokens == 256
     out = gbs.grouped_matmul(problem)
-    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 
 @pytest.mark.gpu
@@ -824,7 +824,7 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
     plan = gbs_plan.plan_h200(relaid)
     assert plan.kernel == "h200_wgmma" and (plan.spec.ab_swapped, plan.spec.mma_bn) == (True, want_bn)
     out = gbs.grouped_matmul(relaid)
-    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 
 @pytest.mark.gpu
@@ -845,7 +845,7 @@ def test_gpu_auto_backend_takes_split_swapped_tiles_for_few_fp8_token_tiles(fmt,
     assert plan.kernel == "h200_wgmma" and (plan.spec.ab_swapped, plan.spec.mma_bn) == (True, want_bn)
     assert plan.k_splits == 4
     out = gbs.grouped_matmul(problem)
-    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 
 @pytest.mark.gpu
@@ -858,7 +858,7 @@ def test_gpu_odd_n_takes_the_single_store_paths(fmt):
     problem = synthetic_problem(fmt, n=389, k=1024, group_sizes=[130, 0, 7], expert_ids=[1, 0, 2], num_experts=3,
                                 seed=zlib.crc32(f"odd-n/{fmt}".encode()))
     out = run(problem)
-    assert check_acceptance(problem, out, reference_grouped_matmul(problem)).passed
+    assert check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 
 @pytest.mark.gpu
