@@ -1792,11 +1792,9 @@ def test_gpu_h200_scale_codes_keep_zero_and_nan_blocks(kernel):
     problem = _with_zero_and_nan_scales(base, np.random.default_rng(23))
     relaid = problem.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
     assert np.any(relaid.b_scales == UE4M3H200Scales.ZERO_BYTE) and np.any(relaid.b_scales == UE4M3H200Scales.NAN_BYTE)
-    if kernel == "h200_stream":
-        run = lambda p: run(p, Stream(True, 8, 1), k_splits=1)   # noqa: E731
-    else:
-        run = lambda p: run(p, Wgmma(128, AUTO_STAGES, tile_tokens=256))   # noqa: E731
-    packed, coded = run(problem).view(np.uint16), run(relaid).view(np.uint16)
+    knobs = Stream(True, 8, 1) if kernel == "h200_stream" else Wgmma(128, AUTO_STAGES, tile_tokens=256)
+    packed = run(problem, knobs, k_splits=1).view(np.uint16)
+    coded = run(relaid, knobs, k_splits=1).view(np.uint16)
     np.testing.assert_array_equal(coded, packed)
     ref = reference_grouped_matmul(problem)
     with np.errstate(invalid="ignore"):

@@ -17,6 +17,7 @@ from gbs.lab.bench import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, dispatch_for
 from gbs import plan as gbs_plan
 from gbs.numba_kernels import h200_decode as hd
+from gbs.numba_kernels import h200_launch
 from gbs.numba_kernels import h200_ring as hr
 
 from gbs.numba_kernels import h200_wgmma as hw
@@ -857,7 +858,7 @@ def test_gpu_odd_n_takes_the_single_store_paths(fmt):
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     problem = synthetic_problem(fmt, n=389, k=1024, group_sizes=[130, 0, 7], expert_ids=[1, 0, 2], num_experts=3,
                                 seed=zlib.crc32(f"odd-n/{fmt}".encode()))
-    out = run(problem)
+    out = h200_launch.run(problem, gbs_plan.plan_h200(problem, backend="h200_wgmma"))
     assert check_kernel(problem, out, reference_grouped_matmul(problem), "h200_wgmma").passed
 
 

@@ -210,7 +210,9 @@ def _host64(tensor) -> np.ndarray:
     """float64 host copy of a torch tensor (synchronises with its stream) or of a numpy array."""
     if isinstance(tensor, np.ndarray):
         return tensor.astype(np.float64)
-    return tensor.float().cpu().numpy().astype(np.float64)
+    if tensor.dtype == _torch().float64:   # a float64 device reference: no detour through float32
+        return tensor.cpu().numpy()
+    return tensor.float().cpu().numpy().astype(np.float64)   # bf16 / FP8 / float32: exact in float32
 
 
 def _device64(tensor):
