@@ -1,16 +1,17 @@
 """CPU emulator of the SM100 kernel's host-visible logic: replays a grouped problem tile by tile,
-stage by stage, exactly as ``gbs.numba_kernels.sm100`` programs the hardware, and counts each
-CTA's work for the performance model.
+stage by stage, exactly as ``gbs.numba_kernels.sm100_kernel`` programs the hardware, and counts
+each CTA's work for the performance model.
 
 Two layers, kept apart on purpose:
 
-* **What the kernel decides** comes from the kernel module itself, never re-derived here: the tile
-  walk (``schedule.locate_tile``, ``cta_output_rows``), the shared-memory carve-up
-  (``smem_offsets``), the TMEM column plan, per-tile TMA coordinates and scale bands
-  (``tile_load_coordinates``), the tensor maps (``tensor_map_specs``), descriptor construction
-  (``operand_descriptor``, ``scale_atom_descriptor``, ``BlockScaledInstrDesc``), the per-MMA
-  scale slot and SF ID, the scale-row words the store warps write, the epilogue's chunking,
-  store choice, buffer offsets, output coordinates and bf16 rounding.
+* **What the kernel decides** comes from the kernel's own modules (``sm100_spec``,
+  ``sm100_addressing``), never re-derived here: the tile walk (``schedule.locate_tile``,
+  ``cta_output_rows``), the shared-memory carve-up (``smem_offsets``), the TMEM column plan,
+  per-tile TMA coordinates and scale bands (``tile_load_coordinates``), the tensor maps
+  (``tensor_map_specs``), descriptor construction (``operand_descriptor``,
+  ``scale_atom_descriptor``, ``BlockScaledInstrDesc``), the per-MMA scale slot and SF ID, the
+  scale-row words the store warps write, the epilogue's chunking, store choice, buffer offsets,
+  output coordinates and bf16 rounding.
 * **What the hardware does with it** is modelled here from the PTX ISA / CUDA documentation, so
   that a wrong decision shows up as a wrong result: the TMA tile copy (zero fill out of bounds,
   128B swizzle as "16-byte chunk c of row r lands at c ^ (r % 8)", the unpacking FP4 data type),
@@ -37,11 +38,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gbs import schedule
-from gbs.numba_kernels import sm100 as k
+# The kernel's functions are called through their modules, so that a test can swap one for a wrong one.
+from gbs.numba_kernels import sm100, sm100_spec
+from gbs.numba_kernels import sm100_addressing as addr
 from gbs.numba_kernels.simt import bf16_bits_rne
+from gbs.numba_kernels.sm100_addressing import FP4_UNPACK_DTYPE, ProblemShape, TensorMapSpec
+from gbs.numba_kernels.sm100_spec import (A_TILE_BYTES, B200_SM_COUNT, MAP_OUT, MAP_TOKEN_SCALES, MAP_TOKENS,
+                                          MAP_WEIGHT_SCALES, MAP_WEIGHTS, MMA_A_ROWS, MMA_K_BYTES, MMAS_PER_K_SLICE,
+                                          NUM_C_BUFFERS, NUM_EPILOGUE_WARPS, NUM_SFB_STORE_WARPS, OUTPUT_BYTES,
+                                          SCALE_ROWS_PER_ATOM, SCALE_TMEM_COLUMNS, SMEM_REGIONS, TMEM_ALLOC_COLUMNS,
+                                          Sm100KernelSpec, SmemPlan, TmemPlan)
 from gbs.problem import GroupedProblem
 from gbs.ptx_inline import sm100_descriptors as desc
-from gbs.formats import decode_elements, decode_ue4m3, decode_ue8m0
+from gbs.formats import SF_ATOM_ROWS, SF_LANE_BYTES, decode_elements, decode_ue4m3, decode_ue8m0
 
 # Shared-window address of the dynamic shared memory in the emulated CTA: 1024-byte aligned
 # (the kernel declares that alignment), after the 1 KiB per-block reservation.
@@ -99,8 +108,8 @@ class CtaCounts:
         return self.token_bytes + self.weight_bytes + self.token_scale_bytes + self.weight_scale_bytes
 
 
-_MAP_COUNTER = {k.MAP_TOKENS: "token_bytes", k.MAP_WEIGHTS: "weight_bytes",
-                k.MAP_TOKEN_SCALES: "token_scale_bytes", k.MAP_WEIGHT_SCALES: "weight_scale_bytes"}
+_MAP_COUNTER = {MAP_TOKENS: "token_bytes", MAP_WEIGHTS: "weight_bytes",
+                MAP_TOKEN_SCALES: "token_scale_bytes", MAP_WEIGHT_SCALES: "weight_scale_bytes"}
 
 
 @dataclass
@@ -109,12 +118,12 @@ class Emulation:
 
     out: np.ndarray                 # bf16 (total_tokens, N)
     counts: list                    # CtaCounts per CTA of the grid
-    spec: k.Sm100KernelSpec
+    spec: Sm100KernelSpec
     stages: int
     num_ctas: int
     num_tiles: int
-    smem: k.SmemPlan
-    tmem: k.TmemPlan
+    smem: SmemPlan
+    tmem: TmemPlan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,9 +138,9 @@ class CtaState:
     c_uses: int = 0
 
     def __post_init__(self):
-        self.words = np.zeros((TMEM_LANES, k.TMEM_ALLOC_COLUMNS), np.uint32)
-        self.accum = np.zeros((TMEM_LANES, k.TMEM_ALLOC_COLUMNS), np.float64)
-        self.cells = np.zeros((TMEM_LANES, k.TMEM_ALLOC_COLUMNS), np.int8)
+        self.words = np.zeros((TMEM_LANES, TMEM_ALLOC_COLUMNS), np.uint32)
+        self.accum = np.zeros((TMEM_LANES, TMEM_ALLOC_COLUMNS), np.float64)
+        self.cells = np.zeros((TMEM_LANES, TMEM_ALLOC_COLUMNS), np.int8)
 
 
 def _smem_index(address):
@@ -167,10 +176,10 @@ def _gather_box(global_bytes: np.ndarray, coords, box) -> np.ndarray:
     return np.where(inside, global_bytes[grid], 0).astype(np.uint8)
 
 
-def tma_load_box(map_spec: k.TensorMapSpec, global_bytes: np.ndarray, coords) -> np.ndarray:
+def tma_load_box(map_spec: TensorMapSpec, global_bytes: np.ndarray, coords) -> np.ndarray:
     """Shared-memory image (bytes) of one TMA tile-mode box: rows of the box innermost extent,
     outer dimensions flattened in order, 128B swizzle applied per row."""
-    if map_spec.dtype == k.FP4_UNPACK_DTYPE:
+    if map_spec.dtype == FP4_UNPACK_DTYPE:
         # 16 packed 4-bit values (8 B) -> the first 8 B of a 16-byte chunk; dims count elements.
         _expect(coords[0] % 2 == 0 and map_spec.box[0] % 16 == 0, "FP4 unpack box must cover whole 16-value groups")
         packed = _gather_box(global_bytes, (coords[0] // 2,) + tuple(coords[1:]),
@@ -194,16 +203,16 @@ def tma_load_box(map_spec: k.TensorMapSpec, global_bytes: np.ndarray, coords) ->
     return image
 
 
-def tma_store_box(map_spec: k.TensorMapSpec, image: np.ndarray, coords, out_bits: np.ndarray) -> int:
+def tma_store_box(map_spec: TensorMapSpec, image: np.ndarray, coords, out_bits: np.ndarray) -> int:
     """Write a bf16 box image to the output, un-swizzling and clipping at the tensor's edges
     (not at group boundaries); returns the bytes written."""
     inner, outer = map_spec.box
-    row_bytes = inner * k.OUTPUT_BYTES
+    row_bytes = inner * OUTPUT_BYTES
     xor = TMA_SWIZZLE_ROW_XOR[map_spec.swizzle]
     if map_spec.swizzle != "none":
         _expect(row_bytes == TMA_SWIZZLE_ROW_BYTES[map_spec.swizzle], "store box rows must match the swizzle")
     x = np.arange(inner)
-    byte = x * k.OUTPUT_BYTES
+    byte = x * OUTPUT_BYTES
     written = 0
     for r in range(outer):
         offsets = r * row_bytes + ((byte // SWIZZLE_CHUNK) ^ xor(r)) * SWIZZLE_CHUNK + byte % SWIZZLE_CHUNK
@@ -212,7 +221,7 @@ def tma_store_box(map_spec: k.TensorMapSpec, image: np.ndarray, coords, out_bits
         keep = (cols < out_bits.shape[1]) & (token < out_bits.shape[0])
         if token < out_bits.shape[0]:
             out_bits[token, cols[keep]] = values[keep]
-            written += int(keep.sum()) * k.OUTPUT_BYTES
+            written += int(keep.sum()) * OUTPUT_BYTES
     return written
 
 
@@ -223,13 +232,13 @@ def scale_copy(ctas, issuer: int, cta_group: int, taddr: int, sdesc: int) -> Non
     d = desc.SmemDescriptor.decode(int(sdesc))
     _expect(d.swizzle == desc.SWIZZLE_NONE, "scale atoms are copied without swizzle")
     _expect(desc.tmem_lane(taddr) == 0, "tcgen05.cp 32x128b.warpx4 targets lane 0")
-    rows = np.arange(k.SCALE_ROWS_PER_ATOM)
+    rows = np.arange(SCALE_ROWS_PER_ATOM)
     start = _smem_index(d.start_address)
     column = _tmem_column(taddr)
     for rank in range(issuer, issuer + cta_group):
         cta = ctas[rank]
         addresses = start + (rows // 8)[:, None] * d.stride_byte_offset + (rows % 8)[:, None] * 16 + np.arange(16)
-        words = _smem_read(cta.smem, addresses, "tcgen05.cp").view(np.uint32).reshape(k.SCALE_ROWS_PER_ATOM, 4)
+        words = _smem_read(cta.smem, addresses, "tcgen05.cp").view(np.uint32).reshape(SCALE_ROWS_PER_ATOM, 4)
         for partition in range(4):
             lanes = slice(32 * partition, 32 * partition + 32)
             cta.words[lanes, column:column + 4] = words
@@ -243,7 +252,7 @@ def _read_operand(smem: np.ndarray, sdesc: int, rows: int) -> np.ndarray:
     d = desc.SmemDescriptor.decode(int(sdesc))
     _expect(d.swizzle == desc.SWIZZLE_128B and d.base_offset == 0, "operands are 128B-swizzled, base offset 0")
     r = np.arange(rows)[:, None]
-    address = d.start_address + (r // 8) * d.stride_byte_offset + (r % 8) * 128 + np.arange(k.MMA_K_BYTES)
+    address = d.start_address + (r // 8) * d.stride_byte_offset + (r % 8) * 128 + np.arange(MMA_K_BYTES)
     address = address ^ (((address >> 7) & 7) << 4)
     return _smem_read(smem, _smem_index(address), "tcgen05.mma operand")
 
@@ -284,7 +293,7 @@ def block_scaled_mma(ctas, issuer: int, cta_group: int, kind: str, d_tmem: int, 
     of D (all N columns) and the scales for them."""
     fields = desc.BlockScaledInstrDesc.decode(int(idesc), kind)
     spec_kind = desc.get_kind(kind)
-    _expect(fields.m == k.MMA_A_ROWS * cta_group, f"descriptor M={fields.m} with cta_group {cta_group}")
+    _expect(fields.m == MMA_A_ROWS * cta_group, f"descriptor M={fields.m} with cta_group {cta_group}")
     desc.check_mma_shape(kind, cta_group, fields.m, fields.n)
     n, b_rows = fields.n, fields.n // cta_group
     b = np.concatenate([_decode_operand(_read_operand(ctas[issuer + r].smem, b_desc, b_rows), fields.b_format, kind)
@@ -296,8 +305,8 @@ def block_scaled_mma(ctas, issuer: int, cta_group: int, kind: str, d_tmem: int, 
     _expect(desc.tmem_lane(d_tmem) == 0, "D starts at lane 0")
     for r in range(cta_group):
         cta = ctas[issuer + r]
-        a = _decode_operand(_read_operand(cta.smem, a_desc, k.MMA_A_ROWS), fields.a_format, kind)
-        sa = _read_scales(cta, _tmem_column(sfa_tmem), k.MMA_A_ROWS, fields.a_sf_id, vec, fields.scale_type)
+        a = _decode_operand(_read_operand(cta.smem, a_desc, MMA_A_ROWS), fields.a_format, kind)
+        sa = _read_scales(cta, _tmem_column(sfa_tmem), MMA_A_ROWS, fields.a_sf_id, vec, fields.scale_type)
         sb = _read_scales(cta, _tmem_column(sfb_tmem), n, fields.b_sf_id, vec, fields.scale_type)
         products = np.einsum("mqb,nqb->mnq", a.reshape(len(a), vec, block), b.reshape(n, vec, block))
         with np.errstate(invalid="ignore", over="ignore"):
@@ -337,23 +346,23 @@ def _to_bf16_bits(accumulators: np.ndarray, expert_scale: np.float32) -> np.ndar
 # ----------------------------------------------------------------------------------------------
 # The emulated kernel
 # ----------------------------------------------------------------------------------------------
-def _global_operands(problem: GroupedProblem, spec: k.Sm100KernelSpec) -> list:
+def _global_operands(problem: GroupedProblem, spec: Sm100KernelSpec) -> list:
     """The byte tensors behind the tensor maps, outermost axis first (as the maps describe them)."""
     tokens = np.ascontiguousarray(problem.a).view(np.uint8)
     weights = np.ascontiguousarray(problem.b).view(np.uint8)
-    rows = k.SCALE_ROWS_PER_ATOM * problem.a_scales.shape[1]
-    token_scales = np.ascontiguousarray(problem.a_scales).reshape(problem.a_scales.shape[0], rows, k.SF_LANE_BYTES)
-    weight_scales = np.ascontiguousarray(problem.b_scales).reshape(-1, rows, k.SF_LANE_BYTES)
+    rows = SCALE_ROWS_PER_ATOM * problem.a_scales.shape[1]
+    token_scales = np.ascontiguousarray(problem.a_scales).reshape(problem.a_scales.shape[0], rows, SF_LANE_BYTES)
+    weight_scales = np.ascontiguousarray(problem.b_scales).reshape(-1, rows, SF_LANE_BYTES)
     return [tokens, weights, token_scales, weight_scales]
 
 
 class _Launch:
     """One emulated launch: the grid's CTA pairs run one after the other."""
 
-    def __init__(self, problem: GroupedProblem, spec: k.Sm100KernelSpec, stages: int, num_ctas: int, out):
+    def __init__(self, problem: GroupedProblem, spec: Sm100KernelSpec, stages: int, num_ctas: int, out):
         self.p, self.spec, self.stages, self.num_ctas = problem, spec, stages, num_ctas
-        self.smem_plan, self.tmem_plan = k.check_launch_plan(spec, stages)
-        self.maps = k.tensor_map_specs(spec, k.ProblemShape.of(problem))
+        self.smem_plan, self.tmem_plan = sm100_spec.check_launch_plan(spec, stages)
+        self.maps = addr.tensor_map_specs(spec, ProblemShape.of(problem))
         self.globals = _global_operands(problem, spec)
         self.out_bits = out.view(np.uint16)
         self.counts = [CtaCounts(cta) for cta in range(num_ctas)]
@@ -361,9 +370,9 @@ class _Launch:
         self.a_offsets = problem.a_offsets.astype(np.int64)
         self.a_scale_offsets = problem.a_scale_offsets.astype(np.int64)
         self.num_tiles = schedule.total_tiles(problem.a_offsets, problem.expert_ids, problem.n, self.shape)
-        self.offsets = dict(zip(k.SMEM_REGIONS, self.smem_plan.offsets))
+        self.offsets = dict(zip(SMEM_REGIONS, self.smem_plan.offsets))
         self.num_k_slices = -(-problem.k // spec.k_slice_elements)
-        self.row_bands = -(-problem.n // k.SF_ATOM_ROWS)
+        self.row_bands = -(-problem.n // SF_ATOM_ROWS)
 
     def run(self) -> None:
         g = self.spec.cta_group
@@ -396,18 +405,18 @@ class _Launch:
     def _tile(self, pair, ctas, fields, k_iter, acc_iter):
         spec, g = self.spec, self.spec.cta_group
         slot, expert, _, _, token_start, token_end, row_start, row_end = fields
-        coordinates = [k.tile_load_coordinates(spec.ab_swapped, spec.b_rows_per_cta, rank, expert, token_start,
+        coordinates = [addr.tile_load_coordinates(spec.ab_swapped, spec.b_rows_per_cta, rank, expert, token_start,
                                                row_start, int(self.a_offsets[slot]), int(self.a_scale_offsets[slot]),
                                                self.row_bands) for rank in range(g)]
         self._check_against_schedule(pair, fields, coordinates)
-        acc, _ = k.pipeline_position(acc_iter, spec.accum_stages)
+        acc, _ = sm100_spec.pipeline_position(acc_iter, spec.accum_stages)
         d_tmem = EMULATED_TMEM_BASE + acc * spec.mma_bn
         sfb_row = coordinates[0][4]
-        sfb_adjust = k.sfb_column_adjust(sfb_row, spec.sfb_by_store_warps)
+        sfb_adjust = addr.sfb_column_adjust(sfb_row, spec.sfb_by_store_warps)
         for rank in range(g):
             self.counts[pair * g + rank].tiles += 1
         for kk in range(self.num_k_slices):
-            stage, _ = k.pipeline_position(k_iter, self.stages)
+            stage, _ = sm100_spec.pipeline_position(k_iter, self.stages)
             for rank in range(g):
                 self._load_stage(ctas[rank], self.counts[pair * g + rank], coordinates[rank], expert, stage, kk)
             if spec.sfb_by_store_warps:
@@ -422,10 +431,10 @@ class _Launch:
         """The TMA warp's loads of one stage (and the scale warp's, when there is one)."""
         spec = self.spec
         token_row, weight_row, token_band, weight_band, _ = coordinates
-        tokens_k, weights_k, scales_k = k.stage_k_coordinates(kk, spec.tokens_k_step, spec.weights_k_step,
+        tokens_k, weights_k, scales_k = addr.stage_k_coordinates(kk, spec.tokens_k_step, spec.weights_k_step,
                                                               spec.scale_rows_per_stage)
-        boxes = {k.MAP_TOKENS: (tokens_k, token_row), k.MAP_WEIGHTS: (weights_k, weight_row, expert),
-                 k.MAP_TOKEN_SCALES: (0, scales_k, token_band), k.MAP_WEIGHT_SCALES: (0, scales_k, weight_band)}
+        boxes = {MAP_TOKENS: (tokens_k, token_row), MAP_WEIGHTS: (weights_k, weight_row, expert),
+                 MAP_TOKEN_SCALES: (0, scales_k, token_band), MAP_WEIGHT_SCALES: (0, scales_k, weight_band)}
         delivered = 0
         for map_index, coords in boxes.items():
             map_spec = self.maps[map_index]
@@ -446,19 +455,19 @@ class _Launch:
         """Warps 8-11: the tile's MMA-B scale rows -> lanes 0..31 of each partition, ``tcgen05.st``."""
         spec = self.spec
         atoms = self.offsets["sfb"] + stage * spec.sfb_stage_bytes
-        _, sfb_base, _ = k.tmem_columns(self.stages, spec.accum_stages, spec.mma_bn, spec.sfa_stage_columns,
+        _, sfb_base, _ = sm100_spec.tmem_columns(self.stages, spec.accum_stages, spec.mma_bn, spec.sfa_stage_columns,
                                         spec.sfb_stage_columns)
         lanes = np.arange(32)
         for j in range(spec.num_sf_k_tiles):
-            offsets = atoms + k.sfb_store_word_offset(sfb_row, lanes, j, spec.num_sf_k_tiles)
+            offsets = atoms + addr.sfb_store_word_offset(sfb_row, lanes, j, spec.num_sf_k_tiles)
             valid = lanes < spec.mma_bn
             words = np.zeros(32, np.uint32)
             byte_index = offsets[valid][:, None] + np.arange(4)
             _expect(np.all((byte_index >= atoms) & (byte_index < atoms + spec.sfb_stage_bytes)),
                     "store warps read outside the stage's MMA-B scale atoms")
             words[valid] = _smem_read(cta.smem, byte_index, "store warps").view(np.uint32).reshape(-1)
-            column = sfb_base + stage * spec.sfb_stage_columns + j * k.SCALE_TMEM_COLUMNS
-            for partition in range(k.NUM_SFB_STORE_WARPS):
+            column = sfb_base + stage * spec.sfb_stage_columns + j * SCALE_TMEM_COLUMNS
+            for partition in range(NUM_SFB_STORE_WARPS):
                 cta.words[32 * partition:32 * partition + 32, column] = words
                 cta.cells[32 * partition:32 * partition + 32, column] = _CELL_SCALE
                 counts.scale_stores += 1
@@ -467,29 +476,30 @@ class _Launch:
         """The MMA warp's work on one stage: scale copies, then four MMAs (even CTA only)."""
         spec, g = self.spec, self.spec.cta_group
         nsf, bands = spec.num_sf_k_tiles, spec.sfb_atoms
-        sfa_base, sfb_base, _ = k.tmem_columns(self.stages, spec.accum_stages, spec.mma_bn, spec.sfa_stage_columns,
-                                               spec.sfb_stage_columns)
+        sfa_base, sfb_base, _ = sm100_spec.tmem_columns(self.stages, spec.accum_stages, spec.mma_bn,
+                                                        spec.sfa_stage_columns, spec.sfb_stage_columns)
         sfa_tmem = EMULATED_TMEM_BASE + sfa_base + stage * spec.sfa_stage_columns
         sfb_tmem = EMULATED_TMEM_BASE + sfb_base + stage * spec.sfb_stage_columns
         smem = EMULATED_SMEM_BASE
         sfa_smem = smem + self.offsets["sfa"] + stage * spec.sfa_stage_bytes
         sfb_smem = smem + self.offsets["sfb"] + stage * spec.sfb_stage_bytes
         for j in range(nsf):
-            column, offset = k.scale_copy_offsets(j, 0, nsf, 1)
-            scale_copy(ctas, 0, g, sfa_tmem + column, k.scale_atom_descriptor(sfa_smem + offset))
+            column, offset = addr.scale_copy_offsets(j, 0, nsf, 1)
+            scale_copy(ctas, 0, g, sfa_tmem + column, addr.scale_atom_descriptor(sfa_smem + offset))
             counts.scale_copies += 1
             if not spec.sfb_by_store_warps:
                 for band in range(bands):
-                    column, offset = k.scale_copy_offsets(j, band, nsf, bands)
-                    scale_copy(ctas, 0, g, sfb_tmem + column, k.scale_atom_descriptor(sfb_smem + offset))
+                    column, offset = addr.scale_copy_offsets(j, band, nsf, bands)
+                    scale_copy(ctas, 0, g, sfb_tmem + column, addr.scale_atom_descriptor(sfb_smem + offset))
                     counts.scale_copies += 1
-        a_tile = smem + self.offsets["a_tiles"] + stage * k.A_TILE_BYTES
+        a_tile = smem + self.offsets["a_tiles"] + stage * A_TILE_BYTES
         b_tile = smem + self.offsets["b_tiles"] + stage * spec.b_tile_bytes
-        for i in range(k.MMAS_PER_K_SLICE):
-            sfa_column, sfb_column, sf_id = k.mma_scale_columns(i, spec.kind.scale_vec, bands, sfb_adjust)
-            block_scaled_mma(ctas, 0, g, spec.kind.name, d_tmem, k.operand_descriptor(a_tile, i),
-                             k.operand_descriptor(b_tile, i), desc.with_scale_factor_ids(spec.instr_desc, sf_id, sf_id),
-                             sfa_tmem + sfa_column, sfb_tmem + sfb_column, 1 if (kk > 0 or i > 0) else 0)
+        for i in range(MMAS_PER_K_SLICE):
+            sfa_column, sfb_column, sf_id = addr.mma_scale_columns(i, spec.kind.scale_vec, bands, sfb_adjust)
+            block_scaled_mma(ctas, 0, g, spec.kind.name, d_tmem, addr.operand_descriptor(a_tile, i),
+                             addr.operand_descriptor(b_tile, i),
+                             desc.with_scale_factor_ids(spec.instr_desc, sf_id, sf_id), sfa_tmem + sfa_column,
+                             sfb_tmem + sfb_column, 1 if (kk > 0 or i > 0) else 0)
             counts.mmas += 1
 
     def _epilogue(self, cta, counts, rank, fields, acc):
@@ -497,31 +507,31 @@ class _Launch:
         slot, expert, _, _, token_start, token_end, row_start, row_end = fields
         row_lo, row_hi = schedule.cta_output_rows(row_start, row_end, rank, spec.cta_group, self.shape.weight_rows)
         chunk = spec.chunk_columns
-        lanes = np.arange(k.MMA_A_ROWS)
-        out_map = self.maps[k.MAP_OUT]
+        lanes = np.arange(MMA_A_ROWS)
+        out_map = self.maps[MAP_OUT]
         for c in range(spec.num_chunks):
-            if not k.chunk_is_live(spec.ab_swapped, c, chunk, token_start, token_end, row_lo, row_hi):
+            if not addr.chunk_is_live(spec.ab_swapped, c, chunk, token_start, token_end, row_lo, row_hi):
                 continue
             address = EMULATED_TMEM_BASE + acc * spec.mma_bn + c * chunk
             values = np.concatenate([tmem_load(cta, w, (w * 32 << desc.TMEM_LANE_SHIFT) + address, chunk)
-                                     for w in range(k.NUM_EPILOGUE_WARPS)])
+                                     for w in range(NUM_EPILOGUE_WARPS)])
             bits = _to_bf16_bits(values, p.expert_scales[expert])            # [lane, column in chunk]
             columns = np.arange(chunk)
-            if k.chunk_uses_tma_store(spec.ab_swapped, c, chunk, token_start, token_end):
+            if addr.chunk_uses_tma_store(spec.ab_swapped, c, chunk, token_start, token_end):
                 image = np.zeros(spec.c_buffer_bytes, np.uint8)
-                offsets = k.c_buffer_offset(spec.ab_swapped, lanes[:, None], columns[None, :], chunk,
+                offsets = addr.c_buffer_offset(spec.ab_swapped, lanes[:, None], columns[None, :], chunk,
                                             spec.c_swizzle_bytes)
                 image[offsets] = (bits & 0xFF).astype(np.uint8)
                 image[offsets + 1] = (bits >> 8).astype(np.uint8)
-                start = self.offsets["c_buffers"] + (cta.c_uses % k.NUM_C_BUFFERS) * spec.c_buffer_bytes
+                start = self.offsets["c_buffers"] + (cta.c_uses % NUM_C_BUFFERS) * spec.c_buffer_bytes
                 cta.smem[start:start + image.size] = image
-                coords = k.tma_store_coordinates(spec.ab_swapped, c, chunk, token_start, row_lo)
+                coords = addr.tma_store_coordinates(spec.ab_swapped, c, chunk, token_start, row_lo)
                 counts.tma_store_bytes += tma_store_box(out_map, cta.smem[start:start + image.size], coords,
                                                         self.out_bits)
                 counts.tma_stores += 1
                 cta.c_uses += 1
             else:
-                tokens, cols = np.broadcast_arrays(*k.accumulator_output(
+                tokens, cols = np.broadcast_arrays(*addr.accumulator_output(
                     spec.ab_swapped, lanes[:, None], c * chunk + columns[None, :], token_start, row_lo))
                 keep = (tokens < token_end) & (cols < row_hi)
                 self.out_bits[tokens[keep], cols[keep]] = bits[keep]
@@ -535,11 +545,11 @@ def emulate(problem: GroupedProblem, config, out: np.ndarray | None = None, *,
     pairs than tiles). ``out``: written in place (default: poisoned)."""
     from gbs.numba_kernels.simt import check_out
 
-    spec, stages = k.check_can_implement(problem, config)
+    spec, stages = sm100.check_can_implement(problem, config)
     out = check_out(problem, out)
     num_tiles = schedule.total_tiles(problem.a_offsets, problem.expert_ids, problem.n, spec.tile_shape)
     if num_ctas is None:
-        num_ctas = k.default_num_ctas(num_tiles, spec.cta_group, k.B200_SM_COUNT)
+        num_ctas = sm100.default_num_ctas(num_tiles, spec.cta_group, B200_SM_COUNT)
     num_ctas = schedule.check_num_ctas(num_ctas, spec.cta_group)
     launch = _Launch(problem, spec, stages, num_ctas, out)
     launch.run()

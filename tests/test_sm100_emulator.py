@@ -14,10 +14,14 @@ import pytest
 
 from gbs import api, dispatch, formats
 from gbs import sm100_emulator as em
-from gbs.numba_kernels import sm100 as k
+from gbs.numba_kernels import sm100_addressing, sm100_spec
+from gbs.numba_kernels.sm100_addressing import (FP4_UNPACK_DTYPE, OPERAND_LBO, OPERAND_SBO, TensorMapSpec,
+                                                encode_smem_descriptor, mma_scale_slot, scale_atom_descriptor,
+                                                tma_swizzled_offset)
+from gbs.numba_kernels.sm100_spec import SCALE_TMEM_COLUMNS
 from gbs.problem import build_problem
 from gbs.ptx_inline import sm100_descriptors as desc
-from gbs.formats import dequantize
+from gbs.formats import SF_ATOM_BYTES, dequantize, scale_byte_offset
 from gbs.reference import check_acceptance, is_poison, poison_output
 from gbs.schedule import TileConfig
 
@@ -125,6 +129,12 @@ def _differs_or_raises(problem, knobs, num_ctas=4) -> bool:
     return not np.array_equal(result.out.view(np.uint16), expected_bits(problem))
 
 
+def _defining_module(name):
+    """The kernel module that defines function ``name`` (the emulator calls it through that module)."""
+    return next(m for m in (sm100_addressing, sm100_spec) if getattr(getattr(m, name, None), "__module__", None)
+                == m.__name__)
+
+
 def _wrap(func, change):
     return lambda *args: change(func(*args), *args)
 
@@ -135,7 +145,7 @@ MUTATIONS = [
     # the scale-factor ID of MXFP8 (bytes 0..3 of the scale cells)
     ("mma_scale_columns", lambda r, *a: (r[0], r[1], 0), "mxfp8", (True, 128, 2)),
     # the descriptor's K step (32 B per MMA)
-    ("operand_descriptor", lambda r, tile, i: k.encode_smem_descriptor(tile + 16 * i, k.OPERAND_LBO, k.OPERAND_SBO,
+    ("operand_descriptor", lambda r, tile, i: encode_smem_descriptor(tile + 16 * i, OPERAND_LBO, OPERAND_SBO,
                                                                        desc.SWIZZLE_128B, 0, 0), "nvfp4", (True, 8, 1)),
     # the output chunk's swizzle (unswapped, 128B)
     ("tma_swizzled_offset", lambda r, offset, span: offset, "mxfp8", (False, 128, 1)),
@@ -144,10 +154,10 @@ MUTATIONS = [
     # the pair's token half
     ("tile_load_coordinates", lambda r, *a: (r[0] - a[2] * a[1], r[1], r[2], r[3], r[4]), "nvfp4", (True, 64, 2)),
     # band-major vs K-tile-major scale atoms in TMEM (two bands per K tile)
-    ("scale_copy_offsets", lambda r, j, band, nsf, bands: (r[0], (j * bands + band) * k.SF_ATOM_BYTES), "mxfp4",
+    ("scale_copy_offsets", lambda r, j, band, nsf, bands: (r[0], (j * bands + band) * SF_ATOM_BYTES), "mxfp4",
      (False, 256, 1)),
     # the scale rows the store warps write
-    ("sfb_store_word_offset", lambda r, row, lane, j, nsf: k.scale_byte_offset(row + lane + 1, j * 4, nsf), "nvfp4",
+    ("sfb_store_word_offset", lambda r, row, lane, j, nsf: scale_byte_offset(row + lane + 1, j * 4, nsf), "nvfp4",
      (True, 16, 1)),
     # TMA stores for chunks that cross the group's end
     ("chunk_uses_tma_store", lambda r, *a: True, "nvfp4", (True, 64, 2)),
@@ -162,7 +172,8 @@ MUTATIONS = [
 def test_a_wrong_kernel_function_is_caught(monkeypatch, name, change, fmt, knobs):
     problem = problem_for(fmt)
     assert not _differs_or_raises(problem, knobs)          # the real function passes ...
-    monkeypatch.setattr(k, name, _wrap(getattr(k, name), change))
+    module = _defining_module(name)
+    monkeypatch.setattr(module, name, _wrap(getattr(module, name), change))
     assert _differs_or_raises(problem, knobs)              # ... the wrong one does not
 
 
@@ -172,7 +183,7 @@ def test_a_wrong_instruction_descriptor_is_caught(monkeypatch):
     wrong = property(lambda spec: desc.BlockScaledInstrDesc(spec.kind.name, spec.mma_m, spec.mma_bn,
                                                             spec.mma_b_element, spec.mma_a_element,
                                                             spec.scale_type).encode())
-    monkeypatch.setattr(k.Sm100KernelSpec, "instr_desc", wrong)
+    monkeypatch.setattr(sm100_spec.Sm100KernelSpec, "instr_desc", wrong)
     assert _differs_or_raises(problem, (True, 8, 1))
 
 
@@ -187,13 +198,13 @@ def test_tma_swizzle_rule_matches_the_kernels_address_form(swizzle, span):
     for row, byte in itertools.product(range(32), range(span)):
         offset = row * span + byte
         by_row = row * span + ((byte // 16) ^ xor(row)) * 16 + byte % 16
-        assert k.tma_swizzled_offset(offset, span) == by_row
-    assert k.tma_swizzled_offset(1234, 16) == 1234     # 16 = no swizzle
+        assert tma_swizzled_offset(offset, span) == by_row
+    assert tma_swizzled_offset(1234, 16) == 1234     # 16 = no swizzle
 
 
 def test_tma_load_model_zero_fills_and_swizzles():
     data = np.arange(3 * 200, dtype=np.int64).astype(np.uint8).reshape(3, 200)     # 3 rows x 200 bytes
-    spec = k.TensorMapSpec("t", "uint8", (200, 3), (200,), (128, 8), "128B", 1024)
+    spec = TensorMapSpec("t", "uint8", (200, 3), (200,), (128, 8), "128B", 1024)
     image = em.tma_load_box(spec, data, (128, 1)).reshape(8, 128)
     for r in range(8):
         row = np.zeros(128, np.uint8)
@@ -206,7 +217,7 @@ def test_tma_load_model_zero_fills_and_swizzles():
 def test_fp4_unpacking_load_model():
     """16U4_ALIGN16B: each 16 packed E2M1 values (8 B) fill the first half of a 16-byte chunk."""
     packed = np.arange(1 * 2 * 64, dtype=np.uint8).reshape(1, 2, 64)     # (experts, rows, K/2 bytes)
-    spec = k.TensorMapSpec("w", k.FP4_UNPACK_DTYPE, (128, 2, 1), (64, 128), (128, 2, 1), "none", 256)
+    spec = TensorMapSpec("w", FP4_UNPACK_DTYPE, (128, 2, 1), (64, 128), (128, 2, 1), "none", 256)
     image = em.tma_load_box(spec, packed, (0, 0, 0)).reshape(2, 8, 16)
     assert np.array_equal(image[:, :, :8], packed.reshape(2, 8, 8))
     assert not image[:, :, 8:].any()
@@ -215,9 +226,9 @@ def test_fp4_unpacking_load_model():
 def test_scale_copy_model_matches_the_documented_tmem_cells():
     """tcgen05.cp 32x128b.warpx4 of one 128x4 atom puts scale (row, col) where
     ``sm100_descriptors.scale_atom_tmem_cell`` says (in every 32-lane partition)."""
-    atom = np.random.default_rng(3).integers(0, 256, formats.SF_ATOM_BYTES, dtype=np.uint8)
+    atom = np.random.default_rng(3).integers(0, 256, SF_ATOM_BYTES, dtype=np.uint8)
     cta = em.CtaState(np.concatenate([np.zeros(64, np.uint8), atom]))
-    em.scale_copy([cta], 0, 1, 8, k.scale_atom_descriptor(em.EMULATED_SMEM_BASE + 64))
+    em.scale_copy([cta], 0, 1, 8, scale_atom_descriptor(em.EMULATED_SMEM_BASE + 64))
     for row, col in itertools.product(range(128), range(4)):
         column, lane, byte = desc.scale_atom_tmem_cell(row, col)
         for partition in range(4):
@@ -229,8 +240,8 @@ def test_scale_copy_model_matches_the_documented_tmem_cells():
 def test_device_scale_slot_matches_mma_scale_position(kind):
     spec = desc.get_kind(kind)
     for i in range(8):
-        atom, sf_id = k.mma_scale_slot(i, spec.scale_vec)
-        assert (atom * k.SCALE_TMEM_COLUMNS, sf_id) == desc.mma_scale_position(kind, i)
+        atom, sf_id = mma_scale_slot(i, spec.scale_vec)
+        assert (atom * SCALE_TMEM_COLUMNS, sf_id) == desc.mma_scale_position(kind, i)
 
 
 # ----------------------------------------------------------------------------------------------
