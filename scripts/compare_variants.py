@@ -17,7 +17,7 @@ weight layouts on one tree); a tree written by ``--make-tree`` names its commit 
 the variables set, so no variant's compiled kernels or module state serve another. Rounds alternate the
 variants (A B A B ...). Each run writes ``OUT/<name>-r<round>.csv``; at the end a summary gives, per point,
 each variant's median over the rounds and its ratio to the first variant. ``--dry-run`` prints the
-commands instead of running them. Timing is the sweep's (``gbs.lab.bench.time_launches``)."""
+commands instead of running them. Timing is the sweep's (``gbs.lab.timing.time_launches``)."""
 from __future__ import annotations
 
 import argparse

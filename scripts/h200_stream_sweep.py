@@ -12,9 +12,9 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
 tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case`` for
 what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
-``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.lab.bench.BENCH_CASES`` or
+``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
-benchmark's (``gbs.lab.bench.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
+benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
 start-up trace build (``h200_trace.TRACE_EVENTS``: where a launch's fixed time goes); ``--series CSV`` writes
 every timed launch (input set, us) in issue order. Needs an sm_90 GPU.
@@ -25,7 +25,10 @@ import argparse
 import sys
 from typing import NamedTuple
 
-from gbs.lab import bench
+from gbs.lab.bench import write_csv
+from gbs.lab.cases import BENCH_CASES, BenchCase, useful_bytes, useful_flops
+from gbs.lab.environment import environment_fields
+from gbs.lab.timing import device_l2_bytes, measure_read_bandwidth, rotation_count, time_launches
 from gbs.dispatch import AUTO_STAGES
 from gbs.layouts import LAYOUT_PACKED, OPERAND_LAYOUTS
 from gbs.numba_kernels import h200_launch, h200_ring, h200_trace, h200_wgmma
@@ -38,21 +41,21 @@ PLAN_BACKENDS = ("auto", "h200_stream", "h200_wgmma")
 
 class SweepPoint(NamedTuple):
     fmt: str
-    case: bench.BenchCase
+    case: BenchCase
     config: object          # gbs.plan constraints (a dict with the backend), or a plan's backend name
     k_splits: int | None = None
     num_ctas: int | None = None
 
 
-def parse_case(text: str, point: str) -> bench.BenchCase:
+def parse_case(text: str, point: str) -> BenchCase:
     """A ``BENCH_CASES`` name or ``N,K,slots,tokens_per_expert``."""
-    if text in bench.BENCH_CASES:
-        return bench.BENCH_CASES[text]
+    if text in BENCH_CASES:
+        return BENCH_CASES[text]
     fields = text.split(",")
     if len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
-        raise ValueError(f"point {point!r}: case {text!r} is neither one of {sorted(bench.BENCH_CASES)} "
+        raise ValueError(f"point {point!r}: case {text!r} is neither one of {sorted(BENCH_CASES)} "
                          f"nor N,K,slots,tokens_per_expert (positive integers)")
-    return bench.BenchCase(text.replace(",", "x"), *map(int, fields))
+    return BenchCase(text.replace(",", "x"), *map(int, fields))
 
 
 def parse_wgmma_point(text: str):
@@ -122,7 +125,7 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
                             cta_group=spec.cta_group, stages=spec.stages, small_n_warps=spec.small_n_warps,
                             num_ctas=plan.num_ctas, k_splits=plan.k_splits, trace=True)
     traced = [h200_launch.prepare(to_device(problem), traced_plan) for _ in range(copies)]
-    timing = bench.time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
+    timing = time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
     cuda.synchronize()
     records = np.stack([launch.trace_buffer.copy_to_host() for launch in traced])   # (copies, ctas, events, 2)
     path = pathlib.Path(directory)
@@ -152,7 +155,7 @@ def trace_summary(records) -> list[str]:
 
 
 def series_rows(point: str, timing, env: dict) -> list[dict]:
-    """One row per timed launch of ``point`` in issue order (``bench.Timing.series``), naming the GPU and build."""
+    """One row per timed launch of ``point`` in issue order (``Timing.series``), naming the GPU and build."""
     return [dict(point=point, launch=i, input_set=input_set, us=us, gpu_uuid=env["gpu_uuid"], commit=env["commit"])
             for i, (input_set, us) in enumerate(timing.series)]
 
@@ -175,9 +178,9 @@ def main(argv=None) -> int:
                              "or streaks?)")
     args = parser.parse_args(argv)
     points = [parse_point(p) for p in args.points]
-    read_tbps, _ = bench.measure_read_bandwidth()
-    l2 = bench.device_l2_bytes()
-    env = bench.environment_fields()
+    read_tbps, _ = measure_read_bandwidth()
+    l2 = device_l2_bytes()
+    env = environment_fields()
     print(f"streaming read ceiling {read_tbps:.2f} TB/s (measured now on {env['gpu']} {env['gpu_uuid']})")
     rows, problems, series = [], {}, []
     for text, (fmt, case, config, k_splits, num_ctas) in zip(args.points, points):
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
             if args.a_layout != LAYOUT_PACKED and problems[key].a_format.packed:
                 problems[key] = problems[key].with_a_layout(args.a_layout)
         problem = problems[key]
-        copies = bench.rotation_count(sum(problem.nbytes().values()), l2)
+        copies = rotation_count(sum(problem.nbytes().values()), l2)
         try:
             if isinstance(config, str):
                 plan = plan_h200(problem, None, config)
@@ -198,14 +201,14 @@ def main(argv=None) -> int:
                 plan = plan_h200(problem, backend=constraints.pop("backend"), num_ctas=num_ctas, k_splits=k_splits,
                                  **constraints)
             launches = [h200_launch.prepare(to_device(problem), plan) for _ in range(copies)]
-            timing = bench.time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
+            timing = time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
             print(f"{text:44} {type(err).__name__}: {err}", flush=True)
             rows.append(dict(point=text, status="fail", note=f"{type(err).__name__}: {err}"))
             continue
         first = launches[0].plan
-        gbps = bench.useful_bytes(problem) / (timing.median_us * 1e3)
-        tflops = bench.useful_flops(problem) / (timing.median_us * 1e6)
+        gbps = useful_bytes(problem) / (timing.median_us * 1e3)
+        tflops = useful_flops(problem) / (timing.median_us * 1e6)
         spec = first.ring
         row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, a_layout=problem.a_layout, ab_swapped=spec.ab_swapped,
                    mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
@@ -221,9 +224,9 @@ def main(argv=None) -> int:
         if args.trace and first.kernel == "h200_stream" and first.max_tiles:
             trace_point(args.trace, text, problem, launches[0], copies, args.budget_s)
     if args.csv:
-        bench.write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
+        write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
     if args.series:
-        bench.write_csv(args.series, series)
+        write_csv(args.series, series)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

@@ -1,4 +1,5 @@
-"""The benchmark (gbs.lab.bench, gbs.lab.peers): CLI, no-GPU exit, case selection, row maths, useful bytes.
+"""The benchmark (gbs.lab.bench with gbs.lab.cases, gbs.lab.timing, gbs.lab.environment, gbs.lab.peers): CLI,
+no-GPU exit, case selection, row maths, useful bytes.
 
 CPU tests: the ``bench`` parser and its --help, the no-GPU message and exit status 2, option
 validation, the quick / full case lists, rows and speed-up ratios built from fake timings, the
@@ -26,7 +27,7 @@ import types
 import numpy as np
 import pytest
 
-from gbs.lab import bench, peers
+from gbs.lab import bench, cases, environment, peers, timing
 from gbs.backends import gpu_available
 from gbs.dispatch import dispatch_for
 from gbs.dispatch import grouped_matmul_block_scaled_sm100_dispatch
@@ -66,7 +67,7 @@ def test_parser_defaults_and_values():
     assert args.quick and args.skip_peaks and args.csv == "out.csv"
     assert bench.select_methods(args.backends) == ("simt", "copy")
     assert bench.select_cases(args.quick, args.formats, args.shapes) == [
-        ("nvfp4", bench.BENCH_CASES["kimi_decode"]), ("w4a8", bench.BENCH_CASES["kimi_decode"])]
+        ("nvfp4", cases.BENCH_CASES["kimi_decode"]), ("w4a8", cases.BENCH_CASES["kimi_decode"])]
 
 
 def test_no_gpu_exits_2_with_a_message(monkeypatch, capsys):
@@ -110,7 +111,7 @@ def test_quick_and_full_selections():
     assert [(c.n, c.k, c.slots, c.tokens_per_expert) for _, c in quick[::2]] == [
         (4096, 7168, 64, 4), (512, 7168, 8, 1), (4096, 7168, 32, 32), (4096, 7168, 8, 1024)]
     full = bench.select_cases(False)
-    assert len(full) == len(bench.BENCH_CASES) * 4
+    assert len(full) == len(cases.BENCH_CASES) * 4
     assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
     assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
@@ -124,23 +125,23 @@ def test_quick_and_full_selections():
 
 
 def test_uniform_cases_are_even_and_the_ragged_case_is_a_fixed_router_draw():
-    for case in bench.BENCH_CASES.values():
+    for case in cases.BENCH_CASES.values():
         sizes = case.group_sizes()
         assert sizes.sum() == case.total_tokens and len(sizes) == case.slots
         if case.routing == "uniform":
             assert (sizes == case.tokens_per_expert).all()
-    ragged = bench.BENCH_CASES["large_prefill_ragged"]
+    ragged = cases.BENCH_CASES["large_prefill_ragged"]
     sizes = ragged.group_sizes()
     assert (sizes == 0).any() and sizes.max() > 4 * ragged.tokens_per_expert, "hot, cold and empty experts"
     assert (sizes == ragged.group_sizes()).all(), "the same draw in every run"
     problem = ragged.problem("nvfp4")
     assert (np.diff(problem.a_offsets) == sizes).all()
     with pytest.raises(ValueError, match="routing must be one of"):
-        bench.BenchCase("x", 256, 256, 4, 4, routing="topk")
+        cases.BenchCase("x", 256, 256, 4, 4, routing="topk")
 
 
 def test_every_case_dispatches_to_the_regime_its_name_says():
-    for case in bench.BENCH_CASES.values():
+    for case in cases.BENCH_CASES.values():
         regime = grouped_matmul_block_scaled_sm100_dispatch(
             a_format="nvfp4", b_format="nvfp4", n=case.n, k=case.k, num_active_experts=case.slots,
             estimated_total_m=case.total_tokens).regime
@@ -153,7 +154,7 @@ def test_every_case_dispatches_to_the_regime_its_name_says():
 # ----------------------------------------------------------------------------------------------
 def routed_problem(fmt):
     """Slots: expert 1 with 3 tokens, an empty slot, a -1 slot with 5 tokens, expert 3 with 2."""
-    return bench.synthetic_problem(fmt, n=256, k=128, group_sizes=[3, 0, 5, 2], expert_ids=[1, 0, -1, 3],
+    return cases.synthetic_problem(fmt, n=256, k=128, group_sizes=[3, 0, 5, 2], expert_ids=[1, 0, -1, 3],
                                    num_experts=4)
 
 
@@ -166,8 +167,8 @@ def routed_problem(fmt):
 def test_useful_bytes_and_flops_by_hand(fmt, a_row, b_row):
     p = routed_problem(fmt)
     live_tokens, live_experts = 3 + 2, 2   # the -1 slot's 5 tokens and the empty slot cost nothing
-    assert bench.useful_flops(p) == 2 * live_tokens * 256 * 128
-    assert bench.useful_bytes(p) == live_experts * 256 * b_row + live_tokens * a_row + live_tokens * 256 * 2
+    assert cases.useful_flops(p) == 2 * live_tokens * 256 * 128
+    assert cases.useful_bytes(p) == live_experts * 256 * b_row + live_tokens * a_row + live_tokens * 256 * 2
 
 
 def test_peer_shape_keeps_only_live_groups():
@@ -176,7 +177,7 @@ def test_peer_shape_keeps_only_live_groups():
     assert (shape.tokens, shape.num_groups, shape.flops) == (5, 2, 2 * 5 * 256 * 128)
     assert shape.offsets().tolist() == [3, 5] and shape.offsets().dtype == np.int32
     with pytest.raises(ValueError, match="no live group"):
-        peers.PeerShape.from_problem(bench.synthetic_problem(
+        peers.PeerShape.from_problem(cases.synthetic_problem(
             "nvfp4", n=128, k=64, group_sizes=[4, 0], expert_ids=[-1, 0], num_experts=1))
     with pytest.raises(ValueError, match="no empty groups"):
         peers.PeerShape(128, 64, (4, 0))
@@ -237,24 +238,24 @@ def test_peers_without_torch_are_skipped_with_the_reason():
 # Rotation, synthetic problems, timing helpers
 # ----------------------------------------------------------------------------------------------
 def test_rotation_count():
-    assert bench.rotation_count(4 * L2, L2) == 1
-    assert bench.rotation_count(4 * L2 - 1, L2) == 2
-    assert bench.rotation_count(L2, L2) == 4
-    assert bench.rotation_count(L2 // 3, L2) == 12
-    assert bench.rotation_count(10 * 2 ** 30, L2) == 1
-    assert bench.rotation_count(2 ** 20) == 4 * bench.H200_L2_BYTES // 2 ** 20
+    assert timing.rotation_count(4 * L2, L2) == 1
+    assert timing.rotation_count(4 * L2 - 1, L2) == 2
+    assert timing.rotation_count(L2, L2) == 4
+    assert timing.rotation_count(L2 // 3, L2) == 12
+    assert timing.rotation_count(10 * 2 ** 30, L2) == 1
+    assert timing.rotation_count(2 ** 20) == 4 * timing.H200_L2_BYTES // 2 ** 20
     for nbytes in (1, 12345, 7 * 2 ** 20, 300 * 2 ** 20):   # one rotation always spans 4x the L2
-        copies = bench.rotation_count(nbytes, L2)
+        copies = timing.rotation_count(nbytes, L2)
         assert copies * nbytes >= 4 * L2 and (copies == 1 or (copies - 1) * nbytes < 4 * L2)
 
 
 @pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))
-@pytest.mark.parametrize("random_bytes", [bench.SYNTHETIC_RANDOM_BYTES, 1001])
+@pytest.mark.parametrize("random_bytes", [cases.SYNTHETIC_RANDOM_BYTES, 1001])
 def test_synthetic_problem_is_valid_for_every_format(fmt, random_bytes, monkeypatch):
     # random_bytes=1001: every operand repeats a small block, the path of gigabyte operands
-    monkeypatch.setattr(bench, "SYNTHETIC_RANDOM_BYTES", random_bytes)
+    monkeypatch.setattr(cases, "SYNTHETIC_RANDOM_BYTES", random_bytes)
     group_sizes, expert_ids = [130, 0, 7, 3], [2, 0, -1, 1]
-    p = bench.synthetic_problem(fmt, n=256, k=256, group_sizes=group_sizes, expert_ids=expert_ids, num_experts=3,
+    p = cases.synthetic_problem(fmt, n=256, k=256, group_sizes=group_sizes, expert_ids=expert_ids, num_experts=3,
                                 seed=5)
     p.validate()
     assert p.format_name == fmt and p.total_tokens == 140 and p.n == 256 and p.k == 256
@@ -266,37 +267,37 @@ def test_synthetic_problem_is_valid_for_every_format(fmt, random_bytes, monkeypa
         values = decode_elements(raw, fmt_.element) if not fmt_.packed else decode_elements(raw & 0x0F, "e2m1")
         assert np.all(np.isfinite(values)), f"{fmt_.name} codes hold NaN"
         assert np.unique(raw).size > 64   # codes exercise the whole byte range
-    low, high = bench.SYNTHETIC_UE4M3_RANGE if p.b_format.scale_dtype == "ue4m3" else bench.SYNTHETIC_UE8M0_RANGE
+    low, high = cases.SYNTHETIC_UE4M3_RANGE if p.b_format.scale_dtype == "ue4m3" else cases.SYNTHETIC_UE8M0_RANGE
     b_scales = unswizzle_scales(p.b_scales[0], p.n, p.b_format.scale_cols(p.k))
     assert b_scales.min() >= low and b_scales.max() < high
     assert np.all((p.expert_scales >= 0.5) & (p.expert_scales <= 2.0))
-    again = bench.synthetic_problem(fmt, n=256, k=256, group_sizes=group_sizes, expert_ids=expert_ids,
+    again = cases.synthetic_problem(fmt, n=256, k=256, group_sizes=group_sizes, expert_ids=expert_ids,
                                     num_experts=3, seed=5)
     assert np.array_equal(again.b.view(np.uint8), p.b.view(np.uint8))   # seeded
 
 
 def test_time_launches_rejects_bad_counts():
     with pytest.raises(ValueError, match="num_inputs >= 1"):
-        bench.time_launches(lambda i: None, num_inputs=0)
+        timing.time_launches(lambda i: None, num_inputs=0)
     with pytest.raises(ValueError, match="reps >= 1"):
-        bench.time_launches(lambda i: None, reps=0)
+        timing.time_launches(lambda i: None, reps=0)
 
 
 def test_spacer_kernel_compiles_for_sm90():
     from numba import cuda, uint64
 
-    ptx, _ = cuda.compile_ptx(bench._spacer_kernel().py_func, (uint64,), cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(timing._spacer_kernel().py_func, (uint64,), cc=(9, 0))
     assert "nanosleep.u32" in ptx
     assert ptx.count("%globaltimer") >= 2   # the deadline, then the wait on it
 
 
 def test_environment_fields_and_csv_path():
-    env = bench.environment_fields()
+    env = environment.environment_fields()
     for key in ("gpu", "gpu_uuid", "date", "commit", "numpy", "numba", "numba_cuda", "ml_dtypes", "torch", "triton"):
         assert env[key]
-    assert bench.gpu_slug("NVIDIA H200") == "h200"
-    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
-    assert bench.gpu_slug("  ") == "gpu"
+    assert environment.gpu_slug("NVIDIA H200") == "h200"
+    assert environment.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert environment.gpu_slug("  ") == "gpu"
     assert bench.default_csv_path({"date": "2026-11-29", "gpu": "NVIDIA H200"}) == "bench/results/2026-11-29-h200.csv"
 
 
@@ -310,11 +311,11 @@ CEILINGS = bench.Ceilings(read_tbps=4.0, bf16_tflops=800.0, fp8_tflops=1600.0, b
 def fake_measurements(problem, fmt="nvfp4"):
     """simt 100 us, h200_stream skipped, torch_bf16 50 us, torch_fp8 200 us, triton FAIL, copy 25 us."""
     shape = peers.PeerShape.from_problem(problem)
-    ours = dict(kind=bench.KIND_OURS, method_format=fmt, useful_flops=bench.useful_flops(problem),
-                useful_bytes=bench.useful_bytes(problem))
+    ours = dict(kind=bench.KIND_OURS, method_format=fmt, useful_flops=cases.useful_flops(problem),
+                useful_bytes=cases.useful_bytes(problem))
 
     def timed(us):
-        return bench.Timing(us, 0.9 * us, 1.2 * us, 40)
+        return timing.Timing(us, 0.9 * us, 1.2 * us, 40)
 
     def peer(name, us, **extra):
         p = peers.PEER_CLASSES[name]()
@@ -330,7 +331,7 @@ def fake_measurements(problem, fmt="nvfp4"):
 
 
 def test_rows_ratios_and_percentages_from_fake_timings():
-    case = bench.BENCH_CASES["kimi_decode"]
+    case = cases.BENCH_CASES["kimi_decode"]
     problem = case.problem("nvfp4")
     config = dispatch_for(problem)
     env = {"gpu": "NVIDIA H200", "date": "2026-11-29", "commit": "abc1234"}
@@ -340,7 +341,7 @@ def test_rows_ratios_and_percentages_from_fake_timings():
     assert len({tuple(r) for r in rows}) == 1   # every row has the same keys (one CSV header)
     simt, skipped, bf16, fp8, triton, copy = rows
 
-    flops, nbytes = 2 * 8 * 512 * 7168, bench.useful_bytes(problem)
+    flops, nbytes = 2 * 8 * 512 * 7168, cases.useful_bytes(problem)
     assert simt["useful_flops"] == flops and simt["useful_bytes"] == nbytes
     assert simt["tflops"] == pytest.approx(flops / 100e-6 / 1e12)
     assert simt["gbps"] == pytest.approx(nbytes / 100e-6 / 1e9)
@@ -377,7 +378,7 @@ def test_rows_ratios_and_percentages_from_fake_timings():
 
 
 def test_table_shows_every_row_and_the_reasons():
-    case = bench.BENCH_CASES["kimi_decode"]
+    case = cases.BENCH_CASES["kimi_decode"]
     problem = case.problem("nvfp4")
     rows = bench.build_rows("nvfp4", case, dispatch_for(problem), fake_measurements(problem), CEILINGS, {})
     table = bench.format_table(rows).splitlines()
@@ -402,7 +403,7 @@ def test_table_shows_every_row_and_the_reasons():
 
 
 def test_write_csv_round_trip(tmp_path):
-    case = bench.BENCH_CASES["kimi_decode"]
+    case = cases.BENCH_CASES["kimi_decode"]
     problem = case.problem("nvfp4")
     rows = bench.build_rows("nvfp4", case, dispatch_for(problem), fake_measurements(problem), CEILINGS,
                             {"gpu": "NVIDIA H200"})
@@ -427,7 +428,7 @@ def test_measurement_is_frozen():
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
-    case = bench.BenchCase("tiny", n=256, k=512, slots=3, tokens_per_expert=5)
+    case = cases.BenchCase("tiny", n=256, k=512, slots=3, tokens_per_expert=5)
     path = tmp_path / "tiny.csv"
     status = bench.run_bench([("nvfp4", case), ("mxfp8", case)], bench.METHODS, str(path), budget_s=0.05,
                              read_bytes=2 ** 28, measure_peaks=False)
@@ -455,11 +456,11 @@ def test_tiny_bench_end_to_end_writes_a_csv(tmp_path, capsys):
 @pytest.mark.gpu
 def test_time_launches_series_is_every_timed_launch_in_issue_order():
     issued = []
-    timing = bench.time_launches(issued.append, num_inputs=3, warmup=2, reps=7)
-    assert [s for s, _ in timing.series] == issued[-7:] == [(4 + i) % 3 for i in range(7)]
-    times = [us for _, us in timing.series]
-    assert timing.launches == 7 and all(us > 0 for us in times)
-    assert timing.median_us == pytest.approx(float(np.median(times)))
+    measured = timing.time_launches(issued.append, num_inputs=3, warmup=2, reps=7)
+    assert [s for s, _ in measured.series] == issued[-7:] == [(4 + i) % 3 for i in range(7)]
+    times = [us for _, us in measured.series]
+    assert measured.launches == 7 and all(us > 0 for us in times)
+    assert measured.median_us == pytest.approx(float(np.median(times)))
 
 
 def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
@@ -489,7 +490,7 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
     prepare = bench.BACKEND_LOADERS["gbs_auto_h200_relay"]()
     for fmt, codes in (("nvfp4", True), ("mxfp4", False)):
         events.clear()
-        problem = bench.BenchCase("t", 256, 256, 2, 3).problem(fmt)
+        problem = cases.BenchCase("t", 256, 256, 2, 3).problem(fmt)
         launcher = prepare(problem, None)
         assert seen[-1].a == ("device a", "e2m1_h200") and launcher.num_ctas == 132
         launcher()
@@ -499,7 +500,7 @@ def test_relay_method_re_lays_the_packed_tokens_before_each_launch(monkeypatch):
             relay.append(("codes", ("packed copy", problem.a_scales.shape), ("device a_scales", "e2m1_h200")))
         assert events == (relay + ["launch"]) * 2
     with pytest.raises(NotImplementedError, match="no FP4 tokens to re-lay"):
-        prepare(bench.BenchCase("t", 256, 256, 2, 3).problem("w4a8"), None)
+        prepare(cases.BenchCase("t", 256, 256, 2, 3).problem("w4a8"), None)
 
 
 def test_launch_knobs_names_what_ran():
@@ -545,7 +546,7 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     swizzle = E2M1H200Order.swizzle
     monkeypatch.setattr(E2M1H200Order, "swizzle", classmethod(lambda cls, b: relayouts.append(1) or swizzle(b)))
     prepare = bench.BACKEND_LOADERS[method]()
-    problem = bench.BenchCase("t", 256, 256, 2, 3).problem(fmt)
+    problem = cases.BenchCase("t", 256, 256, 2, 3).problem(fmt)
     if not relaid:
         with pytest.raises(NotImplementedError, match=f"no {layout} re-layout for mxfp8"):
             prepare(problem, None)
@@ -559,7 +560,7 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     np.testing.assert_array_equal(seen[0].b_operand(1).scales, problem.b_operand(1).scales)
     if layout != "e2m1_h200":
         with pytest.raises(NotImplementedError, match="128 rows"):
-            prepare(bench.BenchCase("t", 200, 256, 2, 3).problem(fmt), None)
+            prepare(cases.BenchCase("t", 200, 256, 2, 3).problem(fmt), None)
     np.testing.assert_array_equal(seen[0].a_operand().data, problem.a)
 
 
@@ -596,7 +597,7 @@ def test_one_bf16_ulp_passes_and_a_corrupted_element_fails():
 
 def low_magnitude_group_problem():
     """Slots: expert 0 with 6 tokens, a -1 slot with 3, expert 1 with 4 tokens at 1/1000 of expert 0's scale."""
-    p = bench.synthetic_problem("nvfp4", n=256, k=128, group_sizes=[6, 3, 4], expert_ids=[0, -1, 1], num_experts=2,
+    p = cases.synthetic_problem("nvfp4", n=256, k=128, group_sizes=[6, 3, 4], expert_ids=[0, -1, 1], num_experts=2,
                                 seed=3)
     return dataclasses.replace(p, expert_scales=np.array([1.0, 1e-3], np.float32))
 
@@ -689,7 +690,7 @@ def fake_timer(calls):
         calls.append(num_inputs)
         for i in range(3):
             launch(i % num_inputs)
-        return bench.Timing(10.0, 9.0, 11.0, 3)
+        return timing.Timing(10.0, 9.0, 11.0, 3)
 
     return time_launches
 
@@ -725,7 +726,7 @@ def test_a_planted_fault_makes_the_row_a_fail_never_timed_as_good(fault, note, m
     assert m.status == bench.STATUS_FAIL and m.verified is False and m.timing is None, m
     assert note in m.note
     assert timed == ([1] if "after" in note else [])   # a first check that fails: never timed
-    row = bench.build_rows("nvfp4", bench.BENCH_CASES["kimi_decode"], dispatch_for(p), [m], CEILINGS, {})[0]
+    row = bench.build_rows("nvfp4", cases.BENCH_CASES["kimi_decode"], dispatch_for(p), [m], CEILINGS, {})[0]
     assert row["verified"] is False and row["median_us"] is None and row["status"] == "FAIL"
     assert bench.format_table([row]).splitlines()[2].split(None, 3)[3].startswith("FAIL: ")
 
@@ -762,7 +763,7 @@ def test_run_bench_with_stub_kernels_records_the_checks_and_fails_loudly(tmp_pat
     monkeypatch.setattr(peers, "load_peers", lambda names: ([], {}))
     monkeypatch.setattr(bench, "load_backends", lambda names: (
         {"simt": lambda p, c: FakeLaunch(p), "gbs_auto": lambda p, c: FakeLaunch(p, corrupt=(1, 2))}, {}))
-    case = bench.BenchCase("tiny", n=256, k=256, slots=3, tokens_per_expert=5)
+    case = cases.BenchCase("tiny", n=256, k=256, slots=3, tokens_per_expert=5)
     path = tmp_path / "tiny.csv"
     status = bench.run_bench([("nvfp4", case)], ("simt", "gbs_auto"), str(path), budget_s=0.05, read_bytes=1,
                              measure_peaks=False)
@@ -807,41 +808,41 @@ def scripted_batches(monkeypatch, verdicts):
             launch((first_input + i) % num_inputs)
         return np.full(reps, 5.0 + len(batches)), verdicts[len(batches) - 1]
 
-    monkeypatch.setattr(bench, "_timed_launches", timed)
+    monkeypatch.setattr(timing, "_timed_launches", timed)
     return batches
 
 
 def test_a_host_bound_batch_is_retried_with_more_warmup_and_a_longer_spacer(monkeypatch, fake_events):
     batches = scripted_batches(monkeypatch, [True, True, False])
     issued = []
-    timing = bench.time_launches(issued.append, num_inputs=2, warmup=3, reps=10)
-    assert timing.host_bound is False and timing.attempts == 3 and timing.median_us == 8.0   # the third batch's
+    measured = timing.time_launches(issued.append, num_inputs=2, warmup=3, reps=10)
+    assert measured.host_bound is False and measured.attempts == 3 and measured.median_us == 8.0   # the third batch's
     assert len(batches) == 3 and batches[1][1] > batches[0][1] and batches[2][1] > batches[1][1]
     # 1 first call + 1 host-time probe + 3 warm-up + 10 timed, then 6 + 10 and 12 + 10 (warm-up doubles)
     assert len(issued) == 2 + 3 + 10 + 6 + 10 + 12 + 10
 
 
 def test_still_host_bound_after_the_retries_is_marked_and_warned(monkeypatch, fake_events):
-    batches = scripted_batches(monkeypatch, [True] * (1 + bench.HOST_BOUND_RETRIES))
+    batches = scripted_batches(monkeypatch, [True] * (1 + timing.HOST_BOUND_RETRIES))
     with pytest.warns(RuntimeWarning, match="include host gaps"):
-        timing = bench.time_launches(lambda i: None, reps=10)
-    assert timing.host_bound is True and timing.attempts == 1 + bench.HOST_BOUND_RETRIES == len(batches)
-    assert all(spacer <= bench.SPACER_MAX_S for _, spacer in batches)
+        measured = timing.time_launches(lambda i: None, reps=10)
+    assert measured.host_bound is True and measured.attempts == 1 + timing.HOST_BOUND_RETRIES == len(batches)
+    assert all(spacer <= timing.SPACER_MAX_S for _, spacer in batches)
 
 
 def test_a_retry_at_the_spacer_cap_queues_only_what_the_spacer_covers(monkeypatch, fake_events):
-    monkeypatch.setattr(bench, "SPACER_MAX_S", 1e-9)   # any host time exceeds it: the cap binds at once
+    monkeypatch.setattr(timing, "SPACER_MAX_S", 1e-9)   # any host time exceeds it: the cap binds at once
     batches = scripted_batches(monkeypatch, [True, False])
-    timing = bench.time_launches(lambda i: None, reps=50)
-    assert [reps for reps, _ in batches] == [50, bench.MIN_TIMED_LAUNCHES]
-    assert timing.launches == bench.MIN_TIMED_LAUNCHES and not timing.host_bound
+    measured = timing.time_launches(lambda i: None, reps=50)
+    assert [reps for reps, _ in batches] == [50, timing.MIN_TIMED_LAUNCHES]
+    assert measured.launches == timing.MIN_TIMED_LAUNCHES and not measured.host_bound
 
 
 def test_host_bound_rows_are_marked_in_the_csv_and_the_table():
-    case = bench.BENCH_CASES["kimi_decode"]
+    case = cases.BENCH_CASES["kimi_decode"]
     problem = case.problem("nvfp4")
     ms = fake_measurements(problem)
-    ms[0] = dataclasses.replace(ms[0], timing=bench.Timing(100.0, 99.0, 101.0, 40, host_bound=True, attempts=3))
+    ms[0] = dataclasses.replace(ms[0], timing=timing.Timing(100.0, 99.0, 101.0, 40, host_bound=True, attempts=3))
     rows = bench.build_rows("nvfp4", case, dispatch_for(problem), ms, CEILINGS, {})
     assert [r["host_bound"] for r in rows] == [True, None, False, False, None, False]
     assert rows[0]["timing_attempts"] == 3 and rows[2]["timing_attempts"] == 1
@@ -896,14 +897,14 @@ def test_the_peer_row_is_its_fastest_verified_setting(wrong, us, expect_setting,
     def time_launches(launch, *, num_inputs=1, budget_s=None, **_):
         launch(0)
         timed.append(peer.launched[-1])
-        return bench.Timing(us[peer.launched[-1]], 1.0, 1.0, 5)
+        return timing.Timing(us[peer.launched[-1]], 1.0, 1.0, 5)
 
     monkeypatch.setattr(bench, "time_launches", time_launches)
     m = bench._peer_measurement(peer, peers.PeerShape(32, 64, (3, 5)), "nvfp4", 1000, 1.0, 1)
     assert m.status == bench.STATUS_OK and m.verified is True and m.setting == expect_setting
     assert m.timing.median_us == us[expect_setting] and expect_note in m.note
     assert timed == [s for s in peer.settings if s not in wrong]   # a setting that fails its check is not timed
-    row = bench.build_rows("nvfp4", bench.BENCH_CASES["kimi_decode"], dispatch_for(bench.BENCH_CASES["kimi_decode"]
+    row = bench.build_rows("nvfp4", cases.BENCH_CASES["kimi_decode"], dispatch_for(cases.BENCH_CASES["kimi_decode"]
                            .problem("nvfp4")), [m], CEILINGS, {})[0]
     assert row["peer_setting"] == expect_setting and row["verified"] is True and row["peer_headline"] is True
 
@@ -947,11 +948,11 @@ def test_triton_peer_is_labelled_not_headline():
     assert peers.TritonDotScaledPeer.headline is False and "not headline" in peers.TritonDotScaledPeer.label
     assert "Not a headline peer" in peers.TritonDotScaledPeer.__doc__
     assert [n for n, cls in peers.PEER_CLASSES.items() if not cls.headline] == ["triton_dot_scaled"]
-    case = bench.BENCH_CASES["kimi_decode"]
+    case = cases.BENCH_CASES["kimi_decode"]
     problem = case.problem("nvfp4")
     ms = [dataclasses.replace(m, headline=peers.PEER_CLASSES[m.method].headline) if m.kind == bench.KIND_PEER
           else m for m in fake_measurements(problem)]
-    ms[4] = dataclasses.replace(ms[4], status=bench.STATUS_OK, note="", timing=bench.Timing(500.0, 490.0, 510.0, 5))
+    ms[4] = dataclasses.replace(ms[4], status=bench.STATUS_OK, note="", timing=timing.Timing(500.0, 490.0, 510.0, 5))
     rows = bench.build_rows("nvfp4", case, dispatch_for(problem), ms, CEILINGS, {})
     assert [r["peer_headline"] for r in rows] == [None, None, True, True, False, True]
     table = bench.format_table(rows).splitlines()

@@ -73,7 +73,7 @@ def test_sweep_refuses_bad_points(sweep, point):
 
 
 def test_sweep_series_rows_keep_issue_order_input_sets_and_the_gpu(sweep):
-    from gbs.lab.bench import Timing
+    from gbs.lab.timing import Timing
 
     timing = Timing(10.5, 10.0, 12.0, 3, series=((2, 10.0), (0, 12.0), (1, 10.5)))
     rows = sweep.series_rows("plan:auto:nvfp4:decode_up", timing, {"gpu_uuid": "GPU-1234", "commit": "abc1234"})

@@ -38,7 +38,7 @@ import pytest
 from numba import cuda
 
 from gbs import schedule
-from gbs.lab.bench import synthetic_problem
+from gbs.lab.cases import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, grouped_matmul_nvfp4_dispatch, pipeline_smem_terms
 from gbs import plan as gbs_plan
 from gbs.numba_kernels import h200_decode as hd

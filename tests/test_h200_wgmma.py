@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from gbs.lab.bench import synthetic_problem
+from gbs.lab.cases import synthetic_problem
 from gbs.dispatch import AUTO_STAGES, H200_SMEM_PER_SM, dispatch_for
 from gbs import plan as gbs_plan
 from gbs.numba_kernels import h200_decode as hd
@@ -571,7 +571,7 @@ def test_wide_tiles_cost_the_padding_of_the_last_tile_and_the_waves():
 def test_plan_counts_each_ragged_group_s_own_tiles_on_host_problems():
     """Sweep run 71: the bench's large_prefill_ragged (average 256 tokens, groups 0-1694) ran 11-12 % faster
     on 128-token tiles (its tiles cover 10240 rows vs 12800), which only the group sizes show."""
-    from gbs.lab.bench import BENCH_CASES
+    from gbs.lab.cases import BENCH_CASES
 
     case = BENCH_CASES["large_prefill_ragged"]
     sizes = case.group_sizes()

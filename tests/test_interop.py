@@ -639,7 +639,7 @@ def test_validated_routing_sets_the_split_of_few_swapped_tiles():
     With the routing validated (its host copies kept) the split counts the groups' own 30 tiles (4 runs); without
     (``validate=False``) the average's 40 (3 runs). Both match the reference and keep the poison in skipped rows."""
     pytest.importorskip("torch")
-    from gbs.lab.bench import synthetic_problem
+    from gbs.lab.cases import synthetic_problem
 
     lib = Library("torch")
     p = synthetic_problem("nvfp4", n=512 + 64, k=4096, group_sizes=[32, 30, 1, 0, 32, 17, 31, 32],

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gbs.lab import perfmodel as pm
-from gbs.lab.bench import useful_bytes
+from gbs.lab.cases import useful_bytes
 from gbs.dispatch import B200_SMEM_PER_SM, H200_SMEM_PER_SM, classify_regime, grouped_matmul_nvfp4_dispatch
 from gbs.problem import make_routing, random_problem
 from gbs.schedule import TileConfig, assign_tiles

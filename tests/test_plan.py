@@ -7,7 +7,7 @@ import pytest
 
 from gbs.dispatch import AUTO_STAGES, dispatch_for
 from gbs.formats import get_format
-from gbs.lab.bench import BENCH_CASES, BenchCase
+from gbs.lab.cases import BENCH_CASES, BenchCase
 from gbs.plan import (SMALL_N_MAX_TOKENS, SWAPPED_MIN_TOKENS_PER_EXPERT, H200Plan, ProblemMeta, Rule,
                       h200_weight_layout, min_tokens_per_expert, plan_h200, stream_k_splits, swapped_k_splits)
 from gbs.problem import PROBLEM_FORMATS, random_problem

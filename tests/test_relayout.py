@@ -220,7 +220,7 @@ def _torch_problem(seed, group_sizes):
     """A synthetic NVFP4 problem (N 512, K 1024, 3 experts) and its arrays as CUDA torch tensors."""
     import torch
 
-    from gbs.lab.bench import synthetic_problem
+    from gbs.lab.cases import synthetic_problem
     from gbs.numba_kernels import launch
 
     problem = synthetic_problem("nvfp4", n=512, k=1024, group_sizes=group_sizes, expert_ids=[1, 0, -1, 2],

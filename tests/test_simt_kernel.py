@@ -512,7 +512,7 @@ def gpu_configs(problem):
 @pytest.mark.parametrize("shape_name", list(GPU_SHAPES))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_kernel_on_model_shapes(fmt, shape_name):
-    from gbs.lab.bench import synthetic_problem   # random codes and scales: built in seconds at this size
+    from gbs.lab.cases import synthetic_problem   # random codes and scales: built in seconds at this size
 
     n, k = GPU_SHAPES[shape_name]
     problem = synthetic_problem(fmt, n=n, k=k, group_sizes=GPU_GROUP_SIZES, expert_ids=GPU_EXPERT_IDS,

@@ -1,8 +1,8 @@
-"""``python -m gbs ablate`` (gbs.lab.sweep): the grid and its legality filter, the order of work and the
-sharding by specialisation, resumability, the budget stop, CSV part files and merging, the
-device-side problem assembly (with numba's device copies stubbed), the --model / --plot /
---tables / --calibrate modes end to end on modelled rows, the no-GPU message; and on a GPU a
-short real sweep."""
+"""``python -m gbs ablate`` (gbs.lab.sweep, sweep_grid, sweep_csv, sweep_report): the grid and its legality
+filter, the order of work and the sharding by specialisation, resumability, the budget stop, CSV part files
+and merging, the device-side problem assembly (with numba's device copies stubbed), the --model / --plot /
+--tables / --calibrate modes end to end on modelled rows, the no-GPU message; and on a GPU a short real
+sweep."""
 from __future__ import annotations
 
 import argparse
@@ -15,10 +15,10 @@ import sys
 import numpy as np
 import pytest
 
-from gbs.lab import sweep
+from gbs.lab import sweep, sweep_csv, sweep_grid, sweep_report
 from gbs.lab import ablation_data as ab
 from gbs.backends import gpu_available
-from gbs.lab.bench import Timing
+from gbs.lab.timing import Timing
 from gbs.lab.perfmodel import B200, H200, ModelConfig, model_config
 from gbs.schedule import TileConfig
 
@@ -34,7 +34,7 @@ def two_stages(fmt, tile):
 
 
 def tiny_grid(formats=("nvfp4",), shapes=(KIMI_UP,), limit=two_stages):
-    return sweep.build_grid("minimal", H200, formats=formats, shapes=shapes, kernel_stage_limit=limit)
+    return sweep_grid.build_grid("minimal", H200, formats=formats, shapes=shapes, kernel_stage_limit=limit)
 
 
 def parser():
@@ -94,51 +94,51 @@ class FakeRunner:
 # The grid
 # ----------------------------------------------------------------------------------------------
 def test_minimal_problems_by_hand():
-    up = sweep.grid_problems("minimal", "nvfp4", [DEEPSEEK_UP])
+    up = sweep_grid.grid_problems("minimal", "nvfp4", [DEEPSEEK_UP])
     # 64 slots up to avg_m 128; 512 tokens per slot would make 32768 > 16384, so 32 slots
     assert [(p.routing, p.num_active_experts, p.avg_m) for p in up] == [
         ("uniform", 64, 2), ("uniform", 64, 4), ("uniform", 64, 8), ("uniform", 64, 16), ("uniform", 64, 32),
         ("uniform", 64, 64), ("uniform", 64, 128), ("uniform", 32, 512),
         ("ragged", 64, 4), ("ragged", 64, 32), ("ragged", 64, 128)]
-    kimi = sweep.grid_problems("minimal", "mxfp8", [KIMI_UP])
+    kimi = sweep_grid.grid_problems("minimal", "mxfp8", [KIMI_UP])
     assert {p.num_active_experts for p in kimi} == {8} and max(p.total_tokens for p in kimi) == 8 * 512
-    default = sweep.grid_problems("minimal", "nvfp4")
+    default = sweep_grid.grid_problems("minimal", "nvfp4")
     assert {p.shape for p in default} == {(4096, 7168), (7168, 2048), (512, 7168)} and len(default) == 33
     for regime in ab.REGIMES:   # every shape covers the three regimes, uniform and ragged
         assert {(p.shape, p.routing) for p in default if p.regime == regime} == {
-            (s, r) for s in sweep.MINIMAL_SLOTS for r in ("uniform", "ragged")}
-    full = sweep.grid_problems("full", "nvfp4", [KIMI_UP])
+            (s, r) for s in sweep_grid.MINIMAL_SLOTS for r in ("uniform", "ragged")}
+    full = sweep_grid.grid_problems("full", "nvfp4", [KIMI_UP])
     # 8 slots x 1..4096 tokens (13 loads), 64 slots up to 1024 (64 x 2048 > 65536 tokens): 11; two routings
     assert len(full) == 2 * (13 + 11) and {p.routing for p in full} == {"uniform", "ragged"}
 
 
 def test_stage_counts_and_legality_by_hand():
-    assert sweep.stage_counts("minimal", 10) == (2, 4, 6, 10)
-    assert sweep.stage_counts("minimal", 6) == (2, 4, 6)
-    assert sweep.stage_counts("minimal", 3) == (2, 3)
-    assert sweep.stage_counts("minimal", 1) == (1,)
-    assert sweep.stage_counts("full", 4) == (1, 2, 3, 4) and sweep.stage_counts("full", 0) == ()
+    assert sweep_grid.stage_counts("minimal", 10) == (2, 4, 6, 10)
+    assert sweep_grid.stage_counts("minimal", 6) == (2, 4, 6)
+    assert sweep_grid.stage_counts("minimal", 3) == (2, 3)
+    assert sweep_grid.stage_counts("minimal", 1) == (1,)
+    assert sweep_grid.stage_counts("full", 4) == (1, 2, 3, 4) and sweep_grid.stage_counts("full", 0) == ()
     # 15 legal knob sets: 6 mma_bn x 2 swaps with one CTA, 3 mma_bn (>= 64, swapped only) with the pair
-    capped = sweep.grid_configs("minimal", "nvfp4", H200, two_stages)
+    capped = sweep_grid.grid_configs("minimal", "nvfp4", H200, two_stages)
     assert len(capped) == 15 and {c.stages for c in capped} == {2}
     assert all(c.ab_swapped and c.mma_bn >= 64 for c in capped if c.cta_group == 2)
     # H200 budget, NVFP4, deepest rings of the SM100 formula: bn8 sw 10 / ns 9, bn16 9 / 8, bn32 8 / 8,
     # bn64 7 / 6, bn128 5 / 5, bn256 3 / 3, pair bn64 8, bn128 7, bn256 5 -> {2,4,6,deepest} sizes
     # 4+4 + 4+4 + 4+4 + 4+3 + 3+3 + 2+2 + 4+4+3 = 52
-    configs = sweep.grid_configs("minimal", "nvfp4", H200)
+    configs = sweep_grid.grid_configs("minimal", "nvfp4", H200)
     assert len(configs) == 52
     assert all(c.stages <= H200.max_stages("nvfp4", c.tile_config) for c in configs)
     deepest = {c.tile_config: max(d.stages for d in configs if d.tile_config == c.tile_config) for c in configs}
     assert deepest[TileConfig(True, 8, 1)] == 10 and deepest[TileConfig(True, 256, 2)] == 5
     # the kernel's own limit wins where it is lower (the kernel holds fewer stages of the pair tiles)
-    limited = sweep.grid_configs("minimal", "nvfp4", H200, lambda f, t: 6 if t.cta_group == 2 else 99)
+    limited = sweep_grid.grid_configs("minimal", "nvfp4", H200, lambda f, t: 6 if t.cta_group == 2 else 99)
     assert {c.stages for c in limited if c.tile_config == TileConfig(True, 256, 2)} == {2, 4, 5}
     assert {c.stages for c in limited if c.tile_config == TileConfig(True, 128, 2)} == {2, 4, 6}
 
 
 def test_order_of_work_puts_every_knob_sets_deepest_ring_first():
-    grid = sweep.build_grid("minimal", H200, formats=("nvfp4", "mxfp8"))
-    specs = sweep.grid_specs(grid)
+    grid = sweep_grid.build_grid("minimal", H200, formats=("nvfp4", "mxfp8"))
+    specs = sweep_grid.grid_specs(grid)
     assert len(specs) == len(set(specs)) == sum(len(grid.configs[f]) for f in grid.formats)
     first = specs[:30]      # 15 knob sets x 2 formats, each at its deepest ring
     for spec in first:
@@ -147,14 +147,14 @@ def test_order_of_work_puts_every_knob_sets_deepest_ring_first():
     assert [s.format for s in first] == ["nvfp4"] * 15 + ["mxfp8"] * 15
     later = [s.config.stages for s in specs[30:]]
     # then 6, 4 and 2 stages (where not already the deepest)
-    assert later == sorted(later, key=lambda s: sweep.STAGE_PRIORITY.index(s))
+    assert later == sorted(later, key=lambda s: sweep_grid.STAGE_PRIORITY.index(s))
 
 
 def test_sharding_is_a_partition_by_specialisation():
-    grid = sweep.build_grid("minimal", H200, formats=("nvfp4",), shapes=(KIMI_UP,))
-    work = sweep.pending_work(grid, set(), "h200")
-    costs = {item[0]: sum(sweep.work_cost(item, H200)) for item in work}
-    shards = sweep.shard_work(work, 3, cost=lambda item: costs[item[0]])
+    grid = sweep_grid.build_grid("minimal", H200, formats=("nvfp4",), shapes=(KIMI_UP,))
+    work = sweep_grid.pending_work(grid, set(), "h200")
+    costs = {item[0]: sum(sweep_grid.work_cost(item, H200)) for item in work}
+    shards = sweep_grid.shard_work(work, 3, cost=lambda item: costs[item[0]])
     flat = [item[0] for shard in shards for item in shard]
     assert set(flat) == {item[0] for item in work} and len(flat) == len(work)
     order = [item[0] for item in work]
@@ -163,30 +163,30 @@ def test_sharding_is_a_partition_by_specialisation():
         assert positions == sorted(positions)
     loads = [sum(costs[item[0]] for item in shard) for shard in shards]
     assert max(loads) - min(loads) <= max(costs.values())
-    assert sweep.shard_work(work, 1) == [work]
+    assert sweep_grid.shard_work(work, 1) == [work]
     with pytest.raises(ValueError, match="num_workers must be a positive int"):
-        sweep.shard_work(work, 0)
+        sweep_grid.shard_work(work, 0)
 
 
 def test_estimate_counts_compiles_and_rows():
     grid = tiny_grid()
-    work = sweep.pending_work(grid, set(), "h200")
-    estimate = sweep.estimate_sweep(sweep.shard_work(work, 2), H200, gpus=1)
+    work = sweep_grid.pending_work(grid, set(), "h200")
+    estimate = sweep_grid.estimate_sweep(sweep_grid.shard_work(work, 2), H200, gpus=1)
     assert estimate.specs == 15 and estimate.rows == 15 * 11
-    assert estimate.compile_s == 15 * sweep.COMPILE_S_ESTIMATE
-    assert estimate.wall_s >= estimate.timing_s + sweep.WORKER_SETUP_S_ESTIMATE   # one GPU times serially
+    assert estimate.compile_s == 15 * sweep_grid.COMPILE_S_ESTIMATE
+    assert estimate.wall_s >= estimate.timing_s + sweep_grid.WORKER_SETUP_S_ESTIMATE   # one GPU times serially
     # a slow kernel gets the minimum of timed launches, a fast one the budget's worth, capped
-    assert sweep.row_seconds_estimate(100_000) == pytest.approx((2 + 2 + 5) * 0.1 + sweep.ROW_OVERHEAD_S)
-    assert sweep.row_seconds_estimate(10) < sweep.row_seconds_estimate(1000) < sweep.row_seconds_estimate(10_000)
+    assert sweep_grid.row_seconds_estimate(100_000) == pytest.approx((2 + 2 + 5) * 0.1 + sweep_grid.ROW_OVERHEAD_S)
+    assert sweep_grid.row_seconds_estimate(10) < sweep_grid.row_seconds_estimate(1000) < sweep_grid.row_seconds_estimate(10_000)
 
 
 def test_parse_errors_name_what_is_allowed():
-    assert sweep.parse_shapes("deepseek_up, 7168x2048,kimi_up") == ((4096, 7168), (7168, 2048), (512, 7168))
+    assert sweep_grid.parse_shapes("deepseek_up, 7168x2048,kimi_up") == ((4096, 7168), (7168, 2048), (512, 7168))
     with pytest.raises(ValueError, match="unknown shape 'deepseek_sideways'.*NxK"):
-        sweep.parse_shapes("deepseek_sideways")
+        sweep_grid.parse_shapes("deepseek_sideways")
     with pytest.raises(ValueError, match="unknown formats.*nvfp5.*nvfp4"):
-        sweep.parse_formats("nvfp4,nvfp5", "minimal")
-    assert sweep.parse_formats(None, "full") == ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+        sweep_grid.parse_formats("nvfp4,nvfp5", "minimal")
+    assert sweep_grid.parse_formats(None, "full") == ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def test_measured_rows_mark_the_dispatch_pick_and_auto_stages():
     deepest = CONTEXT.row(key, ModelConfig(True, 8, 1, 10), timing)
     assert deepest.config_source == "sweep" and deepest.stages_source == "auto"
     assert picked.bandwidth_ceiling_fraction == pytest.approx(picked.gbps / 4300)
-    assert sweep.dispatch_pick(key, H200.smem_per_sm) == ModelConfig(True, 8, 1, 6)
+    assert sweep_grid.dispatch_pick(key, H200.smem_per_sm) == ModelConfig(True, 8, 1, 6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,19 +222,19 @@ def test_run_shard_then_resume_from_the_csv(tmp_path):
     csv_path = str(tmp_path / "ablations.csv")
     clock = FakeClock()
     first = FakeRunner(clock)
-    work = sweep.pending_work(grid, set(), "h200")
-    part = os.path.join(sweep.parts_dir(csv_path), "w0.csv")
-    with sweep.PartWriter(part) as writer:
+    work = sweep_grid.pending_work(grid, set(), "h200")
+    part = os.path.join(sweep_csv.parts_dir(csv_path), "w0.csv")
+    with sweep_csv.PartWriter(part) as writer:
         # room for 3 compiles + rows: the deadline falls inside the third specialisation
         summary = sweep.run_shard(work, first, CONTEXT, writer.write, deadline=5 + 11 + 5 + 11 + 5 + 4.5,
                                   clock=clock, log=lambda _: None)
     assert summary.stopped == "budget" and summary.measured == 11 + 11 + 4
     assert summary.remaining == 15 * 11 - summary.measured
-    assert sweep.merge_parts(csv_path, log=lambda _: None) == 26
-    assert not os.path.exists(sweep.parts_dir(csv_path))
+    assert sweep_csv.merge_parts(csv_path, log=lambda _: None) == 26
+    assert not os.path.exists(sweep_csv.parts_dir(csv_path))
 
-    done = {sweep.row_key(r) for r in sweep.load_rows(csv_path)}
-    rest = sweep.pending_work(grid, done, "h200")
+    done = {sweep_csv.row_key(r) for r in sweep_csv.load_rows(csv_path)}
+    rest = sweep_grid.pending_work(grid, done, "h200")
     assert len(rest) == 13 and len(rest[0][1]) == 7      # two specs done, the third has 7 problems left
     second = FakeRunner(FakeClock())
     rows = []
@@ -242,14 +242,14 @@ def test_run_shard_then_resume_from_the_csv(tmp_path):
     assert summary.stopped is None and summary.measured == 15 * 11 - 26
     assert not set(first.measured) & set(second.measured)          # nothing timed twice
     assert work[0][0] not in second.compiled                        # a finished spec is not compiled again
-    sweep.update_csv(csv_path, rows, replace=False)
-    assert len(sweep.load_rows(csv_path)) == 15 * 11
-    assert sweep.pending_work(grid, {sweep.row_key(r) for r in sweep.load_rows(csv_path)}, "h200") == []
+    sweep_csv.update_csv(csv_path, rows, replace=False)
+    assert len(sweep_csv.load_rows(csv_path)) == 15 * 11
+    assert sweep_grid.pending_work(grid, {sweep_csv.row_key(r) for r in sweep_csv.load_rows(csv_path)}, "h200") == []
 
 
 def test_budget_stop_starts_nothing_that_would_end_after_the_deadline():
     grid = tiny_grid()
-    work = sweep.pending_work(grid, set(), "h200")
+    work = sweep_grid.pending_work(grid, set(), "h200")
     for deadline in (3.0, 20.0, 57.3):
         clock = FakeClock()
         runner = FakeRunner(clock, compile_s=2.0, row_s=0.5)
@@ -265,7 +265,7 @@ def test_budget_stop_starts_nothing_that_would_end_after_the_deadline():
 
 def test_unrunnable_configs_record_nothing_and_failures_stop_the_worker():
     grid = tiny_grid()
-    work = sweep.pending_work(grid, set(), "h200")
+    work = sweep_grid.pending_work(grid, set(), "h200")
     specs = [spec for spec, _ in work]
     clock = FakeClock()
     runner = FakeRunner(clock, not_runnable={specs[0]}, crash_measure={specs[1]})
@@ -290,7 +290,7 @@ def fake_worker(label, work, part_path, *, hw_key, seed, row_budget_s, deadline,
         os._exit(3)
     runner = FakeRunner(FakeClock(), compile_s=0.0, row_s=0.0)
     runner.gpu = lambda: gpu_lock        # the shared multiprocessing lock of this GPU
-    with sweep.PartWriter(part_path) as writer:
+    with sweep_csv.PartWriter(part_path) as writer:
         summary = sweep.run_shard(work, runner, CONTEXT, writer.write, deadline=deadline, log=lambda _: None,
                                   label=label)
     summary.note(f"visible={visible}")
@@ -300,8 +300,8 @@ def fake_worker(label, work, part_path, *, hw_key, seed, row_budget_s, deadline,
 @pytest.mark.slow   # spawns worker processes: ~17 s on a 2-core CPU
 def test_workers_are_spawned_one_gpu_each_and_a_dead_one_is_reported(tmp_path):
     csv_path = str(tmp_path / "ablations.csv")
-    work = sweep.pending_work(tiny_grid(), set(), "h200")
-    shards = sweep.shard_work(work, 3)     # shards 0 and 2 share GPU "0" (and its lock), shard 1 gets GPU "1"
+    work = sweep_grid.pending_work(tiny_grid(), set(), "h200")
+    shards = sweep_grid.shard_work(work, 3)     # shards 0 and 2 share GPU "0" (and its lock), shard 1 gets GPU "1"
     summaries = sweep.run_workers(shards, ["0", "1"], csv_path, hw_key="h200", seed=0, row_budget_s=0.05,
                                   deadline=None, worker=fake_worker)
     by_label = {s.label: s for s in summaries}
@@ -310,7 +310,7 @@ def test_workers_are_spawned_one_gpu_each_and_a_dead_one_is_reported(tmp_path):
     for label, shard in (("gpu0.0", shards[0]), ("gpu0.1", shards[2])):
         assert by_label[label].notes == ["visible=0"]
         assert by_label[label].measured == sum(len(keys) for _, keys in shard)
-    assert sweep.merge_parts(csv_path, log=lambda _: None) == by_label["gpu0.0"].measured + by_label["gpu0.1"].measured
+    assert sweep_csv.merge_parts(csv_path, log=lambda _: None) == by_label["gpu0.0"].measured + by_label["gpu0.1"].measured
     assert os.environ.get("CUDA_VISIBLE_DEVICES") != "1"      # the parent's environment is restored
 
 
@@ -325,16 +325,16 @@ def test_merge_keeps_existing_rows_unless_replacing():
     key = ab.ProblemKey("nvfp4", 512, 7168, "uniform", 8, 32)
     a, b = ModelConfig(True, 8, 1, 4), ModelConfig(True, 8, 1, 6)
     old = [measured(key, a, 10.0)]
-    merged, added, replaced = sweep.merge_rows(old, [measured(key, a, 20.0), measured(key, b)], replace=False)
+    merged, added, replaced = sweep_csv.merge_rows(old, [measured(key, a, 20.0), measured(key, b)], replace=False)
     assert (added, replaced) == (1, 0) and [r.median_us for r in merged if r.config == a] == [10.0]
-    merged, added, replaced = sweep.merge_rows(old, [measured(key, a, 20.0)], replace=True)
+    merged, added, replaced = sweep_csv.merge_rows(old, [measured(key, a, 20.0)], replace=True)
     assert (added, replaced) == (0, 1) and merged[0].median_us == 20.0
     modelled = ab.model_rows(H200, [key], configs=[a])
-    merged, added, _ = sweep.merge_rows(old, modelled, replace=False)
+    merged, added, _ = sweep_csv.merge_rows(old, modelled, replace=False)
     assert added == 1 and {r.source for r in merged} == {"measured", "model"}   # source is part of the key
     row = old[0]
-    assert sweep.row_key(row) == sweep.sweep_key("h200", "measured", row.key, row.config)
-    assert sweep.KEY_COLUMNS == ("gpu", "format", "n", "k", "routing", "num_active_experts", "total_tokens",
+    assert sweep_csv.row_key(row) == sweep_csv.sweep_key("h200", "measured", row.key, row.config)
+    assert sweep_csv.KEY_COLUMNS == ("gpu", "format", "n", "k", "routing", "num_active_experts", "total_tokens",
                                  "ab_swapped", "mma_bn", "cta_group", "stages", "source")
 
 
@@ -342,27 +342,27 @@ def test_part_files_survive_a_kill_and_merge(tmp_path):
     csv_path = str(tmp_path / "data" / "ablations.csv")
     key = ab.ProblemKey("nvfp4", 512, 7168, "uniform", 8, 32)
     configs = [ModelConfig(True, 8, 1, s) for s in (2, 4, 6)]
-    parts = sweep.parts_dir(csv_path)
+    parts = sweep_csv.parts_dir(csv_path)
     for name, chosen in (("a.csv", configs[:2]), ("b.csv", configs[1:])):   # configs[1] in both
-        with sweep.PartWriter(os.path.join(parts, name)) as writer:
+        with sweep_csv.PartWriter(os.path.join(parts, name)) as writer:
             for config in chosen:
                 writer.write(measured(key, config))
     with open(os.path.join(parts, "b.csv"), "a") as f:     # a write cut short by a kill
         f.write("h200,nvfp4,512,71")
     notes = []
-    assert sweep.merge_parts(csv_path, log=notes.append) == 3
+    assert sweep_csv.merge_parts(csv_path, log=notes.append) == 3
     assert any("dropped the last line" in n for n in notes)
     with open(csv_path, newline="") as f:
         assert tuple(next(csv.reader(f))) == ab.ABLATION_COLUMNS
-    assert len(sweep.load_rows(csv_path)) == 3 and not os.path.exists(parts)
+    assert len(sweep_csv.load_rows(csv_path)) == 3 and not os.path.exists(parts)
     # a bad line that is not the last one is an error naming the file
     bad = os.path.join(parts, "c.csv")
-    with sweep.PartWriter(bad) as writer:
+    with sweep_csv.PartWriter(bad) as writer:
         writer.write(measured(key, configs[0]))
     lines = open(bad).read().splitlines()
     open(bad, "w").write("\n".join([lines[0], lines[1].replace("nvfp4", "nvfp5"), lines[1]]) + "\n")
     with pytest.raises(ValueError, match="c.csv, record 1"):
-        sweep.merge_parts(csv_path, log=lambda _: None)
+        sweep_csv.merge_parts(csv_path, log=lambda _: None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,10 +423,10 @@ def modelled_csv(tmp_path_factory):
 
 
 def test_model_writes_rows_for_both_gpus_and_is_idempotent(modelled_csv, capsys):
-    rows = sweep.load_rows(modelled_csv)
+    rows = sweep_csv.load_rows(modelled_csv)
     assert {r.source for r in rows} == {"model"} and {r.gpu for r in rows} == {"h200", "b200"}
-    for hw, limit in ((H200, sweep.h200_kernel_stage_limit()), (B200, None)):
-        grid = sweep.build_grid("minimal", hw, formats=("nvfp4",), shapes=(KIMI_UP,), kernel_stage_limit=limit)
+    for hw, limit in ((H200, sweep_grid.h200_kernel_stage_limit()), (B200, None)):
+        grid = sweep_grid.build_grid("minimal", hw, formats=("nvfp4",), shapes=(KIMI_UP,), kernel_stage_limit=limit)
         assert sum(r.gpu == hw.key for r in rows) == grid.num_rows
     b200 = [r for r in rows if r.gpu == "b200"]
     assert max(r.stages for r in b200 if (r.mma_bn, r.cta_group) == (256, 2)) == B200.max_stages(
@@ -438,7 +438,7 @@ def test_model_writes_rows_for_both_gpus_and_is_idempotent(modelled_csv, capsys)
 
 def test_plot_writes_heatmaps_with_findings(modelled_csv, tmp_path, capsys):
     b200_only = str(tmp_path / "b200.csv")    # two loads each of decode and small prefill: two figures
-    sweep.update_csv(b200_only, [r for r in sweep.load_rows(modelled_csv) if r.gpu == "b200" and r.avg_m in (4, 32)],
+    sweep_csv.update_csv(b200_only, [r for r in sweep_csv.load_rows(modelled_csv) if r.gpu == "b200" and r.avg_m in (4, 32)],
                      replace=False)
     out = str(tmp_path / "figs")
     assert run_cli("--plot", out, "--csv", b200_only) == 0
@@ -448,20 +448,20 @@ def test_plot_writes_heatmaps_with_findings(modelled_csv, tmp_path, capsys):
         with open(os.path.join(out, name), "rb") as f:
             assert f.read(8) == PNG_MAGIC
     assert "wrote 2 heatmaps" in capsys.readouterr().out
-    decode = [r for r in sweep.load_rows(b200_only) if r.regime == "decode"]
-    title = sweep.heatmap_figure(decode).get_suptitle().replace("\n", " ")
+    decode = [r for r in sweep_csv.load_rows(b200_only) if r.regime == "decode"]
+    title = sweep_report.heatmap_figure(decode).get_suptitle().replace("\n", " ")
     assert title.startswith("Modelled B200, NVFP4 Kimi up (512, 7168), decode:") and "dispatch" in title
 
 
 def test_stage_columns_merge_lone_deepest_rings():
     configs = [ModelConfig(True, 8, 1, s) for s in (2, 4, 6, 10)] + [ModelConfig(True, 256, 2, s) for s in (2, 4)] \
         + [ModelConfig(True, 256, 1, s) for s in (2, 3)]
-    labels, column = sweep.stage_columns(configs)
+    labels, column = sweep_report.stage_columns(configs)
     assert labels == ["2", "4", "6", "deepest"]
     assert column[ModelConfig(True, 8, 1, 10)] == column[ModelConfig(True, 256, 1, 3)] == 3
     assert column[ModelConfig(True, 256, 2, 4)] == 1       # its deepest ring is a shared column already
     dense = [ModelConfig(True, 8, 1, s) for s in range(1, 6)] + [ModelConfig(True, 64, 1, s) for s in range(1, 4)]
-    assert sweep.stage_columns(dense)[0] == ["1", "2", "3", "4", "5"]
+    assert sweep_report.stage_columns(dense)[0] == ["1", "2", "3", "4", "5"]
 
 
 def test_tables_side_by_side(modelled_csv, capsys):
@@ -478,13 +478,13 @@ def test_calibrate_on_measured_rows(tmp_path, capsys):
     path = str(tmp_path / "ablations.csv")
     rng = np.random.default_rng(0)
     rows = []
-    grid = sweep.build_grid("minimal", H200, formats=("nvfp4",), shapes=(KIMI_UP,),
+    grid = sweep_grid.build_grid("minimal", H200, formats=("nvfp4",), shapes=(KIMI_UP,),
                             kernel_stage_limit=lambda f, t: 4)
     for key in grid.problems["nvfp4"][::2]:
         for config in grid.configs["nvfp4"][::3]:
             truth = 1.4 * model_config(ab.problem_shape(key), config, H200).time_us * rng.uniform(0.95, 1.05)
             rows.append(CONTEXT.row(key, config, Timing(truth, truth * 0.98, truth * 1.02, 5)))
-    sweep.update_csv(path, rows, replace=False)
+    sweep_csv.update_csv(path, rows, replace=False)
     assert run_cli("--calibrate", "--csv", path) == 0
     out = capsys.readouterr().out
     assert f"on {len(rows)} of {len(rows)} measured rows" in out and "### Before" in out and "### After" in out
@@ -492,7 +492,7 @@ def test_calibrate_on_measured_rows(tmp_path, capsys):
     errors = [float(line.split("median relative error ")[1].split(" %")[0]) for line in out.splitlines()
               if line.startswith("all ")]
     assert len(errors) == 2 and errors[1] < errors[0]
-    assert len(sweep.calibration_sample(rows, 10)) <= 10 + len({(r.n, r.k, r.regime) for r in rows})
+    assert len(sweep_report.calibration_sample(rows, 10)) <= 10 + len({(r.n, r.k, r.regime) for r in rows})
 
 
 def test_no_gpu_is_a_message_with_status_2(monkeypatch, capsys, tmp_path):
@@ -524,17 +524,17 @@ def test_no_gpu_in_a_fresh_process_prints_no_traceback(tmp_path):
 def test_a_short_sweep_on_the_gpu(tmp_path, monkeypatch):
     from gbs.numba_kernels.launch import gpu_compute_capability
 
-    limit = sweep.h200_kernel_stage_limit()
+    limit = sweep_grid.h200_kernel_stage_limit()
     if limit is None or gpu_compute_capability() != (9, 0):
         pytest.skip("needs the H200 kernel (gbs.numba_kernels.h200_stream) and an sm_90 GPU")
-    grid = sweep.build_grid("minimal", H200, formats=("nvfp4",), shapes=(KIMI_UP,), kernel_stage_limit=limit)
-    work = [(spec, keys[:3]) for spec, keys in sweep.pending_work(grid, set(), "h200")[:2]]
+    grid = sweep_grid.build_grid("minimal", H200, formats=("nvfp4",), shapes=(KIMI_UP,), kernel_stage_limit=limit)
+    work = [(spec, keys[:3]) for spec, keys in sweep_grid.pending_work(grid, set(), "h200")[:2]]
     csv_path = str(tmp_path / "ablations.csv")
-    part = os.path.join(sweep.parts_dir(csv_path), "gpu.csv")
+    part = os.path.join(sweep_csv.parts_dir(csv_path), "gpu.csv")
     monkeypatch.setenv("GBS_COMMIT", os.environ.get("GBS_COMMIT", "gpu-test"))
     summary = sweep.run_worker("gpu0", work, part, hw_key="h200", seed=0, row_budget_s=0.02, deadline=None)
     assert summary.measured + summary.not_runnable == 6 and summary.failed == 0
-    sweep.merge_parts(csv_path, log=print)
-    rows = sweep.load_rows(csv_path)
+    sweep_csv.merge_parts(csv_path, log=print)
+    rows = sweep_csv.load_rows(csv_path)
     assert len(rows) == summary.measured and all(r.source == "measured" and r.gpu == "h200" for r in rows)
     assert all(0 < r.bandwidth_ceiling_fraction < 1.5 for r in rows)

@@ -61,7 +61,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from gbs.lab.bench import useful_bytes, useful_flops
+from gbs.lab.cases import useful_bytes, useful_flops
 from gbs.dispatch import (
     DECODE_AVG_M,
     LEGAL_MMA_BN,
@@ -406,7 +406,7 @@ def make_row(key: ProblemKey, config, *, median_us: float, p10_us: float, p90_us
              mma_ceiling_tflops: float, config_source: str = CONFIG_SOURCE_SWEEP,
              stages_source: str = STAGES_OVERRIDE) -> AblationRow:
     """A row with the derived columns filled in: avg_m, regime, TFLOP/s and GB/s of the problem's
-    useful FLOPs and bytes (``gbs.lab.bench.useful_flops`` / ``useful_bytes``) at the median time, and
+    useful FLOPs and bytes (``gbs.lab.cases.useful_flops`` / ``useful_bytes``) at the median time, and
     their fractions of the given ceilings (measured ones for measured rows)."""
     config = ModelConfig.of(config)
     shape = problem_shape(key)
@@ -462,7 +462,7 @@ def model_rows(hw: HardwareParams, problems: Iterable[ProblemKey], *, configs: S
     its knobs and stages are what the dispatch picks for the problem with ``hw``'s budget."""
     date = date or datetime.date.today().isoformat()
     if commit is None:
-        from gbs.lab.bench import environment_fields
+        from gbs.lab.environment import environment_fields
 
         commit = environment_fields()["commit"]
     rows = []

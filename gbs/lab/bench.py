@@ -1,20 +1,18 @@
-"""Benchmark harness and ``python -m gbs bench``: our kernels and the peers, timed side by side.
+"""Benchmark and ``python -m gbs bench``: our kernels and the peers, timed side by side.
 
-Rules (DEVELOPERS.md, METHOD.md): every timing is CUDA events around one launch, after warm-up,
-repeated, reported as median / p10 / p90; the timed launches queue behind a sleeping kernel, so the
-GPU runs them back to back and the events time the GPU's work, not Python's launch overhead; inputs
-rotate over enough copies that the bytes of one rotation exceed ``L2_ROTATION_FACTOR`` times the L2,
-so no launch reads what the previous one left in L2; the ceilings (streaming read, dense bf16 / fp8
-matmul) are measured in the same process as the kernels.
+The benchmark: for each (format, case) of ``gbs.lab.cases`` it builds the synthetic problem, asks the
+dispatch for its config, times each of our backends (``BACKEND_LOADERS``: ``prepare(problem, config)``
+-> a launcher that takes no arguments and writes its output into ``launcher.out`` or
+``launcher.device_out``) and each peer of ``gbs.lab.peers`` (torch bf16 / FP8 grouped matmuls, a Triton
+``tl.dot_scaled`` grouped loop, a device copy of the same bytes) on the live groups, and makes one row per
+method: time, TFLOP/s and GB/s of the method's own useful bytes, percentages of the measured ceilings,
+speed-ups over each peer, the dispatch config, and the environment (``gbs.lab.environment``). It prints
+the table last and writes the rows as CSV (default ``bench/results/<date>-<gpu>.csv``).
 
-The benchmark: for each (format, case) it builds a synthetic problem, asks the dispatch for its
-config, times each of our backends (``BACKEND_LOADERS``: ``prepare(problem, config)`` -> a launcher
-that takes no arguments and writes its output into ``launcher.out`` or ``launcher.device_out``) and
-each peer of ``gbs.lab.peers`` (torch bf16 / FP8 grouped matmuls, a Triton ``tl.dot_scaled`` grouped
-loop, a device copy of the same bytes) on the live groups, and makes one row per method: time,
-TFLOP/s and GB/s of the method's own useful bytes, percentages of the measured ceilings, speed-ups
-over each peer, the dispatch config, and the environment. It prints the table last and writes the
-rows as CSV (default ``bench/results/<date>-<gpu>.csv``).
+Timing follows the rules of ``gbs.lab.timing`` (DEVELOPERS.md, METHOD.md): CUDA events around single
+launches queued behind a spacer kernel, after warm-up, inputs rotated past ``L2_ROTATION_FACTOR`` times the
+L2, median / p10 / p90; the ceilings (streaming read, dense bf16 / fp8 matmul) are measured in the same
+process as the kernels.
 
 Nothing is timed unchecked (issue 32): each of our methods first runs once on a poisoned output and
 is compared with the case's exact reference (``CaseReference``: computed once per (case, format) on
@@ -30,430 +28,37 @@ host-bound after ``HOST_BOUND_RETRIES`` retries is marked (``host_bound``) in th
 from __future__ import annotations
 
 import csv
-import datetime
 import functools
-import importlib.metadata
 import os
-import re
-import subprocess
 import sys
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import peers as peer_lib
-from ..problem import PROBLEM_FORMATS, GroupedProblem, make_routing, operand_shape, resolve_formats
-from ..formats import BF16, E4M3, group_scale_offsets, swizzle_scales
-from ..reference import poison_output, reference_grouped_matmul
+from .cases import BENCH_CASES, FULL_FORMATS, QUICK_CASES, QUICK_FORMATS, BenchCase, useful_bytes, useful_flops
+from .environment import environment_fields, gpu_slug
+from .timing import (
+    QUICK_READ_CEILING_BYTES,
+    QUICK_TIMING_BUDGET_S,
+    READ_CEILING_BYTES,
+    TIMING_BUDGET_S,
+    Timing,
+    device_l2_bytes,
+    measure_read_bandwidth,
+    rotation_count,
+    time_launches,
+)
 from .verify import check_output
+from ..formats import BF16
 from ..layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
-
-L2_ROTATION_FACTOR = 4          # one rotation of inputs spans 4x the L2
-H200_L2_BYTES = 60 * 2 ** 20    # nvidia-h200: 60 MB of L2 (KINDS.md); read off the device when possible
-WARMUP_LAUNCHES = 5
-TIMED_LAUNCHES = 50
-MIN_TIMED_LAUNCHES = 5          # a slow method still gets a median of this many launches
-WARMUP_BUDGET_S = 0.2           # with a time budget, warm-up stops after about this long
-TIMING_BUDGET_S = 1.0           # timed launches of one method, full mode ...
-QUICK_TIMING_BUDGET_S = 0.3     # ... and --quick
-READ_CEILING_BYTES = 4 * 2 ** 30
-QUICK_READ_CEILING_BYTES = 2 ** 30   # still 16x the L2
-READ_THREADS_PER_BLOCK = 256
-READ_BLOCKS_PER_SM = 8          # 4-8 blocks of 256 per SM reached 4.30 TB/s (kernels.md)
-READ_LOADS_IN_FLIGHT = 4        # 16-byte loads issued per thread before the first use
-# The spacer kernel ahead of the timed launches holds the GPU for this many times the host's time to
-# issue them, at most SPACER_MAX_S, so that every timed launch is queued before the GPU reaches it. It
-# waits on %globaltimer: nanosleep alone sleeps anything from 0 to twice what it is asked, and a
-# spacer that ended early let the GPU catch up with the host (timed launches of ~10 us kernels then
-# read the host's ~25 us launch interval: the 24.7 / 25.6 us outliers of H200 runs 45 and 48).
-SPACER_MARGIN = 2.0
-SPACER_MAX_S = 0.5
-SPACER_SLEEP_NS = np.uint32(1000)
-# If the GPU still drained the queue before the last timed launch was issued, time again (at most
-# HOST_BOUND_RETRIES more batches) after more warm-up, behind this many times the spacer (and, once the
-# spacer is at SPACER_MAX_S, with only as many launches as it covers); still host-bound: the Timing says
-# so (``Timing.host_bound``), the CSV's ``host_bound`` column and the table mark the row.
-SPACER_RETRY_FACTOR = 4.0
-HOST_BOUND_RETRIES = 2
-RETRY_WARMUP_FACTOR = 2          # a retry warms up with this many times the launches of the one before
-
-# Realistic scale bytes for synthetic problems: UE8M0 exponents near 1.0, UE4M3 values near the
-# NVFP4 recipe's (amax_block / 6 * S_enc lands in [~16, 448]).
-SYNTHETIC_UE8M0_RANGE = (120, 131)
-SYNTHETIC_UE4M3_RANGE = (0x50, 0x7E)
-# Distinct random bytes per synthetic operand; an odd count, so repeats never line up with rows.
-SYNTHETIC_RANDOM_BYTES = 2 ** 24 - 1
-
-
-@dataclass(frozen=True)
-class Timing:
-    median_us: float
-    p10_us: float
-    p90_us: float
-    launches: int
-    host_bound: bool = False   # the GPU ran out of queued launches: the times include host gaps
-    # every timed launch in issue order, (input set, us): for streaks or modes a median hides
-    series: tuple[tuple[int, float], ...] = field(default=(), repr=False, compare=False)
-    attempts: int = 1          # timed batches run: 1, or more after host-bound batches (HOST_BOUND_RETRIES)
-
-
-def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
-                  reps: int = TIMED_LAUNCHES, budget_s: float | None = None) -> Timing:
-    """Time ``launch(i)`` (i = input set, rotating over ``num_inputs``) with CUDA events, one pair
-    of events per launch, after one untimed first call (compilation, module load) and ``warmup``
-    untimed launches. With ``budget_s``, warm-up and timed launches are cut to about
-    ``WARMUP_BUDGET_S`` and ``budget_s`` of the slower of host and GPU (at least 1 and
-    ``MIN_TIMED_LAUNCHES``). Events go on the legacy default stream, which torch and Triton use too.
-
-    A batch during which the GPU ran out of queued launches (host-bound: its times include the host's
-    launch gaps) is timed again, up to ``HOST_BOUND_RETRIES`` times, each after ``RETRY_WARMUP_FACTOR``
-    times more warm-up launches (which also re-measure the host's time per launch), behind a spacer
-    ``SPACER_RETRY_FACTOR`` times longer (at least ``SPACER_MARGIN`` x the launches' host time), at most
-    ``SPACER_MAX_S``, with no more launches than such a spacer covers (at least ``MIN_TIMED_LAUNCHES``).
-    The last batch is returned; ``Timing.host_bound`` says whether it was still host-bound (with a
-    RuntimeWarning), ``Timing.attempts`` how many batches ran."""
-    from numba import cuda
-
-    if num_inputs < 1 or reps < 1 or warmup < 0:
-        raise ValueError(f"need num_inputs >= 1, reps >= 1, warmup >= 0; got {num_inputs}, {reps}, {warmup}")
-    launch(0)
-    cuda.synchronize()
-    start, end = cuda.event(), cuda.event()
-    t0 = time.perf_counter()
-    start.record()
-    launch(1 % num_inputs)
-    end.record()
-    host_s = time.perf_counter() - t0
-    end.synchronize()
-    if budget_s is not None:
-        per_launch_s = max(host_s, cuda.event_elapsed_time(start, end) * 1e-3, 1e-9)
-        warmup = min(warmup, max(1, int(WARMUP_BUDGET_S / per_launch_s)))
-        reps = min(reps, max(MIN_TIMED_LAUNCHES, int(budget_s / per_launch_s)))
-    t0 = time.perf_counter()
-    for i in range(warmup):
-        launch((2 + i) % num_inputs)
-    if warmup:
-        host_s = (time.perf_counter() - t0) / warmup
-    cuda.synchronize()
-    spacer_s = min(SPACER_MAX_S, SPACER_MARGIN * reps * host_s)
-    first_input = 2 + warmup
-    times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
-    attempts = 1
-    retry_warmup = max(1, warmup)
-    while host_bound and attempts <= HOST_BOUND_RETRIES:
-        retry_warmup *= RETRY_WARMUP_FACTOR
-        t0 = time.perf_counter()
-        for i in range(retry_warmup):
-            launch((first_input + i) % num_inputs)
-        host_s = max(host_s, (time.perf_counter() - t0) / retry_warmup)
-        cuda.synchronize()
-        spacer_s = min(SPACER_MAX_S, max(SPACER_RETRY_FACTOR * spacer_s, SPACER_MARGIN * reps * host_s))
-        reps = max(MIN_TIMED_LAUNCHES, min(reps, int(spacer_s / (SPACER_MARGIN * max(host_s, 1e-9)))))
-        times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
-        attempts += 1
-    if host_bound:
-        warnings.warn(f"time_launches: the GPU drained the queue before the host issued the last of {reps} "
-                      f"launches in {attempts} batches, the last behind a {spacer_s * 1e3:.1f} ms spacer: the times "
-                      f"include host gaps (marked host_bound)", RuntimeWarning, stacklevel=2)
-    series = tuple(((first_input + i) % num_inputs, float(t)) for i, t in enumerate(times_us))
-    return Timing(float(np.median(times_us)), float(np.percentile(times_us, 10)),
-                  float(np.percentile(times_us, 90)), reps, bool(host_bound), series, attempts)
-
-
-def _timed_launches(launch, reps: int, first_input: int, num_inputs: int, spacer_s: float):
-    """Times (us) of ``reps`` launches queued behind a ``spacer_s`` spacer, and whether the spacer had
-    already ended when the host finished queuing them (then the GPU may have waited for the host)."""
-    from numba import cuda
-
-    hold_stream(spacer_s)
-    spacer_done = cuda.event()
-    spacer_done.record()
-    starts = [cuda.event() for _ in range(reps)]
-    ends = [cuda.event() for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        launch((first_input + i) % num_inputs)
-        ends[i].record()
-    host_bound = spacer_done.query()
-    ends[-1].synchronize()
-    return np.array([cuda.event_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends)]), host_bound
-
-
-@functools.lru_cache(maxsize=None)
-def _spacer_kernel():
-    from numba import cuda
-
-    from ..ptx_inline.common import read_globaltimer
-
-    @cuda.jit
-    def hold(duration_ns):
-        deadline = read_globaltimer() + np.uint64(duration_ns)
-        while read_globaltimer() < deadline:
-            cuda.nanosleep(SPACER_SLEEP_NS)
-
-    return hold
-
-
-def hold_stream(seconds: float) -> None:
-    """Enqueue a one-thread kernel that holds the default stream for ``seconds`` of %globaltimer (no sync)."""
-    duration_ns = int(seconds * 1e9)
-    if duration_ns > 0:
-        _spacer_kernel()[1, 1](np.uint64(duration_ns))
-
-
-def rotation_count(bytes_per_input: int, l2_bytes: int = H200_L2_BYTES) -> int:
-    """Input copies needed so that one rotation spans ``L2_ROTATION_FACTOR`` x the L2."""
-    return max(1, -(-L2_ROTATION_FACTOR * l2_bytes // max(1, bytes_per_input)))
-
-
-def device_l2_bytes() -> int:
-    from numba import cuda
-
-    attr = getattr(cuda.get_current_device(), "L2_CACHE_SIZE", None)
-    return int(attr) if attr else H200_L2_BYTES
-
-
-def _read_kernel():
-    """Streaming read: each thread keeps ``READ_LOADS_IN_FLIGHT`` 16-byte ``ld.global.nc`` loads in
-    flight and XORs them; one word per thread goes out so the loads are not dead."""
-    from numba import cuda
-
-    from ..ptx_inline.copy import ld_global_nc_v4_u32
-
-    in_flight = READ_LOADS_IN_FLIGHT
-
-    @cuda.jit
-    def read_all(src_u32x4, base_address, sink):
-        n_vec = src_u32x4.shape[0]
-        tid = cuda.grid(1)
-        stride = cuda.gridsize(1)
-        acc = np.uint32(0)
-        i = tid
-        while i + (in_flight - 1) * stride < n_vec:
-            w0 = ld_global_nc_v4_u32(base_address + np.uint64(16) * np.uint64(i))
-            w1 = ld_global_nc_v4_u32(base_address + np.uint64(16) * np.uint64(i + stride))
-            w2 = ld_global_nc_v4_u32(base_address + np.uint64(16) * np.uint64(i + 2 * stride))
-            w3 = ld_global_nc_v4_u32(base_address + np.uint64(16) * np.uint64(i + 3 * stride))
-            acc ^= w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ w1[3]
-            acc ^= w2[0] ^ w2[1] ^ w2[2] ^ w2[3] ^ w3[0] ^ w3[1] ^ w3[2] ^ w3[3]
-            i += in_flight * stride
-        while i < n_vec:
-            w = ld_global_nc_v4_u32(base_address + np.uint64(16) * np.uint64(i))
-            acc ^= w[0] ^ w[1] ^ w[2] ^ w[3]
-            i += stride
-        sink[tid] = acc
-
-    return read_all
-
-
-def measure_read_bandwidth(nbytes: int = READ_CEILING_BYTES) -> tuple[float, Timing]:
-    """Streaming-read ceiling of this GPU in TB/s (bytes read / median time), and its timing."""
-    from numba import cuda
-
-    vec = nbytes // 16
-    src = cuda.to_device(np.random.default_rng(0).integers(0, 2 ** 32, (vec, 4), dtype=np.uint32))
-    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    blocks = sms * READ_BLOCKS_PER_SM
-    sink = cuda.device_array(blocks * READ_THREADS_PER_BLOCK, np.uint32)
-    kernel = _read_kernel()
-    base = np.uint64(src.__cuda_array_interface__["data"][0])
-    timing = time_launches(lambda i: kernel[blocks, READ_THREADS_PER_BLOCK](src, base, sink), reps=20)
-    return vec * 16 / (timing.median_us * 1e-6) / 1e12, timing
-
-
-def synthetic_problem(fmt: str, *, n: int, k: int, group_sizes, expert_ids, num_experts: int,
-                      seed: int = 0) -> GroupedProblem:
-    """A valid problem with random element codes and realistic scale bytes, built in seconds for
-    any size (for timing; quantizing real weights of 64 DeepSeek experts takes minutes on a CPU).
-    Random codes are never all zero and exercise every element value. An operand larger than
-    ``SYNTHETIC_RANDOM_BYTES`` repeats one random block of that size (a kernel's time does not
-    depend on the values, and drawing gigabytes on the host takes a minute)."""
-    a_format, b_format = resolve_formats(fmt)
-    rng = np.random.default_rng(seed)
-    group_sizes = np.asarray(group_sizes, np.int64)
-    a_offsets = np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.uint32)
-    total = int(a_offsets[-1])
-
-    def random_bytes(low, high, shape, fix=None):
-        """Random bytes in [low, high) of ``shape``: one block drawn (then ``fix``ed in place), repeated."""
-        block = rng.integers(low, high, min(int(np.prod(shape)), SYNTHETIC_RANDOM_BYTES), dtype=np.uint8)
-        if fix is not None:
-            fix(block)
-        return np.resize(block, shape)
-
-    def clear_e4m3_nans(raw):   # S.1111.111 -> S.1111.110 so timing sees numbers
-        raw[(raw & 0x7F) == 0x7F] ^= np.uint8(0x01)
-
-    def clear_e5m2_nans(raw):   # exponent 11111 -> 10111
-        raw[(raw & 0x7C) == 0x7C] ^= np.uint8(0x40)
-
-    def codes(fmt_, shape):
-        if fmt_.packed:
-            return random_bytes(0, 256, shape)
-        fix = clear_e4m3_nans if fmt_.element_dtype == E4M3 else clear_e5m2_nans
-        return random_bytes(0, 256, shape, fix).view(fmt_.element_dtype)
-
-    def scale_bytes(fmt_, shape):
-        return random_bytes(*(SYNTHETIC_UE4M3_RANGE if fmt_.scale_dtype == "ue4m3" else SYNTHETIC_UE8M0_RANGE), shape)
-
-    a = codes(a_format, operand_shape(a_format, (total,), k))
-    b = codes(b_format, operand_shape(b_format, (num_experts, n), k))
-    a_cols, b_cols = a_format.scale_cols(k), b_format.scale_cols(k)
-    bands = int(np.sum(-(-group_sizes // 128)))
-    a_scales = swizzle_scales(scale_bytes(a_format, (bands * 128, a_cols)))
-    b_scales = swizzle_scales(scale_bytes(b_format, (num_experts, n, b_cols)))
-    expert_scales = rng.uniform(0.5, 2.0, num_experts).astype(np.float32)
-    return GroupedProblem(
-        a_format=a_format, b_format=b_format, a=a, b=b, a_scales=a_scales, b_scales=b_scales,
-        a_offsets=a_offsets, a_scale_offsets=group_scale_offsets(a_offsets),
-        expert_ids=np.asarray(expert_ids, np.int32), expert_scales=expert_scales,
-        num_active_experts=int(group_sizes.size), estimated_total_m=total, n=n, k=k)
-
-
-def useful_bytes(problem: GroupedProblem) -> int:
-    """Bytes a grouped matmul must move at least: the active experts' weights and scales once, the
-    live tokens and their scales once, the written output once (bf16)."""
-    p = problem
-    live = p.active_slots()
-    experts = {int(p.expert_ids[g]) for g in live}
-    tokens = int(sum(p.group_sizes[g] for g in live))
-    b_row = p.b_format.row_bytes(p.k) + p.b_format.scale_cols(p.k)
-    a_row = p.a_format.row_bytes(p.k) + p.a_format.scale_cols(p.k)
-    return len(experts) * p.n * b_row + tokens * a_row + tokens * p.n * 2
-
-
-def useful_flops(problem: GroupedProblem) -> int:
-    tokens = int(sum(problem.group_sizes[g] for g in problem.active_slots()))
-    return 2 * tokens * problem.n * problem.k
-
-
-def _git_commit() -> str:
-    """Short HEAD of the checkout holding this file, "+dirty" with local changes; "unknown" without git."""
-    here = os.path.dirname(__file__)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=here).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True, cwd=here).stdout.strip()
-    except OSError:
-        return "unknown"
-    if not commit:
-        return "unknown"
-    return commit + "+dirty" if changed else commit
-
-
-def environment_fields() -> dict:
-    """GPU, date, commit and versions for every CSV row (a commit with "+dirty" had local changes).
-
-    ``gpu_uuid`` names the physical GPU: lent H200s differ (read ceilings of ~4.52 or ~4.63 TB/s, and one
-    build ran 3 % apart on two of them: H200 runs 83 and 86), so before / after figures are only compared
-    on one ``gpu_uuid``. ``GBS_COMMIT`` in the environment overrides git (the device tool copies the working
-    tree without ``.git``: start `scripts/gpu_run.sh` there with ``GBS_COMMIT=<sha>``)."""
-    import ml_dtypes
-    import numba
-
-    try:
-        from numba import cuda
-
-        device = cuda.get_current_device()
-        gpu = device.name.decode() if isinstance(device.name, bytes) else device.name
-        gpu_uuid = str(getattr(device, "uuid", "unknown"))
-    except Exception:
-        gpu, gpu_uuid = "none", "none"
-    commit = os.environ.get("GBS_COMMIT") or _git_commit()
-    try:
-        import numba_cuda
-
-        numba_cuda_version = numba_cuda.__version__
-    except Exception:
-        numba_cuda_version = "unknown"
-    return {"gpu": gpu, "gpu_uuid": gpu_uuid, "date": datetime.date.today().isoformat(), "commit": commit,
-            "numpy": np.__version__, "numba": numba.__version__, "numba_cuda": numba_cuda_version,
-            "ml_dtypes": ml_dtypes.__version__, "torch": _installed_version("torch"),
-            "triton": _installed_version("triton")}
-
-
-def _installed_version(package: str) -> str:
-    """A package's version without importing it (torch takes seconds); "none" if absent."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
-def write_csv(path: str, rows: list[dict]) -> None:
-    """Write rows (dicts with the same keys) as CSV, creating the folder."""
-    if not rows:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    keys = list(rows[0])
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-
+from ..problem import PROBLEM_FORMATS, GroupedProblem
+from ..reference import poison_output, reference_grouped_matmul
 
 # ----------------------------------------------------------------------------------------------
-# Cases: the issue's table shapes
+# What to run, and the figures a run is compared with
 # ----------------------------------------------------------------------------------------------
-BENCH_ROUTINGS = ("uniform", "ragged")   # gbs.problem.make_routing's, over exactly ``slots`` experts
-BENCH_ROUTING_SEED = 0                    # a case's group sizes are fixed: the same problem in every run
-
-
-@dataclass(frozen=True)
-class BenchCase:
-    """One benchmark shape, (N, K): ``slots`` experts with ``tokens_per_expert`` tokens each
-    (``routing="uniform"``), or the same total drawn by ``make_routing``'s ``"ragged"`` (a few hot
-    experts, many cold or empty ones: ``tokens_per_expert`` is then the average)."""
-
-    name: str
-    n: int
-    k: int
-    slots: int
-    tokens_per_expert: int
-    routing: str = "uniform"
-
-    def __post_init__(self):
-        if self.routing not in BENCH_ROUTINGS:
-            raise ValueError(f"routing must be one of {BENCH_ROUTINGS}, got {self.routing!r}")
-
-    @property
-    def label(self) -> str:
-        ragged = "" if self.routing == "uniform" else f" ({self.routing})"
-        return f"{self.n}x{self.k} {self.slots}x{self.tokens_per_expert}{ragged}"
-
-    @property
-    def total_tokens(self) -> int:
-        return self.slots * self.tokens_per_expert
-
-    def group_sizes(self) -> np.ndarray:
-        return make_routing(num_experts=self.slots, total_tokens=self.total_tokens, num_active_experts=self.slots,
-                            routing=self.routing, seed=BENCH_ROUTING_SEED).group_sizes
-
-    def problem(self, fmt: str, seed: int = 0) -> GroupedProblem:
-        """A synthetic problem with one expert per slot (only live experts cost bytes anywhere)."""
-        return synthetic_problem(fmt, n=self.n, k=self.k, group_sizes=self.group_sizes(),
-                                 expert_ids=np.arange(self.slots), num_experts=self.slots, seed=seed)
-
-
-BENCH_CASES: dict[str, BenchCase] = {c.name: c for c in (
-    BenchCase("decode_up", 4096, 7168, 64, 4),            # DeepSeek-V3 up-projection, decode
-    BenchCase("decode_down", 7168, 2048, 64, 4),          # DeepSeek-V3 down-projection, decode
-    BenchCase("kimi_decode", 512, 7168, 8, 1),            # Kimi K2.5 TP-8 up-projection, one token each
-    BenchCase("small_prefill_up", 4096, 7168, 32, 32),
-    BenchCase("kimi_small_prefill", 512, 7168, 8, 32),    # Kimi TP-8 up-projection, 32 tokens each: 32 swapped tiles
-    BenchCase("large_prefill_up", 4096, 7168, 8, 1024),
-    BenchCase("large_prefill_down", 7168, 2048, 8, 1024),
-    # the same 8192 tokens over 32 experts as a router spreads them: 0-1694 each, four empty (workloads.md:
-    # "ragged loads (a few hot experts)"); the H200 plans see only the average (host metadata)
-    BenchCase("large_prefill_ragged", 4096, 7168, 32, 256, routing="ragged"),
-)}
-QUICK_CASES = ("decode_up", "kimi_decode", "small_prefill_up", "large_prefill_up")
-QUICK_FORMATS = ("nvfp4", "mxfp8")
-FULL_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
-
 # The torch peers as a teammate measured them on this H200 (torch 2.11): what this run's torch rows
 # should reproduce. (value, unit).
 EARLIER_TORCH_FIGURES: dict[str, dict[str, tuple[float, str]]] = {
@@ -743,8 +348,9 @@ SPEEDUP_HEADERS = {"torch_bf16": "x_bf16", "torch_fp8_rowwise": "x_fp8", "triton
 
 METHOD_WIDTH = max(map(len, METHODS))   # the method column fits every method name
 # A row whose p10-p90 spread exceeds this fraction of its median gets a note in the table: its median may sit in
-# one of two modes. Bench run 124 (2026-12-01): torch bf16 on large_prefill_up took 705.6 us (p10 636.9, p90 708.0)
-# in one process and 630.1 (628.8-631.6) in the other of the same call; our rows spread 0.5-3 % at that size.
+# one of two modes. Evidence bench-torch-bimodal (data/h200_evidence.csv): torch bf16 on large_prefill_up took
+# 705.6 us (p10 636.9, p90 708.0) in one process and 630.1 (628.8-631.6) in the other of the same call; our rows
+# spread 0.5-3 % at that size.
 WIDE_SPREAD_FRACTION = 0.08
 
 
@@ -799,14 +405,20 @@ Peers run only the live groups (torch has no -1 skip semantics) on their own ran
     triton_dot_scaled (NOT HEADLINE) launches one untuned kernel per group from Python (MX scales only)."""
 
 
+def write_csv(path: str, rows: list[dict]) -> None:
+    """Write rows (dicts with the same keys) as CSV, creating the folder."""
+    if not rows:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    keys = list(rows[0])
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def default_csv_path(env: dict, root: str = "bench/results") -> str:
     return os.path.join(root, f"{env['date']}-{gpu_slug(env['gpu'])}.csv")
-
-
-def gpu_slug(gpu_name: str) -> str:
-    """'NVIDIA H200' -> 'h200': lower case, vendor dropped, other runs of symbols -> '-'."""
-    name = re.sub(r"^nvidia\s+", "", gpu_name.strip().lower())
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from gbs.lab.bench import H200_L2_BYTES, useful_bytes, useful_flops
+from gbs.lab.cases import useful_bytes, useful_flops
+from gbs.lab.timing import H200_L2_BYTES
 from gbs.dispatch import (
     B200_SMEM_PER_SM,
     H200_SMEM_PER_SM,
@@ -182,7 +183,7 @@ H200 = HardwareParams(
     hbm_peak_tbs=H200_DATASHEET_HBM_TBS,    # datasheet
     hbm_sustained_tbs=H200_MEASURED_READ_TBS,  # measured here: streaming-read ceiling
     bandwidth_fraction=1.0,                 # assumed (calibrated on the H200 rows)
-    l2_bytes=H200_L2_BYTES,                 # measured here (device report, gbs.lab.bench)
+    l2_bytes=H200_L2_BYTES,                 # measured here (device report, gbs.lab.timing)
     l2_bandwidth_tbs=10.0,                  # assumed: third-party H100 microbenchmarks, ~10 TB/s
     sm_load_bytes_per_cycle=64.0,           # assumed: 64 B/clk L2 -> SM per SM
     smem_per_sm=H200_SMEM_PER_SM,           # datasheet: 227 KiB opt-in per block (gbs.dispatch)
@@ -245,7 +246,7 @@ def _mma_kind(fmt: str) -> str:
 class ProblemShape:
     """What the model needs of a grouped problem: format, N, K, tokens and expert id per slot.
 
-    Has the attributes ``gbs.lab.bench.useful_bytes`` / ``useful_flops`` read (``a_format``,
+    Has the attributes ``gbs.lab.cases.useful_bytes`` / ``useful_flops`` read (``a_format``,
     ``b_format``, ``group_sizes``, ``expert_ids``, ``active_slots()``), so those define the
     useful bytes and FLOPs here too.
     """

@@ -359,7 +359,7 @@ as `python -m gbs bench` wrote it (`gbs/lab/bench.py`, `build_rows`). The README
 the same rows. What the columns mean:
 
 - **median, p10-p90**: CUDA-event times of single launches after warm-up, inputs rotated past 4x the L2
-  (the bench's rules, `gbs/lab/bench.py`).
+  (the bench's rules, `gbs/lab/timing.py`).
 - **TFLOP/s, GB/s**: the useful FLOPs and the fewest bytes *that method* must move (`useful_flops`,
   `useful_bytes`), per second of its median; **% read**: those bytes per second against the streaming-read
   ceiling measured in the same process (`read_ceiling_tbps`).
