@@ -3,9 +3,9 @@
 
     python3 scripts/wgmma_overlap_probe.py [--csv OUT.csv]     # needs an sm_90 GPU (under a minute)
 
-Why: the 256-token wgmma kernel's time fits "MMA time + the consumers' decode time" (run 76: diagnostic builds
-without the token decode / without both decodes ran 860 -> 701 -> 596 us, about what the removed instructions
-cost to issue), as if the decode never ran under the MMAs. This probe runs the consumer's pattern without any
+Why: the 256-token wgmma kernel's time fits "MMA time + the consumers' decode time" (diagnostic builds without the
+token decode / without both decodes ran faster by about what the removed instructions cost to issue; evidence:
+wgmma-decode-split), as if the decode never ran under the MMAs. This probe runs the consumer's pattern without any
 decode or data: per iteration each of two warpgroups (one CTA per SM, 132 CTAs) issues 8 ``wgmma m64n128k16``
 (two m64 tiles x 4 k16 steps, 64 kappa: the 256-token kernel's sub-step; B a buffer in shared memory), commits,
 waits for the previous group (``wait_group 1``), then runs ``rounds`` rounds of work on 4 independent chains
@@ -18,7 +18,7 @@ packed bf16 FMAs instead of integer shifts and XORs; a named barrier of both war
 kernel has (``lockstep``, ``ss_lockstep``) or the warpgroups taking turns (``pingpong``, ``ss_pingpong``).
 Printed per iteration: SM clocks (thread 0 of warpgroup 0), the clocks the wgmma issue took, and the same work
 alone (same barriers, no MMA). Overlap means the time stays near max(MMA, work); none means their sum. Run 79
-(2026-11-30, ``notes/h200/2026-11-30-wgmma-overlap-probe-run79.csv``): work + 0.54-0.82 x MMA in 29 of 30
+(2026-11-30, ``data/artifacts/2026-11-30-wgmma-overlap-probe-run79.csv.gz``, evidence: decode-overlap-probe): work + 0.54-0.82 x MMA in 29 of 30
 points, i.e. little overlap in any arrangement.
 
 Constraints: sm_90a, 256 threads per CTA, one CTA per SM; rounds a multiple of 4.

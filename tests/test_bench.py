@@ -298,7 +298,7 @@ def test_environment_fields_and_csv_path():
     assert environment.gpu_slug("NVIDIA H200") == "h200"
     assert environment.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert environment.gpu_slug("  ") == "gpu"
-    assert bench.default_csv_path({"date": "2026-11-29", "gpu": "NVIDIA H200"}) == "bench/results/2026-11-29-h200.csv"
+    assert bench.default_csv_path({"date": "2026-11-29", "gpu": "NVIDIA H200"}) == "data/bench/2026-11-29-h200.csv"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -347,8 +347,8 @@ class AblationRow:
         if self.gpu == H200_KERNEL_GPU and self.source == SOURCE_MEASURED:
             # A measured row records what ran at its commit: the kernel's layout (and so its deepest
             # ring) moves by a stage or so between commits (f11c031's shared routing copy cost the
-            # NVFP4 bn32 / bn64-pair and MXFP8 bn64-pair rings their last stage after run 5 measured
-            # them). The sweep never went past the formula, so rows within it stay valid.
+            # NVFP4 bn32 / bn64-pair and MXFP8 bn64-pair rings their last stage after the first sweep measured
+            # them; evidence: ablate-run5). The sweep never went past the formula, so rows within it stay valid.
             formula = HARDWARE[self.gpu].max_stages(self.format, tile)
             if self.stages <= formula:
                 return

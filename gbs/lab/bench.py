@@ -7,7 +7,7 @@ dispatch for its config, times each of our backends (``BACKEND_LOADERS``: ``prep
 ``tl.dot_scaled`` grouped loop, a device copy of the same bytes) on the live groups, and makes one row per
 method: time, TFLOP/s and GB/s of the method's own useful bytes, percentages of the measured ceilings,
 speed-ups over each peer, the dispatch config, and the environment (``gbs.lab.environment``). It prints
-the table last and writes the rows as CSV (default ``bench/results/<date>-<gpu>.csv``).
+the table last and writes the rows as CSV (default ``data/bench/<date>-<gpu>.csv``, where ``python -m gbs report`` reads it).
 
 Timing follows the rules of ``gbs.lab.timing`` (DEVELOPERS.md, METHOD.md): CUDA events around single
 launches queued behind a spacer kernel, after warm-up, inputs rotated past ``L2_ROTATION_FACTOR`` times the
@@ -417,7 +417,7 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def default_csv_path(env: dict, root: str = "bench/results") -> str:
+def default_csv_path(env: dict, root: str = "data/bench") -> str:
     return os.path.join(root, f"{env['date']}-{gpu_slug(env['gpu'])}.csv")
 
 
@@ -731,7 +731,7 @@ def add_bench_parser(subparsers):
     b.add_argument("--quick", action="store_true",
                    help=f"the short run of scripts/gpu_run.sh: cases {quick_rows}; formats "
                         f"{', '.join(QUICK_FORMATS)} (under 2 minutes on an H200)")
-    b.add_argument("--csv", default=None, help="output CSV (default bench/results/<date>-<gpu>.csv)")
+    b.add_argument("--csv", default=None, help="output CSV (default data/bench/<date>-<gpu>.csv)")
     b.add_argument("--formats", default=None,
                    help=f"comma-separated problem formats (default {','.join(FULL_FORMATS)}; "
                         f"any of {','.join(PROBLEM_FORMATS)})")

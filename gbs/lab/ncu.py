@@ -1,6 +1,6 @@
 """Where a kernel's issued instructions go, from Nsight Compute's per-instruction counts.
 
-Export one launch on the GPU machine (about half a minute per kernel; ``notes/h200`` keeps the runs)::
+Export one launch on the GPU machine (about half a minute per kernel; ``data/artifacts`` keeps the ones evidence rows cite)::
 
     ncu --section SourceCounters --page source --print-source sass --csv \\
         -k regex:grouped_matmul_h200_stream --launch-skip 3 --launch-count 1 \\
@@ -12,7 +12,7 @@ so maximal runs of equal counts (``sass_regions``) are the kernel's basic region
 count times its length is what it cost in issue slots. ``instruction_shares`` sorts the regions into
 a few kinds by what they contain (``REGION_KINDS``): this is how the producer's mbarrier retry loop
 (17-19 % of the streaming kernel's issues before the waits slept) and the per-item token decode cost
-were found (notes/h200/README.md, runs 32 and 34).
+were found (evidence: producer-suspend-hint, ncu-decode-regions-run34; the exports in data/artifacts/).
 """
 from __future__ import annotations
 

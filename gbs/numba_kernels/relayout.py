@@ -19,15 +19,13 @@ outputs are NaN rather than wrong numbers.
 
 One thread per 4-byte word (grid-stride loop): the word's image is the OR of its four bytes' entries in the
 order's byte tables (``E2M1H200Order.byte_tables``, 4 KiB, read through L1), bit-identical to
-``E2M1H200Order.swizzle``. It reads and writes each byte once; for 8192 tokens x K 7168 (29 MB) it took
-~18-20 us on the H200 (bench run 76, timed with the matmul: ``gbs_auto_h200_relay``; modelled 15 us), against
-the 3-4 % (~30 us) that FP4 tokens in this order save the 256-token prefill kernel (run 72): in large prefill
-it about pays for itself (NVFP4 874.1 us against 905.4 with packed tokens and weights, 856.5 with the tokens
-re-laid by their quantizer), in small prefill it does not. A quantizer that writes the order directly costs
-nothing extra: this kernel is for the ones that do not. Verified on the H200 (run 76): bit-identical to the
-host swizzle. ``to_e2m1_h200_tiled`` writes each word's image where ``E2M1H200TiledOrder`` puts it (a warp's 32
-words are one 128-byte box row, so its writes stay coalesced); bit-identical to the host order on the H200
-(run 99). ``to_e2m1_h200_fused`` writes the same words one chunk pitch apart (``E2M1H200FusedOrder``: each box
+``E2M1H200Order.swizzle``. It reads and writes each byte once; for 8192 tokens x K 7168 it costs about what FP4
+tokens in this order save the 256-token prefill kernel, so in large prefill it about pays for itself and in small
+prefill it does not (evidence: relay-cost, token-order). A quantizer that writes the order directly costs nothing
+extra: this kernel is for the ones that do not. Bit-identical to the host swizzle on the H200 (evidence:
+relayout-on-gpu). ``to_e2m1_h200_tiled`` writes each word's image where ``E2M1H200TiledOrder`` puts it (a warp's 32
+words are one 128-byte box row, so its writes stay coalesced); bit-identical to the host order on the H200.
+``to_e2m1_h200_fused`` writes the same words one chunk pitch apart (``E2M1H200FusedOrder``: each box
 followed by its scale atoms) and a second kernel copies the atoms behind their boxes.
 
 Constraints (checked before any device work): a C-contiguous device array of 1-byte elements whose last

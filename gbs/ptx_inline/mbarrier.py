@@ -31,8 +31,8 @@ _MBAR = ("mbar", "u32")
 WAIT_TIMEOUT_NS = 10_000_000_000
 # try_wait's suspendTimeHint in the wait loops (CUTLASS's ClusterBarrier::wait uses the same 10 ms): a
 # waiting thread sleeps until the phase completes (or the hint runs out) instead of retrying after the
-# short system-dependent default. Without it, ncu on the H200 (notes/h200, run 32) counted 17-19 % of
-# the streaming kernel's issued instructions in its producer's retry loop, taken from the consumers.
+# short system-dependent default. Without it, ncu on the H200 counted 17-19 % of the streaming kernel's issued
+# instructions in its producer's retry loop, taken from the consumers (evidence: producer-suspend-hint).
 SUSPEND_TIME_HINT_NS = 10_000_000
 
 mbarrier_init = ptx_intrinsic(
