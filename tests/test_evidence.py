@@ -1,6 +1,8 @@
 """Evidence as data: every evidence id the code, the docs and the plan's rules cite is a row of
-data/h200_evidence.csv, and every row is complete (date, commit, GPU, command, numbers) with its artifact present."""
+data/h200_evidence.csv; every row is complete (date, commit, GPU, command, claim, numbers), its artifacts (paths
+separated by ";") exist and read, and every kept artifact is cited by a row."""
 import csv
+import gzip
 import pathlib
 import re
 
@@ -26,19 +28,46 @@ def cited_everywhere() -> dict[str, set[str]]:
     return {str(path.relative_to(ROOT)): cited_ids(path.read_text()) for path in files}
 
 
-def test_the_table_has_its_columns_unique_ids_and_complete_rows():
+def rows() -> list[dict]:
     with open(evidence.EVIDENCE_CSV, newline="") as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == evidence.COLUMNS
-        rows = list(reader)
-    ids = [row["id"] for row in rows]
-    assert len(ids) == len(set(ids)), "duplicate evidence ids"
-    for row in rows:
-        for column in ("date", "gpu", "command", "claim", "numbers"):
+        return list(reader)
+
+
+def artifacts(row) -> list[str]:
+    return [path.strip() for path in row["artifact"].split(";") if path.strip()]
+
+
+def test_the_table_has_its_columns_unique_slug_ids_and_complete_rows():
+    table = rows()
+    ids = [row["id"] for row in table]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
+    for row in table:
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", row["id"]), row["id"]
+        for column in ("date", "commit", "gpu", "command", "claim", "numbers"):
             assert row[column].strip(), f"{row['id']}: empty {column}"
-        if row["artifact"]:
-            for path in row["artifact"].split(";"):
-                assert (ROOT / path.strip()).exists(), f"{row['id']}: artifact {path} is not in the repository"
+
+
+def test_every_artifact_exists_reads_and_is_cited():
+    cited = set()
+    for row in rows():
+        for name in artifacts(row):
+            path = ROOT / name
+            assert path.is_file(), f"{row['id']}: artifact {name} is not in the repository"
+            with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+                assert f.read(1), f"{row['id']}: {name} is empty"
+            cited.add(name)
+    kept = {f"data/artifacts/{p.name}" for p in (ROOT / "data" / "artifacts").iterdir()}
+    assert not kept - cited, f"kept but cited by no evidence row: {sorted(kept - cited)}"
+
+
+def test_history_cites_only_existing_ids():
+    ids = {row["id"] for row in rows()}
+    text = (ROOT / "docs" / "history.md").read_text()
+    cited = {i.strip() for group in re.findall(r"\[([a-z0-9][a-z0-9, -]*)\](?!\()", text) for i in group.split(",")}
+    assert cited, "docs/history.md cites no evidence id"
+    assert cited <= ids, sorted(cited - ids)
 
 
 def test_every_cited_id_is_a_row():
