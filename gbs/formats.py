@@ -370,7 +370,8 @@ def scale_byte_offset(row, col, col_groups):
             + ((row % SF_ATOM_ROWS) // SF_LANES) * SF_ATOM_COLS + col % SF_ATOM_COLS)
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, b > 0."""
     return -(-a // b)
 
 
@@ -396,11 +397,11 @@ class ScaleLayout128x4:
 
     @property
     def row_bands(self) -> int:
-        return _ceil_div(self.rows, SF_ATOM_ROWS)
+        return ceil_div(self.rows, SF_ATOM_ROWS)
 
     @property
     def col_groups(self) -> int:
-        return _ceil_div(self.cols, SF_ATOM_COLS)
+        return ceil_div(self.cols, SF_ATOM_COLS)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

@@ -73,7 +73,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .problem import GroupedProblem, ProblemShape, _is_int, check_layout, problem_format_name, resolve_formats
+from .problem import GroupedProblem, ProblemShape, is_int, check_layout, problem_format_name, resolve_formats
 from .formats import BlockFormat, get_format
 from .layouts import LAYOUT_PACKED, stored_row_bytes, weight_bytes_layout
 
@@ -385,7 +385,7 @@ class DeviceGroupedProblem(ProblemShape):
         check_layout(self.a_layout, self.a_format, "a")
         for name in ("num_active_experts", "estimated_total_m", "n", "k"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
             object.__setattr__(self, name, int(value))
         if self.n <= 0 or self.k <= 0:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import (BlockFormat, BlockScaled, _ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize, swizzle_scales)
+from .formats import (BlockFormat, BlockScaled, ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize, swizzle_scales)
 from .layouts import (LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, fused_scales, stored_row_bytes, weight_bytes_layout)
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
@@ -68,7 +68,8 @@ class ProblemShape:
         return self.a.shape[0]
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer that is not a bool (numpy integers too)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -197,7 +198,7 @@ class GroupedProblem(ProblemShape):
                 raise TypeError(f"{name} must be a BlockFormat (use gbs.formats.get_format)")
         problem_format_name(self.a_format, self.b_format)
         for name in ("num_active_experts", "estimated_total_m", "n", "k"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an integer, got {getattr(self, name)!r}")
         n, k, g = self.n, self.k, self.num_active_experts
         _expect(n > 0 and k > 0, f"N and K must be positive, got N={n}, K={k}")
@@ -249,9 +250,9 @@ class GroupedProblem(ProblemShape):
 
         a_cols, b_cols = self.a_format.scale_cols(k), self.b_format.scale_cols(k)
         bands = int(np.sum(-(-steps // 128)))
-        _expect_array("a_scales", self.a_scales, np.uint8, (bands, _ceil_div(a_cols, 4), 32, 4, 4))
+        _expect_array("a_scales", self.a_scales, np.uint8, (bands, ceil_div(a_cols, 4), 32, 4, 4))
         _expect_array("b_scales", self.b_scales, np.uint8,
-                      (num_experts, _ceil_div(n, 128), _ceil_div(b_cols, 4), 32, 4, 4))
+                      (num_experts, ceil_div(n, 128), ceil_div(b_cols, 4), 32, 4, 4))
         if fused_scales(self.b_layout):
             fused_copy = E2M1H200FusedOrder.scale_atoms(self.b, self.b_format.block_size)
             if not np.array_equal(fused_copy, self.b_scales):
