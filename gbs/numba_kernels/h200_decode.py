@@ -39,8 +39,6 @@ two), the same bf16 except a zero scale as -0 (evidence: ue4m3-codes). UE8M0 sca
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numba import cuda
 
@@ -48,9 +46,6 @@ from gbs.formats import SF_ATOM_COLS, UE8M0_BIAS
 from gbs.layouts import LAYOUT_E2M1_H200, E2M1H200Order, UE4M3H200Scales, word_order
 from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, min_u16x2, min_u16x2_host, prmt_b32
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32
-
-if TYPE_CHECKING:   # the side a reader decodes (h200_ring imports this module)
-    from gbs.numba_kernels.h200_ring import OperandSide
 
 # ----------------------------------------------------------------------------------------------
 # Constants
@@ -248,8 +243,8 @@ def swizzled_offset(row, col, row_bytes, mask):
 # ----------------------------------------------------------------------------------------------
 # The readers of one MMA side
 # ----------------------------------------------------------------------------------------------
-def make_side_reader(side: OperandSide, pairing: str):
-    """Device functions for one MMA side: ``load_group(address) -> (w0, w1)`` (w1 unused for FP4),
+def make_side_reader(side, pairing: str):
+    """Device functions for one MMA side (``side``: an ``h200_ring.OperandSide``, which imports this module): ``load_group(address) -> (w0, w1)`` (w1 unused for FP4),
     ``decode(w0, w1, j)`` (unscaled bf16x2 bits of register j of the group), ``load_scales(address,
     q) -> (s0, s1)`` (per row and K slice: UE4M3 -> the two packed bf16x2 pairs of 4 blocks; UE8M0 ->
     the bf16x2 scale of each of the thread's 1 or 2 blocks), ``scale_selector(gl)`` and
@@ -349,8 +344,8 @@ def make_side_reader(side: OperandSide, pairing: str):
     return load_group, decode, load_scales, scale_selector, group_scale
 
 
-def scale_selector_run_step(side: OperandSide) -> int:
-    """What one rotation run (``ROTATION_RUN`` groups) adds to a UE4M3 ``prmt`` selector: the run
+def scale_selector_run_step(side) -> int:
+    """For an ``h200_ring.OperandSide``: what one rotation run (``ROTATION_RUN`` groups) adds to a UE4M3 ``prmt`` selector: the run
     moves ``ROTATION_RUN // groups_per_block`` blocks on, and each block adds 2 to both selector
     nibbles of each result half (``bf16_broadcast_selector`` is affine)."""
     if side.fmt.scale_dtype != "ue4m3":
