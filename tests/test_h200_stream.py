@@ -1940,3 +1940,29 @@ def test_trace_build_stamps_and_the_plain_build_does_not():
     clock = re.compile(r"SR_CLOCK")
     assert not clock.search(texts[False])
     assert len(clock.findall(texts[True])) >= len(ht.TRACE_EVENTS)
+
+
+@pytest.mark.gpu
+def test_gpu_trace_build_stamps_every_working_cta_and_computes_the_same_bits():
+    """The start-up trace build (``plan_h200(..., trace=True)``, a diagnostic) writes the same output bits as the
+    plain build of the same plan and stamps, for every CTA that found work, each event of both chains once, in
+    order (the phases between them are positive)."""
+    from numba import cuda
+
+    problem, ref = gpu_problem("nvfp4", "n512_k7168")
+    knobs = Stream(True, 8, 1, 2)
+    plain = run(problem, knobs, k_splits=1)
+    traced_launch = prepare(launch.to_device(problem), knobs, cuda.to_device(plain.view(np.uint16) * 0),
+                            k_splits=1, trace=True)
+    traced_launch()
+    traced = traced_launch.out.copy_to_host()
+    written = problem.written_rows()
+    np.testing.assert_array_equal(traced[written], plain.view(np.uint16)[written])
+    records = traced_launch.trace_buffer.copy_to_host()
+    assert records.shape == (traced_launch.plan.num_ctas, len(ht.TRACE_EVENTS), ht.TRACE_RECORD_WORDS)
+    working = records[:, ht.TRACE_FIRST_FULL, 0] != 0
+    assert working.any()
+    for chain in (ht.TRACE_PRODUCER_CHAIN, ht.TRACE_CONSUMER_CHAIN):
+        stamps = records[working][:, list(chain), 0].astype(np.int64)
+        assert np.all(stamps > 0) and np.all(np.diff(stamps, axis=1) >= 0), chain
+    assert ht.trace_phases(records)["launch span"][0] > 0
