@@ -1,0 +1,326 @@
+"""Host model of the FP8 route (issue 31, item 3): MXFP4 block scales folded into the FP4 -> E4M3 decode,
+E4M3 x E4M3 products summed per 128-K chunk, chunk sums promoted to an fp32 accumulator with the bases.
+
+Status: this is the exact numpy model of a kernel **not yet written** (issue 31). It makes no claim about GPU
+speed; it fixes the arithmetic the kernel must reproduce and gives its GPU tests a host model to compare with.
+
+Design
+------
+1. **The exact window.** E2M1 magnitudes are {0, 0.5, 1, 1.5, 2, 3, 4, 6}; E4M3 (OCP e4m3fn) holds normals
+   1.mmm x 2^u, u in [-6, 8] (max 448) and subnormals k x 2^-9, k = 1..7. So ``x * 2**d`` is an E4M3 number for
+   every E2M1 ``x`` iff ``-8 <= d <= 6`` (``FOLD_WINDOW``): 0.5 x 2^-9 is below E4M3's quantum and 6 x 2^7 = 768
+   is above its maximum. For one ``d`` the decode is a 16-entry byte table (``e2m1_to_e4m3_table``), or 8
+   magnitude bytes OR'd with the sign moved from bit 3 to bit 7. For codes 2..7 and ``d >= -6`` the byte is also
+   an integer add on the exponent field, ``(code << 2) + ((6 + d) << 3)``; code 1 (0.5) and the subnormal results
+   of ``d`` in {-8, -7} need their own table entries, zero stays zero.
+2. **Folding** (``fold_operand``). An MXFP4 block has scale 2^e (UE8M0). Per row and K chunk (``chunk`` = 128 by
+   default: the promotion interval; a last, shorter chunk when K is not a multiple of it) a base
+   ``b = max(e) - FOLD_WINDOW[1]`` is taken over the chunk's live blocks (a nonzero element, a finite scale), so
+   the largest block lands at ``d = e - b = 6`` and no block rises above the window. A live block with
+   ``d < -8`` is **out of window**: its E4M3 bytes are zero and it is marked in ``in_window`` (False), so the FP8
+   MMA adds nothing for it and another path must add its exact contribution (the model's fallback below; the
+   kernel's: another base, or the bf16 route). Never silently wrong. All-zero blocks ignore the base (their
+   bytes are signed zeros; a chunk with no live block gets base 0). A NaN-scale block (0xFF) becomes E4M3 NaN
+   bytes (0x7F), so the MMA propagates NaN as the reference does (its dequantized block is NaN).
+3. **The MMA and the promotion** (``fp8_route_accumulate``, ``fp8_route_matmul``). For each output and chunk c:
+   ``S_c = sum_k A8[k] B8[k]`` over the chunk's E4M3 values (the tensor core), then
+   ``v_c = S_c * 2**(b_a + b_b) + F_c`` and ``acc = fp32(acc + v_c)`` (the promotion), where ``F_c`` is the exact
+   sum of the chunk's products with an out-of-window block on either side (the fallback). Then, as
+   ``gbs.reference``: ``bf16(fp32(acc * expert_scale))``.
+
+Exactness and the error bound
+-----------------------------
+* Each E4M3 x E4M3 product is exact (<= 8 significant bits, a multiple of 2^-18, below 448^2 < 2^18), and a
+  chunk's sum of at most 128 of them is a multiple of 2^-18 below 2^25: 43 bits, **exact in float64** in any
+  order. The model takes ``S_c`` exact: an idealised tensor core. Whether a real accumulator of ``p``
+  significant bits holds it exactly is ``chunk_sum_bits_needed(a, b) <= p`` (<= 24: exact in fp32 in any order;
+  Hopper's FP8 accumulator keeps fewer bits, about 14 per the DeepSeek-V3 report: to be measured on the GPU).
+* ``v_c`` is exact: a power-of-two scaling of ``S_c`` plus ``F_c``, a float64 sum of exact products (below).
+  The promotion rounds once per chunk to fp32; the expert scale once more. With ``C = ceil(K / chunk)`` and
+  ``terms = a_k b_k s`` (the reference's products and expert scale ``s``)::
+
+      |fp32 result - exact| <= gamma_n(2^-24) sum|terms| + eps_chunk (1 + gamma_n) sum|terms| + n 2^-149 max(1, |s|)
+      n = C + 1,   gamma_n(u) = n u / (1 - n u)
+
+  (``fp8_route_error_bound``); ``eps_chunk`` is the relative error of the in-chunk sum per unit of its
+  ``sum|terms|``: 0 in this model, to be bounded for the kernel's tensor core; the last term covers fp32
+  subnormals. The host model rounds each promotion through float64 first (a double rounding of 2^-53 more per
+  step, and float64 fallback sums, exact unless a chunk's exponents spread over about 40 bits): tests add the
+  float64 slack ``2 gamma_{K+1}(2^-53) sum|terms|`` as ``gbs.exactness.check_output`` does. Where every term is a
+  multiple of 2^q and ``sum|terms| < 2^(q+24)`` (``gbs.exactness.exact_values``' ``exact_accumulation``) each
+  partial sum is an fp32 number, so the output is **bit-identical** to the reference there. The result is not
+  bit-identical to the bf16 route elsewhere (another accumulation order): the reference and the bound are the
+  contract.
+
+Constraints: MXFP4 operands only (``fold_operand`` rejects the others: NVFP4's UE4M3 scales do not fold exactly
+into E4M3, MXFP8 tokens already use E4M3's whole range and keep their scales outside the MMA); 2-D operands
+(rows, K) in ``pack_fp4`` order (``problem.a_operand()`` / ``b_operand(e)``); ``chunk`` a multiple of 32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .exactness import FP32_TINY, FP32_UNIT, element_quanta, gamma
+from .formats import (BF16, E4M3, UE8M0_BIAS, UE8M0_NAN_BYTE, BlockScaled, decode_elements, dequantize,
+                      get_format)
+from .problem import GroupedProblem
+from .reference import poison_output
+
+FOLD_WINDOW = (-8, 6)            # d with x * 2**d an E4M3 number for every E2M1 x (both ends included)
+PROMOTION_CHUNK = 128            # K elements per fp32 promotion (4 x k32 wgmma steps), as DeepGEMM
+MX_BLOCK = 32                    # elements per UE8M0 scale of MXFP4
+E4M3_NAN = 0x7F                  # the byte a NaN block's elements become
+_E4M3_BIAS, _E4M3_MIN_NORMAL_EXP, _E4M3_SUBNORMAL_QUANTUM_EXP = 7, -6, -9
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The exact window: E2M1 code x 2**d -> E4M3 byte
+# ----------------------------------------------------------------------------------------------
+def exact_e4m3_byte(value: float) -> int | None:
+    """The E4M3 byte of ``value`` if ``value`` is exactly an E4M3 number (finite), else None.
+
+    Built from the fields (sign, exponent bias 7, 3 mantissa bits, subnormals k x 2^-9), not from a cast, so a
+    test that decodes it with ``ml_dtypes`` checks it independently. -0.0 gives 0x80."""
+    value = float(value)
+    sign = 0x80 if np.signbit(value) else 0
+    mag = abs(value)
+    if mag == 0:
+        return sign
+    if not np.isfinite(mag):
+        return None
+    mantissa, exponent = np.frexp(mag)               # mag = mantissa * 2**exponent, mantissa in [0.5, 1)
+    unbiased = int(exponent) - 1                     # mag = (2 mantissa) * 2**unbiased
+    if unbiased >= _E4M3_MIN_NORMAL_EXP:
+        fraction = (2 * mantissa - 1) * 8            # the 3 mantissa bits, if exact
+        field = unbiased + _E4M3_BIAS
+        if fraction != int(fraction) or field > 15 or (field == 15 and fraction == 7):   # 0x7F is NaN
+            return None
+        return sign | (field << 3) | int(fraction)
+    k = np.ldexp(mag, -_E4M3_SUBNORMAL_QUANTUM_EXP)  # subnormal: mag = k * 2**-9, k in 1..7
+    return sign | int(k) if k == int(k) else None
+
+
+def e2m1_scaled_exact(d: int) -> np.ndarray:
+    """bool[16]: is ``x * 2**d`` an E4M3 number, for each E2M1 code (any integer ``d``)."""
+    values = decode_elements(np.arange(16, dtype=np.uint8), "e2m1").astype(np.float64)
+    return np.array([exact_e4m3_byte(np.ldexp(v, d)) is not None for v in values])
+
+
+def e2m1_to_e4m3_table(d: int) -> np.ndarray:
+    """uint8[16]: the E4M3 byte of every E2M1 code (0..15) scaled by ``2**d``; codes 0 / 8 give 0x00 / 0x80.
+
+    Exact for every code iff ``d`` lies in ``FOLD_WINDOW`` ([-8, 6]); a ``ValueError`` outside it."""
+    lo, hi = FOLD_WINDOW
+    if not (isinstance(d, (int, np.integer)) and lo <= d <= hi):
+        raise ValueError(f"folded exponent d = {d!r} is outside the exact window [{lo}, {hi}]: x * 2**d is not an "
+                         f"E4M3 number for every E2M1 x there")
+    values = decode_elements(np.arange(16, dtype=np.uint8), "e2m1").astype(np.float64)
+    return np.array([exact_e4m3_byte(np.ldexp(v, int(d))) for v in values], np.uint8)
+
+
+# tables[d - FOLD_WINDOW[0], code]: one row per folded exponent of the window
+E2M1_TO_E4M3_TABLES = np.stack([e2m1_to_e4m3_table(d) for d in range(FOLD_WINDOW[0], FOLD_WINDOW[1] + 1)])
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Folding an MXFP4 operand
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FoldedOperand:
+    """An MXFP4 operand (rows, K) as E4M3 bytes x 2**base per (row, chunk), plus what the fallback needs.
+
+    ``e4m3``: (rows, K) uint8; zero for out-of-window blocks, 0x7F for NaN blocks.
+    ``bases``: (rows, ceil(K / chunk)) int32.
+    ``shifts``: (rows, K / 32) int32: the folded exponent ``d = e - base`` of each live block (the decode
+    table's index), 0 for all-zero and NaN blocks.
+    ``in_window``: (rows, K / 32) bool: False only for live blocks with ``d < -8`` (the fallback's blocks).
+    ``source``: the MXFP4 operand folded (the fallback reads its exact values)."""
+
+    e4m3: np.ndarray
+    bases: np.ndarray
+    shifts: np.ndarray
+    in_window: np.ndarray
+    source: BlockScaled
+    chunk: int
+
+    @property
+    def k(self) -> int:
+        return self.e4m3.shape[1]
+
+    def element_bases(self) -> np.ndarray:
+        """(rows, K) int: the base of each element's chunk."""
+        return np.repeat(self.bases, self.chunk, axis=1)[:, :self.k]
+
+    def out_of_window_elements(self) -> np.ndarray:
+        """(rows, K) bool: elements of out-of-window blocks."""
+        return np.repeat(~self.in_window, MX_BLOCK, axis=1)
+
+    def e4m3_values(self) -> np.ndarray:
+        """(rows, K) float64: the E4M3 values the MMA multiplies (exact)."""
+        return self.e4m3.view(E4M3).astype(np.float64)
+
+    def unfold(self) -> np.ndarray:
+        """(rows, K) float32: E4M3 value x 2**base (exact); equals ``dequantize(source)`` on in-window blocks,
+        0 on out-of-window blocks (the fallback carries them)."""
+        return np.ldexp(self.e4m3_values(), self.element_bases()).astype(np.float32)
+
+
+def _check_mxfp4_2d(q: BlockScaled) -> None:
+    if q.fmt != get_format("mxfp4"):
+        raise ValueError(f"the FP8 route folds MXFP4 operands only, got {q.fmt.name} (NVFP4's UE4M3 scales do not "
+                         f"fold exactly into E4M3; MXFP8 keeps its scales outside the MMA)")
+    if q.data.ndim != 2:
+        raise ValueError(f"fold_operand takes a 2-D (rows, K) operand, got data of shape {q.data.shape}")
+
+
+def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK) -> FoldedOperand:
+    """Fold the UE8M0 block scales of a 2-D MXFP4 operand into E4M3 bytes with a base per (row, chunk).
+
+    Base rule: ``max(e) - 6`` over the chunk's live blocks (module docstring); live blocks below the window
+    are zeroed and marked out of window."""
+    _check_mxfp4_2d(q)
+    if not (isinstance(chunk, (int, np.integer)) and chunk > 0 and chunk % MX_BLOCK == 0):
+        raise ValueError(f"chunk must be a positive multiple of the MXFP4 block ({MX_BLOCK}), got {chunk!r}")
+    codes = q.element_codes()                                   # (rows, K) 0..15
+    rows, k = codes.shape
+    scales = q.scales.astype(np.int32)                          # (rows, K / 32)
+    blocks_per_chunk, nblocks = chunk // MX_BLOCK, scales.shape[1]
+    nchunks = -(-nblocks // blocks_per_chunk)
+    nan_block = scales == UE8M0_NAN_BYTE
+    nonzero = np.any((codes & 0x7).reshape(rows, nblocks, MX_BLOCK) != 0, axis=2)
+    live = nonzero & ~nan_block
+    exponent = scales - UE8M0_BIAS
+
+    padded = np.full((rows, nchunks * blocks_per_chunk), np.iinfo(np.int32).min, np.int64)
+    padded[:, :nblocks] = np.where(live, exponent, np.iinfo(np.int32).min)
+    chunk_max = padded.reshape(rows, nchunks, blocks_per_chunk).max(axis=2)
+    bases = np.where(chunk_max > np.iinfo(np.int32).min, chunk_max - FOLD_WINDOW[1], 0).astype(np.int32)
+
+    block_bases = np.repeat(bases, blocks_per_chunk, axis=1)[:, :nblocks]
+    shifts = np.where(live, exponent - block_bases, 0).astype(np.int32)
+    in_window = ~live | (shifts >= FOLD_WINDOW[0])
+    assert np.all(shifts <= FOLD_WINDOW[1]), "the base rule puts every block at or below the window's top"
+
+    table_row = np.repeat(np.where(in_window, shifts, 0) - FOLD_WINDOW[0], MX_BLOCK, axis=1)
+    e4m3 = E2M1_TO_E4M3_TABLES[table_row, codes]
+    e4m3 = np.where(np.repeat(in_window, MX_BLOCK, axis=1), e4m3, 0)
+    e4m3 = np.where(np.repeat(nan_block, MX_BLOCK, axis=1), E4M3_NAN, e4m3).astype(np.uint8)
+    return FoldedOperand(e4m3=e4m3, bases=bases, shifts=shifts, in_window=in_window, source=q, chunk=int(chunk))
+
+
+def out_of_window_fraction(q: BlockScaled, chunk: int = PROMOTION_CHUNK) -> float:
+    """Fraction of the live blocks (a nonzero element, a finite scale) of a 2-D MXFP4 operand that fall out of
+    window when folded with ``chunk``."""
+    f = fold_operand(q, chunk)
+    codes = q.element_codes().reshape(f.in_window.shape + (MX_BLOCK,))
+    live = np.any(codes & 0x7, axis=2) & (q.scales != UE8M0_NAN_BYTE)
+    return float(np.sum(~f.in_window) / max(1, int(np.sum(live))))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The FP8 MMA with fp32 promotion per chunk
+# ----------------------------------------------------------------------------------------------
+def _check_pair(a: FoldedOperand, b: FoldedOperand) -> None:
+    if a.k != b.k or a.chunk != b.chunk:
+        raise ValueError(f"operands must share K and the chunk: A has K = {a.k}, chunk {a.chunk}; "
+                         f"B has K = {b.k}, chunk {b.chunk}")
+
+
+def _chunks(k: int, chunk: int):
+    return [slice(start, min(k, start + chunk)) for start in range(0, k, chunk)]
+
+
+def fp8_route_accumulate(a: FoldedOperand, b: FoldedOperand) -> np.ndarray:
+    """(M, N) float32: the accumulator after the last promotion (before the expert scale), A tokens x K,
+    B weights N x K. Per chunk: the exact sum of the E4M3 products (float64: exact, module docstring) times
+    ``2**(b_a + b_b)``, plus the exact fallback sum of the pairs with an out-of-window block, added to the fp32
+    accumulator with one rounding."""
+    _check_pair(a, b)
+    a8, b8 = a.e4m3_values(), b.e4m3_values()
+    a_out, b_out = a.out_of_window_elements(), b.out_of_window_elements()
+    # the fallback's exact values (zero where the FP8 path carries the element; NaN only sits in-window)
+    a_exact = dequantize(a.source).astype(np.float64)
+    b_exact = dequantize(b.source).astype(np.float64)
+    a_fallback = np.where(a_out, a_exact, 0.0)
+    a_in, b_fallback = np.where(a_out, 0.0, a_exact), np.where(b_out, b_exact, 0.0)
+    acc = np.zeros((a8.shape[0], b8.shape[0]), np.float32)
+    for c, ks in enumerate(_chunks(a.k, a.chunk)):
+        chunk_sum = a8[:, ks] @ b8[:, ks].T                          # exact: 43-bit multiples of 2**-18
+        promoted = np.ldexp(chunk_sum, a.bases[:, c][:, None] + b.bases[:, c][None, :])
+        fallback = a_fallback[:, ks] @ b_exact[:, ks].T + a_in[:, ks] @ b_fallback[:, ks].T
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc = (acc.astype(np.float64) + (promoted + fallback)).astype(np.float32)
+    # the MMA's NaN * 0 is NaN: make it independent of how the host BLAS treats zeros
+    nan_a = np.any(np.isnan(a8), axis=1)
+    nan_b = np.any(np.isnan(b8), axis=1)
+    acc[nan_a[:, None] | nan_b[None, :]] = np.nan
+    return acc
+
+
+def fp8_route_matmul(a: FoldedOperand, b: FoldedOperand, expert_scale: float = 1.0) -> np.ndarray:
+    """(M, N) bf16 of one group: ``fp8_route_accumulate`` then ``bf16(fp32(acc * expert_scale))``."""
+    acc = fp8_route_accumulate(a, b)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (acc.astype(np.float64) * np.float64(np.float32(expert_scale))).astype(np.float32).astype(BF16)
+
+
+def fp8_route_grouped_matmul(problem: GroupedProblem, chunk: int = PROMOTION_CHUNK,
+                             out: np.ndarray | None = None) -> np.ndarray:
+    """The grouped matmul of an MXFP4 x MXFP4 problem through the FP8 route model; rows of skipped slots keep
+    ``out`` (default: the poison sentinel), as ``gbs.reference.reference_grouped_matmul``."""
+    p = problem
+    if out is None:
+        out = poison_output(p.total_tokens, p.n)
+    slots = p.active_slots()
+    if not slots:
+        return out
+    a = fold_operand(p.a_operand(), chunk)
+    for g in slots:
+        e = int(p.expert_ids[g])
+        lo, hi = int(p.a_offsets[g]), int(p.a_offsets[g + 1])
+        rows = FoldedOperand(a.e4m3[lo:hi], a.bases[lo:hi], a.shifts[lo:hi], a.in_window[lo:hi],
+                             BlockScaled(a.source.data[lo:hi], a.source.scales[lo:hi], a.source.fmt), a.chunk)
+        out[lo:hi] = fp8_route_matmul(rows, fold_operand(p.b_operand(e), chunk), p.expert_scales[e])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The bound, and where an accumulator of p bits sums a chunk exactly
+# ----------------------------------------------------------------------------------------------
+def fp8_route_roundings(k: int, chunk: int = PROMOTION_CHUNK) -> int:
+    """n = ceil(K / chunk) promotions + 1 expert-scale multiply: the fp32 roundings any term goes through."""
+    return -(-k // chunk) + 1
+
+
+def fp8_route_error_bound(k: int, chunk: int = PROMOTION_CHUNK, chunk_error: float = 0.0) -> float:
+    """The coefficient of ``sum|terms|`` in the bound on ``|fp32 result - exact|`` (module docstring):
+    ``gamma_n(2^-24) + chunk_error (1 + gamma_n)``; add ``n 2^-149 max(1, |s|)`` for fp32 subnormals.
+    ``chunk_error``: relative error of the in-chunk sum (0 for this model's exact chunk sums)."""
+    g = gamma(fp8_route_roundings(k, chunk), FP32_UNIT)
+    return g + chunk_error * (1 + g)
+
+
+def fp8_route_absolute_slack(k: int, chunk: int = PROMOTION_CHUNK, expert_scale: float = 1.0) -> float:
+    """The bound's absolute term: ``n 2^-149 max(1, |s|)`` (fp32 subnormal roundings)."""
+    return fp8_route_roundings(k, chunk) * FP32_TINY * max(1.0, abs(float(expert_scale)))
+
+
+def chunk_sum_bits_needed(a: FoldedOperand, b: FoldedOperand) -> np.ndarray:
+    """(M, N, chunks) int: significant bits an accumulator needs to sum each chunk's E4M3 products exactly in
+    any order: with every product a multiple of 2^q, ``floor(log2 sum|products|) - q + 1`` (q from the
+    operands' smallest element quanta, so an upper bound); 0 for an all-zero chunk sum. <= 24: exact in fp32."""
+    _check_pair(a, b)
+    a8, b8 = a.e4m3_values(), b.e4m3_values()
+    a8, b8 = np.where(np.isnan(a8), 0.0, a8), np.where(np.isnan(b8), 0.0, b8)
+    qa, qb = element_quanta(a8), element_quanta(b8)
+    chunks = _chunks(a.k, a.chunk)
+    bits = np.zeros((a8.shape[0], b8.shape[0], len(chunks)), np.int64)
+    big = np.iinfo(np.int32).max
+    for c, ks in enumerate(chunks):
+        total = np.abs(a8[:, ks]) @ np.abs(b8[:, ks]).T
+        q = qa[:, ks].min(axis=1, initial=big)[:, None] + qb[:, ks].min(axis=1, initial=big)[None, :]
+        _, exponent = np.frexp(np.where(total > 0, total, 1.0))
+        bits[:, :, c] = np.where(total > 0, (exponent - 1) - q + 1, 0)
+    return bits
