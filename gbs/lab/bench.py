@@ -343,7 +343,7 @@ def _fmt(value, spec: str) -> str:
 
 
 SPEEDUP_HEADERS = {"torch_bf16": "x_bf16", "torch_fp8_rowwise": "x_fp8", "triton_dot_scaled": "x_trit",
-                   "copy": "x_copy"}
+                   "humming": "x_hum", "copy": "x_copy"}
 
 
 METHOD_WIDTH = max(map(len, METHODS))   # the method column fits every method name

@@ -9,6 +9,10 @@
 * ``triton_dot_scaled``: a Triton kernel around ``tl.dot_scaled`` (which Hopper emulates by
   upcasting to bf16), launched once per live group from a Python loop, with fixed tiles. NOT a
   headline peer (``headline = False``): see ``TritonDotScaledPeer``.
+* ``humming``: humming-kernels 0.1.20 (PyPI ``humming-kernels``), the strongest Hopper MoE peer measured by hand
+  (``shared/spec/hopper_fp8_route.md``): its own quantizer, packing and heuristics through ``HummingLayer`` in
+  the grouped-contiguous MoE form, in three formats (its ``settings``; one verified reference per format). See
+  ``HummingPeer``.
 * ``copy``: a device-to-device copy (``Tensor.copy_``) that reads half of our kernel's useful bytes
   and writes the other half: the same DRAM traffic, at the rate a copy reaches.
 
@@ -20,8 +24,10 @@ each setting's output at the bench shape too (``check_at_shape``, against ``Peer
 the float64 result of the first input set, computed once on the GPU), with the per-row metric of
 ``gbs.lab.verify``; an output that fails is not timed.
 
-torch and Triton are imported only when a peer is loaded: both are on the H200 image (torch 2.11 +
-cu130, Triton 3.6), neither is in the CPU CI environment. Triton compiles its kernel on first use.
+torch, Triton and humming are imported only when a peer is loaded: torch and Triton are on the H200 image
+(torch 2.11 + cu130, Triton 3.6), humming-kernels travels there as a wheel (``scripts/fetch_gpu_wheels.sh``);
+none of them is in the CPU CI environment. Triton compiles its kernel on first use, humming its kernels (NVRTC)
+on the first launch of a layer, which is the untimed output check.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from ..formats import UE8M0_BIAS, decode_elements, unpack_fp4
 from ..reference import MAX_REL_TOL, RMS_REL_TOL, relative_errors
 from .verify import ROW_ERR_BOUND, OutputCheck, check_output
 
-PEER_NAMES = ("torch_bf16", "torch_fp8_rowwise", "triton_dot_scaled", "copy")
+PEER_NAMES = ("torch_bf16", "torch_fp8_rowwise", "triton_dot_scaled", "humming", "copy")
 
 BF16_BYTES = 2
 FP8_BYTES = 1
@@ -66,6 +72,30 @@ FP8_FAST = "use_fast_accum=True"
 # (K=7168: 3.7e-2): a worst case, not an estimate; the measured max_row_err is in the CSV.
 FAST_ACCUM_MMA_K = 32
 FAST_ACCUM_LOSS_PER_ADD = 2.0 ** -13
+
+# humming's launch settings (``HummingPeer.settings``): the three formats it runs FP4 MoE weights in on Hopper,
+# labelled as ``shared/spec/hopper_fp8_route.md`` measured them. Each: (weight format, FP8 tokens?).
+HUMMING_MXFP4_BF16 = "MXFP4 weights x bf16 tokens"
+HUMMING_NVFP4_BF16 = "NVFP4 weights x bf16 tokens"
+HUMMING_MXFP4_FP8 = "MXFP4 weights x FP8 tokens (fp32 scales per 1x128, not MX)"
+HUMMING_SETTINGS = {HUMMING_MXFP4_BF16: ("mxfp4", False), HUMMING_NVFP4_BF16: ("nvfp4", False),
+                    HUMMING_MXFP4_FP8: ("mxfp4", True)}
+# ``HummingLayer`` weight configs in humming's own schema (``humming.schema.humming.HummingWeightSchema``; the
+# same schemas its ``mxfp4`` and ``modelopt`` NVFP4 checkpoint loaders convert to): MXFP4 = E2M1 with a UE8M0
+# scale per 32; NVFP4 = E2M1 with an E4M3 scale per 16 and an fp32 scale per expert ("tensor" scale_2).
+HUMMING_WEIGHT_CONFIGS = {
+    "mxfp4": {"quant_method": "humming", "dtype": "float4e2m1", "scale_dtype": "float8e8m0", "group_size": 32},
+    "nvfp4": {"quant_method": "humming", "dtype": "float4e2m1", "scale_dtype": "float8e4m3", "group_size": 16,
+              "scale_type": "group", "scale_2_type": "tensor"},
+}
+HUMMING_WEIGHT_SCALE_BLOCK = {"mxfp4": 32, "nvfp4": 16}
+HUMMING_TENSOR_SCALE_BYTES = 4   # NVFP4's fp32 scale per expert
+# FP8 tokens: E4M3 with a dynamic fp32 scale per 1 x 128 (humming's DynamicGroup input mode; on SM90 its scale
+# dtype resolves to float32), quantized by humming's own input kernel.
+HUMMING_FP8_GROUP = 128
+HUMMING_FP8_INPUT_CONFIG = {"quant_method": "humming", "dtype": "float8e4m3", "group_size": HUMMING_FP8_GROUP}
+HUMMING_COMPUTE_CONFIG = {"gemm_type": "grouped_contiguous"}   # tokens sorted by expert; E + 1 offsets
+HUMMING_DTYPE = "bfloat16"       # HummingLayer's torch_dtype: bf16 tokens, scales and output
 
 # The correctness check's shape: ragged groups, one longer than the large tile, N and K multiples
 # of every alignment above.
@@ -191,6 +221,11 @@ class Peer:
     def device_reference(self, inputs):
         """The same float64 result computed on the GPU (torch float64 matmuls), for bench shapes."""
         raise NotImplementedError
+
+    def setting_reference(self, reference, setting: str = ""):
+        """The part of ``device_reference``'s result that ``setting``'s output is checked against: all of it
+        for peers whose settings compute the same thing (every peer but ``HummingPeer``)."""
+        return reference
 
 
 def _torch():
@@ -459,6 +494,173 @@ class TritonDotScaledPeer(Peer):
                                          lambda g: _mx_values_device(b[g], b_scale[g], rhs), inputs["group_sizes"])
 
 
+class HummingPeer(Peer):
+    """humming-kernels 0.1.20 (PyPI ``humming-kernels``; JIT-compiled CUDA GEMMs through NVRTC or nvcc), the
+    strongest Hopper MoE peer measured by hand on these cases (``shared/spec/hopper_fp8_route.md``, issue 31
+    item 1), run the way its users run it: a ``humming.layer.HummingLayer`` per format (``num_experts`` = the
+    live groups) loaded with ``load_from_unquantized`` (its own quantizer) and ``transform()`` (its own
+    packing), called with ``compute_config={"gemm_type": "grouped_contiguous"}`` and ``expert_layout`` = the
+    E + 1 group offsets (int64, first 0, last the token count) over tokens sorted by expert; the layer forwards
+    to ``humming.forward.humming_forward``, which picks its kernel with its own heuristics (no tuning config).
+
+    Settings (``HUMMING_SETTINGS``; each checked, each timed, the fastest verified is the row):
+    "MXFP4 weights x bf16 tokens" (E2M1, UE8M0 per 32), "NVFP4 weights x bf16 tokens" (E2M1, E4M3 per 16,
+    fp32 per expert) and "MXFP4 weights x FP8 tokens (fp32 scales per 1x128, not MX)": E4M3 tokens with one fp32
+    scale per token and 128 K, quantized by humming's own input kernel (``humming.forward.may_quant_input``)
+    in ``make_inputs``; the timed launch gets the quantized tokens, as ``torch_fp8_rowwise``'s does.
+
+    Its formats are its own, not the problem's (``format_dependent = False``): one timing of a shape serves
+    every problem format. The settings compute different things (other weights, other tokens), so
+    ``device_reference`` returns one float64 result per setting (``setting_reference`` picks it), each the
+    matmul of that setting's dequantized operands: the quantized weights as its quantizer stored them (element
+    values from ``humming.utils.weight.dequantize_weight`` without scales, times the scales in float64) and the
+    tokens (bf16, or E4M3 times their fp32 scales). Bounds: bf16 tokens, ``ROW_ERR_BOUND`` (one bf16 rounding of
+    the output plus fp32 accumulation, ``gbs.lab.verify``); FP8 tokens, ``torch_fp8_rowwise``'s fast-accumulation
+    bound (FP8 MMAs may keep ~13 mantissa bits between promotions: ``ROW_ERR_BOUND + ceil(K / 32) 2^-13``, a
+    worst case that does not rely on how often humming promotes). ``useful_bytes`` is the fewest of its settings'
+    (MXFP4 weights x FP8 tokens).
+
+    A headline peer. NOT YET RUN ON A GPU IN THIS REPOSITORY: written and unit-tested with a stub ``humming``
+    module on the CPU; the first run (next session, H200) must confirm the API points the stubs assume (see
+    ``tests/test_peers_humming.py``)."""
+
+    name = "humming"
+    label = "humming-kernels HummingLayer, grouped_contiguous"
+    settings = tuple(HUMMING_SETTINGS)
+
+    def method_format(self, fmt):
+        return "humming FP4 weights, format per setting"
+
+    def row_err_bound(self, setting, k):
+        if HUMMING_SETTINGS[setting or self.settings[0]][1]:
+            return ROW_ERR_BOUND + -(-k // FAST_ACCUM_MMA_K) * FAST_ACCUM_LOSS_PER_ADD
+        return ROW_ERR_BOUND
+
+    @staticmethod
+    def setting_bytes(shape: PeerShape, setting: str) -> int:
+        """The fewest bytes ``setting`` moves: packed E2M1 weights and their scales, the tokens (bf16, or E4M3
+        plus an fp32 scale per 128), the bf16 output."""
+        weights, fp8 = HUMMING_SETTINGS[setting]
+        row = shape.k // 2 + -(-shape.k // HUMMING_WEIGHT_SCALE_BLOCK[weights])
+        weight_bytes = shape.num_groups * shape.n * row
+        if weights == "nvfp4":
+            weight_bytes += shape.num_groups * HUMMING_TENSOR_SCALE_BYTES
+        if fp8:
+            token_bytes = shape.tokens * (shape.k * FP8_BYTES + -(-shape.k // HUMMING_FP8_GROUP) * ROW_SCALE_BYTES)
+        else:
+            token_bytes = shape.tokens * shape.k * BF16_BYTES
+        return weight_bytes + token_bytes + shape.output_bytes()
+
+    def useful_bytes(self, shape, fmt, our_useful_bytes):
+        return min(self.setting_bytes(shape, s) for s in self.settings)
+
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed):
+        torch = _torch()
+        hk = _humming()
+        gen = _generator(seed)
+        tokens = torch.randn((shape.tokens, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
+        raw = torch.randn((shape.num_groups, shape.n, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
+        layout = np.concatenate(([0], shape.offsets())).astype(np.int64)   # E + 1 offsets
+        per_setting = {}
+        for setting, (weights, fp8) in HUMMING_SETTINGS.items():
+            layer = hk.HummingLayer(shape_n=shape.n, shape_k=shape.k,
+                                    weight_config=dict(HUMMING_WEIGHT_CONFIGS[weights]),
+                                    input_config=dict(HUMMING_FP8_INPUT_CONFIG) if fp8 else None,
+                                    num_experts=shape.num_groups, torch_dtype=getattr(torch, HUMMING_DTYPE)).cuda()
+            layer.load_from_unquantized(raw)   # its quantizer
+            quantized = {name: getattr(layer, name).detach().clone()   # before its packing: for the reference
+                         for name in ("weight", "weight_scale", "weight_scale_2")
+                         if getattr(layer, name, None) is not None}
+            element_dtype = layer.weight_schema.b_dtype
+            layer.transform()                  # its packing
+            a, a_scale, m_major = tokens, None, False
+            if fp8:
+                config = layer.humming_config
+                a, a_scale = hk.may_quant_input(config, tokens)   # its token quantizer: E4M3 + fp32 per 1x128
+                m_major = bool(getattr(config, "use_block_scaled_mma", False)) and config.input_scale_group_size > 0
+            per_setting[setting] = {"layer": layer, "a": a, "a_scale": a_scale, "m_major_scale": m_major,
+                                    "quantized": quantized, "element_dtype": element_dtype, "weights": weights}
+        del raw
+        return {"settings": per_setting, "tokens_bf16": tokens, "expert_layout": torch.from_numpy(layout).to("cuda"),
+                "group_sizes": shape.group_sizes, "n": shape.n, "k": shape.k}
+
+    def launch(self, inputs, setting=""):
+        setting = setting or self.settings[0]
+        if setting not in HUMMING_SETTINGS:
+            raise ValueError(f"{self.name}: setting must be one of {self.settings}, got {setting!r}")
+        entry = inputs["settings"][setting]
+        return entry["layer"](entry["a"], input_scale=entry["a_scale"], expert_layout=inputs["expert_layout"],
+                              compute_config=HUMMING_COMPUTE_CONFIG)
+
+    # -- references ------------------------------------------------------------------------------
+    @staticmethod
+    def _tokens64(entry, k: int):
+        """float64 tokens of a setting on the GPU: bf16 as they are, E4M3 times their fp32 scale per 1x128."""
+        torch = _torch()
+        a, scale = entry["a"], entry["a_scale"]
+        values = _device64(a)
+        if scale is None:
+            return values
+        if scale.dtype != torch.float32:
+            raise ValueError(f"humming: expected fp32 token scales per 1x{HUMMING_FP8_GROUP}, got {scale.dtype}")
+        rows, groups = a.shape[0], -(-k // HUMMING_FP8_GROUP)
+        if entry["m_major_scale"]:   # (groups, rows rounded up to 4)
+            scale = scale[:, :rows].transpose(0, 1)
+        if tuple(scale.shape) != (rows, groups):
+            raise ValueError(f"humming: token scales of shape {tuple(scale.shape)}, expected {(rows, groups)}")
+        return values * scale.double().repeat_interleave(HUMMING_FP8_GROUP, dim=-1)[:, :k]
+
+    @staticmethod
+    def _weights64(entry, g: int, num_groups: int):
+        """float64 (N, K) weights of expert ``g`` as humming's quantizer stored them: E2M1 element values (its
+        own unpacking, no scale: exact in fp32) times the block scales, times NVFP4's scale per expert."""
+        q = entry["quantized"]
+        values = _humming().dequantize_weight(q["weight"][g], None, None, None, entry["element_dtype"], packed=True)
+        values = values.double()
+        scale = q["weight_scale"][g].float().double()
+        values = values * scale.repeat_interleave(values.shape[-1] // scale.shape[-1], dim=-1)
+        if "weight_scale_2" in q:
+            s2 = q["weight_scale_2"].reshape(-1).double()
+            if s2.numel() not in (1, num_groups):
+                raise ValueError(f"humming: {s2.numel()} weight_scale_2 values for {num_groups} experts")
+            values = values * s2[g if s2.numel() == num_groups else 0]
+        return values
+
+    def _reference_of(self, inputs, setting: str):
+        entry = inputs["settings"][setting]
+        groups = len(inputs["group_sizes"])
+        return _grouped_device_reference(self._tokens64(entry, inputs["k"]),
+                                         lambda g: self._weights64(entry, g, groups), inputs["group_sizes"])
+
+    def device_reference(self, inputs):
+        return {setting: self._reference_of(inputs, setting) for setting in self.settings}
+
+    def setting_reference(self, reference, setting=""):
+        return reference[setting or self.settings[0]]
+
+    def reference(self, inputs):
+        """The first setting's (the one ``launch`` runs by default) float64 result, the matmul done on the host."""
+        entry = inputs["settings"][self.settings[0]]
+        groups = len(inputs["group_sizes"])
+        a = _host64(self._tokens64(entry, inputs["k"]))
+        b = np.stack([_host64(self._weights64(entry, g, groups)) for g in range(groups)])
+        return _grouped_reference(a, b, inputs["group_sizes"])
+
+
+@functools.lru_cache(maxsize=None)
+def _humming():
+    """The parts of humming-kernels the peer uses; raises (ImportError, or what its import raises) where it
+    cannot load. Imported on first use: it imports torch, triton and the CUDA bindings."""
+    from types import SimpleNamespace
+
+    from humming.forward import may_quant_input
+    from humming.layer import HummingLayer
+    from humming.utils.weight import dequantize_weight
+
+    return SimpleNamespace(HummingLayer=HummingLayer, may_quant_input=may_quant_input,
+                           dequantize_weight=dequantize_weight)
+
+
 def _mx_values(codes, scale_bytes, element: str) -> np.ndarray:
     """float64 values of MX operand bytes (elements x their UE8M0 block scales), on the host."""
     codes = codes.cpu().numpy()
@@ -536,7 +738,7 @@ def _triton_group_kernel():
 
 
 PEER_CLASSES: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchBf16Peer, TorchFp8RowwisePeer,
-                                                                 TritonDotScaledPeer, CopyPeer)}
+                                                                 TritonDotScaledPeer, HummingPeer, CopyPeer)}
 
 
 def load_peers(names=PEER_NAMES) -> tuple[list[Peer], dict[str, str]]:
@@ -557,6 +759,12 @@ def load_peers(names=PEER_NAMES) -> tuple[list[Peer], dict[str, str]]:
             skipped[name] = (f"torch._scaled_grouped_mm runs on compute capability 9.0 / 10.0 only, "
                              f"this GPU is {capability}")
             continue
+        if name == "humming":
+            try:
+                _humming()
+            except Exception as err:   # ImportError where it is not installed; its import also loads CUDA bindings
+                skipped[name] = f"humming-kernels could not be imported ({type(err).__name__}: {err})"
+                continue
         if name == "triton_dot_scaled":
             try:
                 _triton_group_kernel()
@@ -608,6 +816,7 @@ def check_at_shape(peer: Peer, inputs, reference, setting: str = "") -> OutputCh
     """Launch ``peer`` once on ``inputs`` with ``setting`` and compare its output, row by row, with
     ``reference`` (``Peer.device_reference`` of the same inputs) within ``Peer.row_err_bound``."""
     got = _host64(peer.launch(inputs, setting))
+    reference = peer.setting_reference(reference, setting)
     return check_output(got, _host64(reference), bound=peer.row_err_bound(setting, int(inputs.get("k", 0))))
 
 
