@@ -37,7 +37,7 @@ default the poison sentinel of ``gbs.reference.poison_output``. Device problems:
 """
 from __future__ import annotations
 
-from .backends import H200_BACKENDS, h200_request, select_backend
+from .backends import H200_BACKENDS, select_backend
 from .dispatch import KernelConfig, dispatch_for, route_format_name
 from .problem import GroupedProblem
 from .reference import reference_grouped_matmul
@@ -93,7 +93,7 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
         from .numba_kernels import h200_launch
         from .plan import plan_h200
 
-        return h200_launch.run(problem, plan_h200(problem, config, h200_request(backend)), out)
+        return h200_launch.run(problem, plan_h200(problem, config, backend), out)
     if chosen == "sm100":   # raises, naming the hardware it needs, on anything but compute capability 10.0
         from .numba_kernels import sm100
 

@@ -41,12 +41,6 @@ def select_backend(backend: str = "auto") -> str:
                                                                                             "simt")
 
 
-def h200_request(backend: str) -> str:
-    """What the H200 plan is asked for when ``backend`` resolves to an H200 kernel: ``"auto"`` (the plan picks the
-    kernel) or the kernel named."""
-    return "auto" if backend == "auto" else backend
-
-
 def check_device_backend(backend: str) -> str:
     """The backend ``backend`` resolves to here, if it runs device problems; else the error that says which do."""
     chosen = select_backend(backend)

@@ -587,14 +587,14 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
     dispatch's from host metadata unless given), the backend, the checks, the output, the stream,
     the tensor maps, the compile. Call the result to enqueue the kernel; call it again to rerun on
     the same arrays (their current contents)."""
-    from .backends import check_device_backend, h200_request
+    from .backends import check_device_backend
     from .plan import plan_h200
 
     if not isinstance(problem, DeviceGroupedProblem):
         raise TypeError(f"problem must be a DeviceGroupedProblem (gbs.interop.device_problem), "
                         f"got {type(problem).__name__}")
-    chosen = check_device_backend(backend)
-    plan = plan_h200(problem, config, h200_request(backend if backend == "auto" else chosen))   # before device work
+    check_device_backend(backend)
+    plan = plan_h200(problem, config, backend)   # before any device work: "auto" lets the plan pick the kernel
     from .numba_kernels import h200_launch, launch
 
     handle = problem.stream_for(stream)

@@ -39,6 +39,7 @@ from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
 from .numba_kernels.h200_wgmma import SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
 from .problem import problem_format_name
+from .schedule import check_num_ctas
 
 KERNELS = ("h200_stream", "h200_wgmma")
 H200_SM_COUNT = 132   # the H200's SMs: what the estimates below plan for (a launch reads the device's)
@@ -95,7 +96,7 @@ class H200Plan:
     @property
     def ring(self) -> StreamSpec:
         """The TMA ring's spec (the wgmma kernel runs the streaming kernel's ring)."""
-        return self.spec.ring if isinstance(self.spec, WgmmaSpec) else self.spec
+        return hl.ring_of(self.spec)
 
     def describe(self) -> str:
         """One line: the kernel, its knobs, the split and the grid."""
@@ -353,16 +354,17 @@ def _build_spec(kernel: str, problem, knobs: dict, trace: bool):
                      ab_swapped=knobs.get("ab_swapped", False), **layouts)
 
 
-def _resolve_stages(kernel: str, problem, knobs: dict, capped: bool) -> tuple[int, Rule]:
-    """The stage count: the deepest that fits for ``AUTO_STAGES``, a requested one if it fits (``capped``: a
-    caller's SM100 config, whose B200 stage counts are capped at the H200's deepest), else ValueError."""
+def _resolve_stages(kernel: str, problem, knobs: dict, capped: bool) -> tuple[int, Rule | None]:
+    """The stage count and the rule that set it: the deepest that fits for ``AUTO_STAGES``; a requested count
+    capped at the deepest if ``capped`` (a caller's SM100 config: B200 stage counts); else the requested count with
+    no rule (``h200_launch.check_can_implement`` then refuses one that does not fit)."""
     deepest = hl.max_pipeline_stages(_build_spec(kernel, problem, dict(knobs, stages=1), False))
     stages = knobs.get("stages", AUTO_STAGES)
     if stages == AUTO_STAGES:
         return deepest, Rule("stages", f"{deepest}: the deepest ring that fits 227 KiB")
     if capped and stages > deepest:
         return deepest, Rule("stages", f"{deepest}: the config's {stages} capped at the deepest that fits")
-    return stages, Rule("stages", f"{stages}: as asked")
+    return stages, None   # as asked: the rule that asked says so
 
 
 def registers_of(spec) -> int | None:
@@ -455,7 +457,7 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
             knobs, fired = wgmma_knobs(problem)
             rules += fired
     stages, stage_rule = _resolve_stages(kernel, problem, knobs, capped=config is not None and kernel == "h200_stream")
-    if "stages" not in knobs or stage_rule.decided.split(":")[0] != str(knobs["stages"]):
+    if stage_rule is not None:
         rules.append(stage_rule)
     spec = _build_spec(kernel, problem, dict(knobs, stages=stages), trace)
     hl.check_can_implement(problem, spec)
@@ -465,14 +467,13 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
 def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Plan:
     """The split-K runs and the grid of ``spec`` for ``problem``: the kernel's registers and the SMs decide how
     many CTAs are resident, and the rules how many runs fill them."""
-    ring = spec.ring if isinstance(spec, WgmmaSpec) else spec
-    max_tiles = hl.max_tiles_bound(ring, problem.total_tokens, problem.num_active_experts, problem.n)
+    max_tiles = hl.max_tiles_bound(hl.ring_of(spec), problem.total_tokens, problem.num_active_experts, problem.n)
     sm_count = _sm_count()
     if problem.total_tokens == 0:
         return H200Plan(kernel, spec, 1, _k_slices(problem), 0, max_tiles, None, sm_count,
                         tuple(rules) + (Rule("grid", "no tokens: nothing to launch"),))
     if num_ctas is not None:
-        num_ctas = hl.check_num_ctas(num_ctas, spec.cta_group)
+        num_ctas = check_num_ctas(num_ctas, spec.cta_group)
     k_slices = problem.k // spec.k_slice
     registers = registers_of(spec)
     pairs = hl.resident_pairs(spec, registers, sm_count)

@@ -6,9 +6,9 @@ from typing import NamedTuple
 
 from gbs.dispatch import AUTO_STAGES
 from gbs.numba_kernels import h200_launch
+from gbs.numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N
 from gbs.plan import plan_h200
 
-CONSUMER_WARPS_SMALL_N = 4
 
 
 class Stream(NamedTuple):

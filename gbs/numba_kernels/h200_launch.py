@@ -30,7 +30,6 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from gbs import schedule
 from gbs.dispatch import H200_SMEM_PER_SM
 from gbs.formats import BF16, get_format
 from gbs.numba_kernels import launch
@@ -98,8 +97,6 @@ def split_runs(k_slices: int, k_splits: int) -> tuple[int, int]:
     per_split = -(-k_slices // k_splits)
     return -(-k_slices // per_split), per_split
 
-
-check_num_ctas = schedule.check_num_ctas
 
 
 # ----------------------------------------------------------------------------------------------
