@@ -38,7 +38,7 @@ from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED, E2
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
 from .numba_kernels.h200_wgmma import SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
-from .problem import problem_format_name
+from .problem import layout_of, problem_format_name
 from .schedule import check_num_ctas
 
 KERNELS = ("h200_stream", "h200_wgmma")
@@ -344,7 +344,7 @@ def h200_weight_layout(weight_format, n: int | None = None, k: int | None = None
 def _build_spec(kernel: str, problem, knobs: dict, trace: bool):
     """The build of ``kernel`` for ``problem`` with ``knobs`` (stages resolved by the caller)."""
     a, b = _formats(problem)
-    layouts = dict(a_layout=hl.layout_of(problem, "a"), b_layout=hl.layout_of(problem, "b"))
+    layouts = dict(a_layout=layout_of(problem, "a"), b_layout=layout_of(problem, "b"))
     if kernel == "h200_stream":
         return StreamSpec(a, b, knobs["ab_swapped"], knobs["mma_bn"], knobs.get("cta_group", 1), knobs["stages"],
                           small_n_warps=knobs.get("small_n_warps", CONSUMER_WARPS_SMALL_N), trace=trace, **layouts)
