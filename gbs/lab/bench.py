@@ -73,6 +73,8 @@ EARLIER_TORCH_FIGURES: dict[str, dict[str, tuple[float, str]]] = {
 KERNELS_MD_PEAK_TFLOPS = {"bf16": 766.0, "fp8": 1340.0}
 KERNELS_MD_SOURCE = "kernels.md"
 MEASURED_SOURCE = "measured"
+# processes that compile JIT peers' kernels ahead of the checks (``Peer.compile_ahead``): half the host's cores
+COMPILE_AHEAD_WORKERS = max(1, (os.cpu_count() or 2) // 2)
 
 
 def _names(value, what: str, allowed) -> tuple[str, ...]:
@@ -625,6 +627,12 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
         print(f"skipping {name}: {reason}")
 
     formats = list(dict.fromkeys(fmt for fmt, _ in selection))
+    peer_shapes = [peer_lib.PeerShape(peer_lib.CHECK_N, peer_lib.CHECK_K, peer_lib.CHECK_GROUP_SIZES)]
+    peer_shapes += [peer_lib.PeerShape(case.n, case.k, tuple(int(s) for s in case.group_sizes() if s > 0))
+                    for _, case in selection]
+    for peer in peers:
+        for failure in peer.compile_ahead(peer_shapes, workers=COMPILE_AHEAD_WORKERS):
+            print(f"  {peer.name} compile ahead failed: {failure}")
     checks = {}
     print("peer checks (small shape vs float64; a FAIL is not timed):")
     for peer in peers:
@@ -673,10 +681,10 @@ def run_bench(selection: list[tuple[str, BenchCase]], methods, csv_path: str | N
         for m in measurements:
             print(_progress(fmt, case, m))
         rows += build_rows(fmt, case, config, measurements, ceilings, env)
+        write_csv(csv_path, rows)   # after every case: a run cut short keeps what it measured
         del problem, measurements
         peer_lib.free_cached_memory()
 
-    write_csv(csv_path, rows)
     print(f"\nwrote {len(rows)} rows to {csv_path}\n")
     print(TABLE_LEGEND)
     print(f"read ceiling {ceilings.read_tbps:.2f} TB/s; bf16 peak {ceilings.bf16_tflops:.0f} TFLOP/s "

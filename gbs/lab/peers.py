@@ -209,6 +209,11 @@ class Peer:
     def make_inputs(self, shape: PeerShape, fmt: str, our_useful_bytes: int, seed: int):
         raise NotImplementedError
 
+    def compile_ahead(self, shapes, workers: int) -> list[str]:
+        """Compile ahead what the first launches on ``shapes`` would compile (peers whose JIT is slow); returns
+        what failed, as text. Most peers compile in well under a second: nothing to do."""
+        return []
+
     def launch(self, inputs, setting: str = ""):
         """Run once (asynchronously; no host copies, no syncs) with launch ``setting`` (one of
         ``settings``); returns the output tensor."""
@@ -554,35 +559,58 @@ class HummingPeer(Peer):
     def useful_bytes(self, shape, fmt, our_useful_bytes):
         return min(self.setting_bytes(shape, s) for s in self.settings)
 
-    def make_inputs(self, shape, fmt, our_useful_bytes, seed):
+    def make_inputs(self, shape, fmt, our_useful_bytes, seed, settings=None):
+        """Random bf16 tokens and weights (one draw for every setting), then per setting in ``settings`` (default
+        all) a layer holding the weights as humming's quantizer and packing leave them, and its tokens."""
         torch = _torch()
-        hk = _humming()
         gen = _generator(seed)
         tokens = torch.randn((shape.tokens, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
         raw = torch.randn((shape.num_groups, shape.n, shape.k), dtype=torch.bfloat16, device="cuda", generator=gen)
         layout = np.concatenate(([0], shape.offsets())).astype(np.int64)   # E + 1 offsets
-        per_setting = {}
-        for setting, (weights, fp8) in HUMMING_SETTINGS.items():
-            layer = hk.HummingLayer(shape_n=shape.n, shape_k=shape.k,
-                                    weight_config=dict(HUMMING_WEIGHT_CONFIGS[weights]),
-                                    input_config=dict(HUMMING_FP8_INPUT_CONFIG) if fp8 else None,
-                                    num_experts=shape.num_groups, torch_dtype=getattr(torch, HUMMING_DTYPE)).cuda()
-            layer.load_from_unquantized(raw)   # its quantizer
-            quantized = {name: getattr(layer, name).detach().clone()   # before its packing: for the reference
-                         for name in ("weight", "weight_scale", "weight_scale_2")
-                         if getattr(layer, name, None) is not None}
-            element_dtype = layer.weight_schema.b_dtype
-            layer.transform()                  # its packing
-            a, a_scale, m_major = tokens, None, False
-            if fp8:
-                config = layer.humming_config
-                a, a_scale = hk.may_quant_input(config, tokens)   # its token quantizer: E4M3 + fp32 per 1x128
-                m_major = bool(getattr(config, "use_block_scaled_mma", False)) and config.input_scale_group_size > 0
-            per_setting[setting] = {"layer": layer, "a": a, "a_scale": a_scale, "m_major_scale": m_major,
-                                    "quantized": quantized, "element_dtype": element_dtype, "weights": weights}
+        per_setting = {setting: self._setting_inputs(shape, setting, tokens, raw)
+                       for setting in (settings or self.settings)}
         del raw
         return {"settings": per_setting, "tokens_bf16": tokens, "expert_layout": torch.from_numpy(layout).to("cuda"),
                 "group_sizes": shape.group_sizes, "n": shape.n, "k": shape.k}
+
+    @staticmethod
+    def _setting_inputs(shape, setting: str, tokens, raw) -> dict:
+        torch = _torch()
+        hk = _humming()
+        weights, fp8 = HUMMING_SETTINGS[setting]
+        layer = hk.HummingLayer(shape_n=shape.n, shape_k=shape.k,
+                                weight_config=dict(HUMMING_WEIGHT_CONFIGS[weights]),
+                                input_config=dict(HUMMING_FP8_INPUT_CONFIG) if fp8 else None,
+                                num_experts=shape.num_groups, torch_dtype=getattr(torch, HUMMING_DTYPE)).cuda()
+        layer.load_from_unquantized(raw)   # its quantizer
+        quantized = {name: getattr(layer, name).detach().clone()   # before its packing: for the reference
+                     for name in ("weight", "weight_scale", "weight_scale_2")
+                     if getattr(layer, name, None) is not None}
+        element_dtype = layer.weight_schema.b_dtype
+        layer.transform()                  # its packing
+        a, a_scale, m_major = tokens, None, False
+        if fp8:
+            config = layer.humming_config
+            a, a_scale = hk.may_quant_input(config, tokens)   # its token quantizer: E4M3 + fp32 per 1x128
+            m_major = bool(getattr(config, "use_block_scaled_mma", False)) and config.input_scale_group_size > 0
+        return {"layer": layer, "a": a, "a_scale": a_scale, "m_major_scale": m_major,
+                "quantized": quantized, "element_dtype": element_dtype, "weights": weights}
+
+    def compile_ahead(self, shapes, workers: int) -> list[str]:
+        """humming compiles a kernel (NVRTC, about half a minute each on the H200 host) on the first launch of each
+        (setting, shape) its heuristics tell apart; the bench would wait for them one by one. Launch every
+        (shape, setting) once first, in ``workers`` processes sharing humming's on-disk cache, so the bench's own
+        (untimed) first launches find them compiled. Returns the failures (the bench's checks report them again)."""
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        tasks = [(shape, setting) for shape in dict.fromkeys(shapes) for setting in self.settings]
+        if not tasks:
+            return []
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            outcomes = list(pool.map(_humming_launch_once, tasks))
+        return [f"{shape.n}x{shape.k} {shape.num_groups} groups [{setting}]: {why}"
+                for (shape, setting), why in zip(tasks, outcomes) if why]
 
     def launch(self, inputs, setting=""):
         setting = setting or self.settings[0]
@@ -659,6 +687,20 @@ def _humming():
 
     return SimpleNamespace(HummingLayer=HummingLayer, may_quant_input=may_quant_input,
                            dequantize_weight=dequantize_weight)
+
+
+def _humming_launch_once(task) -> str:
+    """One (shape, setting) of ``HummingPeer.compile_ahead`` in a worker process: build, launch, sync; the
+    error as text (empty when it ran)."""
+    shape, setting = task
+    try:
+        peer = HummingPeer()
+        inputs = peer.make_inputs(shape, "", 0, seed=0, settings=(setting,))
+        peer.launch(inputs, setting)
+        _torch().cuda.synchronize()
+        return ""
+    except Exception as err:   # reported by the caller; the bench's own check fails it again
+        return f"{type(err).__name__}: {err}"
 
 
 def _mx_values(codes, scale_bytes, element: str) -> np.ndarray:
