@@ -3,7 +3,7 @@ package and a fake ``torch`` (numpy-backed) put into ``sys.modules``. They recor
 humming's API; they assert nothing about humming's numerics (the stub layer computes the exact matmul of the
 operands the peer dequantizes, or a corrupted copy of it).
 
-What the stubs pin, for the first GPU run to confirm against the real library:
+What the stubs pin (confirmed against humming-kernels 0.1.20 on the H200: evidence ``bench-humming``):
 - ``HummingLayer(shape_n, shape_k, weight_config, input_config, num_experts, torch_dtype).cuda()``, then
   ``load_from_unquantized((E, N, K) bf16)``, then ``transform()``; its pre-transform parameters ``weight``
   (int32, 8 E2M1 per word), ``weight_scale`` (E, N, K / block), NVFP4's ``weight_scale_2`` (one per expert);

@@ -39,6 +39,7 @@ import numpy as np
 from . import peers as peer_lib
 from .cases import BENCH_CASES, FULL_FORMATS, QUICK_CASES, QUICK_FORMATS, BenchCase, useful_bytes, useful_flops
 from .environment import environment_fields, gpu_slug
+from .report import OTHER_SETTINGS_PREFIX
 from .timing import (
     QUICK_READ_CEILING_BYTES,
     QUICK_TIMING_BUDGET_S,
@@ -588,7 +589,7 @@ def _peer_row(base: dict, copies: int, results: list) -> Measurement:
     best = min(timed, key=lambda r: r[2].median_us)
     others = "; ".join(describe(*r) for r in results if r is not best)
     return Measurement(**base, timing=best[2], input_sets=copies, verified=True, max_row_err=best[1].max_row_err,
-                       setting=best[0], note=f"other settings: {others}" if others else "")
+                       setting=best[0], note=OTHER_SETTINGS_PREFIX + others if others else "")
 
 
 def _progress(fmt: str, case: BenchCase, m: Measurement) -> str:

@@ -525,9 +525,10 @@ class HummingPeer(Peer):
     worst case that does not rely on how often humming promotes). ``useful_bytes`` is the fewest of its settings'
     (MXFP4 weights x FP8 tokens).
 
-    A headline peer. NOT YET RUN ON A GPU IN THIS REPOSITORY: written and unit-tested with a stub ``humming``
-    module on the CPU; the first run (next session, H200) must confirm the API points the stubs assume (see
-    ``tests/test_peers_humming.py``)."""
+    A headline peer. Its API points (tensor shapes and dtypes after its quantizer, the SM90 token-scale layout)
+    were confirmed on the H200 (evidence ``bench-humming``, ``scripts/humming_probe.py``); the CPU tests run it
+    against a stub ``humming`` module (``tests/test_peers_humming.py``). Its kernels compile per shape (NVRTC,
+    about half a minute each): ``compile_ahead`` does that in parallel before the bench's checks."""
 
     name = "humming"
     label = "humming-kernels HummingLayer, grouped_contiguous"

@@ -41,6 +41,7 @@ FORMAT_NAMES = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "mxfp8": "MXFP8", "mxfp8_e5m
                 "w4a8": "W4A8"}
 # Headline peers: torch bf16, and torch FP8 (the fastest of the ``torch_fp8*`` methods a CSV holds).
 BF16_PEER = "torch_bf16"
+HUMMING_PEER = "humming"   # the strongest Hopper MoE peer: its own column in the headline where a CSV has it
 FP8_PEER_PREFIX = "torch_fp8"
 # Peers timed in a way no user would run them: in docs/results.md apart, never in the README.
 NOT_HEADLINE_PEERS = {
@@ -298,34 +299,40 @@ def render_headline(files: list[BenchFile]) -> str:
     if not sources:
         raise ValueError("no bench CSV holds a gbs row")
     case_order = list(dict.fromkeys(c for fmt, f in sources.items() for c in cases(f.rows_of(fmt))))
+    with_humming = any(peer_row(f.rows_of(fmt), HUMMING_PEER) for fmt, f in sources.items())
     header = ["case", "N x K", "experts x tokens", "torch bf16 (us)", "torch FP8 (us)"] + \
-        [FORMAT_NAMES.get(fmt, fmt) for fmt in sources]
+        (["humming (us)"] if with_humming else []) + [FORMAT_NAMES.get(fmt, fmt) for fmt in sources]
     body, shown = [], {}
     fp8_methods = {}
     for case in case_order:
         per_fmt = {fmt: case_rows(f.rows_of(fmt), case) for fmt, f in sources.items()}
         first = next(rs[0] for rs in per_fmt.values() if rs)
-        bf16s, fp8s, cells = [], [], []
+        bf16s, fp8s, hums, cells = [], [], [], []
         for fmt, rs in per_fmt.items():
             ours, bf16, fp8 = ours_row(rs), peer_row(rs, BF16_PEER), fp8_peer_row(rs)
+            hum = peer_row(rs, HUMMING_PEER)
             bf16s.append(bf16)
             fp8s.append(fp8)
+            hums.append(hum)
             if fp8 is not None:
                 fp8_methods.setdefault(fp8["method"], None)
-            shown.setdefault(sources[fmt].path, []).extend(r for r in (ours, bf16, fp8) if r is not None)
+            shown.setdefault(sources[fmt].path, []).extend(r for r in (ours, bf16, fp8, hum) if r is not None)
             if ours is None:
                 cells.append("-")
                 continue
             cells.append(f"{_us(ours)}: {_x(ratio(bf16, ours))} / {_x(ratio(fp8, ours))}, "
                          f"{_pct(pct_read_ceiling(ours))}")
         shape, load = case_label(first)
-        body.append([f"`{case}`", shape, load, _peer_range(bf16s), _peer_range(fp8s)] + cells)
+        body.append([f"`{case}`", shape, load, _peer_range(bf16s), _peer_range(fp8s)]
+                    + ([_peer_range(hums)] if with_humming else []) + cells)
     lines = ["", *_table(header, body), ""]
     lines.append("Each format's cell: gbs's median in us: its speed-up over torch bf16 / over torch FP8 (the "
                  "peer's median over gbs's, both timed in the same process), its share of the read ceiling "
                  "measured in that process (the bytes it must read per second). The torch columns give the "
                  "range of the peer over those processes. torch FP8 is "
-                 + " / ".join(f"`{m}`" for m in fp8_methods) + " (the fastest where there are several).")
+                 + " / ".join(f"`{m}`" for m in fp8_methods) + " (the fastest where there are several)."
+                 + (" humming is humming-kernels' fastest verified format on the case (each of its formats: "
+                    "docs/results.md); only the processes that timed it." if with_humming else ""))
     lines.append("")
     used = list(dict.fromkeys(sources.values()))
     for f in used:
@@ -407,6 +414,22 @@ def _file_header(f: BenchFile) -> list[str]:
     return lines + [""]
 
 
+OTHER_SETTINGS_PREFIX = "other settings: "   # how bench._peer_row's note lists the settings that were not the row
+
+
+def _computes_in(row) -> str:
+    """The peer's format, and the launch setting that made the row (the fastest verified) where it has several."""
+    setting = row.get("peer_setting")
+    return (row.get("method_format") or "-") + (f": {setting}" if setting else "")
+
+
+def _other_settings(row) -> str:
+    """The peer's other settings with their medians, as the bench's note lists them; "-" where it has none."""
+    note = row.get("note") or ""
+    return note[note.index(OTHER_SETTINGS_PREFIX) + len(OTHER_SETTINGS_PREFIX):] \
+        if OTHER_SETTINGS_PREFIX in note else "-"
+
+
 def _format_tables(f: BenchFile, fmt: str) -> list[str]:
     rows = f.rows_of(fmt)
     name = FORMAT_NAMES.get(fmt, fmt)
@@ -430,11 +453,11 @@ def _format_tables(f: BenchFile, fmt: str) -> list[str]:
             if r is None:
                 continue
             shape, load = case_label(r)
-            body.append([f"`{case}`", shape, load, f"`{r['method']}`", r.get("method_format") or "-", _us(r),
+            body.append([f"`{case}`", shape, load, f"`{r['method']}`", _computes_in(r), _us(r),
                          _spread(r), _num(tflops(r)), _num(gbps(r), 0), _pct(pct_read_ceiling(r)),
-                         r.get("earlier_figure") or "-"])
+                         _other_settings(r), r.get("earlier_figure") or "-"])
     lines += _table(["case", "N x K", "experts x tokens", "peer", "computes in", "median (us)", "p10-p90 (us)",
-                     "TFLOP/s", "GB/s", "% read", "earlier figure"], body)
+                     "TFLOP/s", "GB/s", "% read", "its other settings", "earlier figure"], body)
     for method in other_peers:
         lines += ["", f"### {name}: `{method}`, {NOT_HEADLINE_PEERS[method]}", ""]
         body = []
