@@ -70,7 +70,7 @@ def grouped_matmul(problem, config: KernelConfig | None = None, backend: str = "
     on ``stream``, default the caller's current stream; see ``gbs.interop``). Rows of skipped slots
     keep the contents of ``out`` (host default: the poison sentinel of
     ``gbs.reference.poison_output``; device default: uninitialised). FP4 weights re-laid for the H200
-    (``problem.with_b_layout(gbs.plan.h200_weight_layout(problem.b_format, problem.n, problem.k))``) and FP4 tokens
+    (``problem.with_b_layout(gbs.plan.h200_weight_layout(problem.b_format))``) and FP4 tokens
     in the H200 word order (``problem.with_a_layout("e2m1_h200")``) run on the H200 backends and the reference; the
     SIMT and SM100 backends read packed operands only and say so.
     """

@@ -75,7 +75,7 @@ import numpy as np
 
 from .problem import GroupedProblem, ProblemShape, is_int, check_layout, problem_format_name, resolve_formats
 from .formats import BlockFormat, get_format
-from .layouts import LAYOUT_PACKED, stored_row_bytes, weight_bytes_layout
+from .layouts import LAYOUT_PACKED, stored_shape, weight_bytes_layout
 
 KINDS = ("torch", "cupy", "numba", "cuda_array_interface", "dlpack")
 # The arrays the routing checks read (copied to the host when validating).
@@ -390,8 +390,7 @@ class DeviceGroupedProblem(ProblemShape):
             object.__setattr__(self, name, int(value))
         if self.n <= 0 or self.k <= 0:
             raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
-        check_layout(self.b_layout, self.b_format, "b",
-                     (self.n, stored_row_bytes(self.b_layout, self.b_format, self.k)))
+        check_layout(self.b_layout, self.b_format, "b", stored_shape(self.b_layout, self.b_format, (self.n,), self.k))
         if self.num_active_experts < 1:
             raise ValueError(f"num_active_experts must be >= 1, got {self.num_active_experts}")
         if self.estimated_total_m < 0:

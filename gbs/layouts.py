@@ -106,8 +106,8 @@ class E2M1H200Order:
         return cls._permute(packed, inverse=False)
 
     @classmethod
-    def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
-        """Inverse of ``swizzle``."""
+    def unswizzle(cls, ordered: np.ndarray, shape=None) -> np.ndarray:
+        """Inverse of ``swizzle`` (``shape``: the logical shape, the stored one here)."""
         return cls._permute(ordered, inverse=True)
 
     @staticmethod
@@ -138,7 +138,8 @@ class E2M1H200TiledOrder(E2M1H200Order):
     rows inside a box as before: byte ``c`` of row ``r`` of an expert's (N, K/2) matrix sits at byte
     ``box_row * 128 + c % 128`` of the expert's slab, ``box_row = (r // 128 * (K/2 // 128) + c // 128) * 128
     + r % 128`` (the kernels' tensor map reads the slabs as rows of 128 B). So ``b`` keeps its shape and
-    dtype (N and K/2 multiples of ``BOX_ROWS`` / ``BOX_BYTES``, which every ``workloads.md`` shape is) and
+    dtype, padded to whole boxes where N or K/2 is not a multiple of ``BOX_ROWS`` / ``BOX_BYTES`` (``padded_shape``:
+    zero bytes, which decode to zeros whatever their scales; gpt-oss's N = K = 2880 are not) and
     the scales keep the 128x4 layout (UE4M3 codes as in ``E2M1H200Order``). The kernels read it through a
     2-D tensor map over all the boxes (``h200_stream.tensor_map_args``); wider or narrower weight tiles (256
     or 8-64 rows, 64-byte K slices with FP8 tokens) are whole boxes or parts of them. Weights only: tokens
@@ -159,41 +160,56 @@ class E2M1H200TiledOrder(E2M1H200Order):
         return len(shape) >= 2 and not (shape[-2] % cls.BOX_ROWS or shape[-1] % cls.BOX_BYTES)
 
     @classmethod
+    def padded_shape(cls, shape) -> tuple[int, ...]:
+        """The stored shape of weights of logical ``shape`` (..., N, K/2 bytes): N and K/2 rounded up to whole
+        boxes (gpt-oss: N 2880 -> 2944 rows, K 2880 -> 3072 elements). The pad is zero bytes: E2M1 zeros."""
+        *lead, n, kb = shape
+        return (*lead, -(-n // cls.BOX_ROWS) * cls.BOX_ROWS, -(-kb // cls.BOX_BYTES) * cls.BOX_BYTES)
+
+    @classmethod
     def check_shape(cls, shape, fmt=None) -> None:
-        """ValueError unless ``shape`` (..., N, K/2 bytes) tiles into whole boxes (``fmt``: unused here)."""
+        """ValueError unless ``shape`` (..., N, K/2 bytes) is a stored shape: whole boxes (``fmt``: unused)."""
         if not cls.whole_boxes(shape):
             raise ValueError(f"{LAYOUT_E2M1_H200_TILED!r} stores weights in boxes of {cls.BOX_ROWS} rows x "
-                             f"{cls.BOX_BYTES} bytes: it needs (..., N, K/2) with N a multiple of {cls.BOX_ROWS} "
-                             f"and K/2 of {cls.BOX_BYTES} bytes (K of {2 * cls.BOX_BYTES}), got {tuple(shape)}")
+                             f"{cls.BOX_BYTES} bytes: a stored array is (..., N, K/2) padded to a multiple of "
+                             f"{cls.BOX_ROWS} rows and {cls.BOX_BYTES} bytes (padded_shape), got {tuple(shape)}")
 
     @classmethod
     def tile(cls, rows: np.ndarray) -> np.ndarray:
-        """(..., N, K/2) bytes -> the same shape with each box contiguous (a new array; bytes unchanged)."""
+        """(..., N, K/2) bytes -> ``padded_shape`` with each box contiguous (a new array; bytes unchanged, the
+        pad zero)."""
         rows = np.asarray(rows)
-        cls.check_shape(rows.shape)
-        *lead, n, kb = rows.shape
-        boxes = rows.reshape(*lead, n // cls.BOX_ROWS, cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_BYTES)
-        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(rows.shape)
+        if rows.ndim < 2:
+            raise ValueError(f"tile takes (..., N, K/2) bytes, got shape {rows.shape}")
+        padded = np.zeros(cls.padded_shape(rows.shape), rows.dtype)
+        padded[..., :rows.shape[-2], :rows.shape[-1]] = rows
+        *lead, n, kb = padded.shape
+        boxes = padded.reshape(*lead, n // cls.BOX_ROWS, cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_BYTES)
+        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(padded.shape)
 
     @classmethod
-    def untile(cls, tiled: np.ndarray) -> np.ndarray:
-        """Inverse of ``tile``."""
+    def untile(cls, tiled: np.ndarray, shape=None) -> np.ndarray:
+        """Inverse of ``tile``: the rows, cut to the logical ``shape`` (..., N, K/2) where given."""
         tiled = np.asarray(tiled)
         cls.check_shape(tiled.shape)
         *lead, n, kb = tiled.shape
         boxes = tiled.reshape(*lead, n // cls.BOX_ROWS, kb // cls.BOX_BYTES, cls.BOX_ROWS, cls.BOX_BYTES)
-        return np.ascontiguousarray(np.swapaxes(boxes, -3, -2)).reshape(tiled.shape)
+        rows = np.swapaxes(boxes, -3, -2).reshape(tiled.shape)
+        if shape is not None:
+            if cls.padded_shape(shape) != tiled.shape:
+                raise ValueError(f"tiled weights {tiled.shape} do not store weights of shape {tuple(shape)}")
+            rows = rows[..., :shape[-2], :shape[-1]]
+        return np.ascontiguousarray(rows)
 
     @classmethod
     def swizzle(cls, packed: np.ndarray) -> np.ndarray:
-        """``pack_fp4`` weight bytes (..., N, K/2) -> the same shape in this order (a new array)."""
-        cls.check_shape(np.shape(packed))
+        """``pack_fp4`` weight bytes (..., N, K/2) -> ``padded_shape`` in this order (a new array)."""
         return cls.tile(super().swizzle(packed))
 
     @classmethod
-    def unswizzle(cls, ordered: np.ndarray) -> np.ndarray:
-        """Inverse of ``swizzle``."""
-        return super().unswizzle(cls.untile(ordered))
+    def unswizzle(cls, ordered: np.ndarray, shape=None) -> np.ndarray:
+        """Inverse of ``swizzle`` (``shape``: the logical (..., N, K/2), where the stored one is padded)."""
+        return super().unswizzle(cls.untile(ordered, shape))
 
 
 class E2M1H200FusedOrder(E2M1H200TiledOrder):
@@ -207,7 +223,8 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
     ``E2M1H200Order``), so a stage is one stream of ``16 KB + 128 * 256 / block_size`` bytes. Chunks are
     ordered (expert, 128-row tile, K slice). An expert's chunks hold ``N * (K/2 + K/block_size)`` bytes:
     each row's weight and scale bytes, so ``b`` has shape ``(E, N, K/2 + K/block_size)``
-    (``stored_row_bytes``); N and K/2 must be multiples of 128 (every ``workloads.md`` shape is).
+    (``stored_row_bytes``), N and K padded as ``E2M1H200TiledOrder.padded_shape`` (zero weight bytes, zero scale
+    bytes: the padded products are exact zeros).
 
     ``b_scales`` keeps the 128x4 atoms as well (the reference and the checks read them; ``GroupedProblem``
     checks that they equal the chunks' copies): on the device that copy costs 1/16 (MXFP4) or 1/8 (NVFP4)
@@ -226,20 +243,26 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
         return cls.BOX_ROWS * (cls.SLICE_ELEMENTS // block_size)
 
     @classmethod
+    def padded_k(cls, k: int) -> int:
+        """K of the stored chunks: ``k`` rounded up to whole K slices."""
+        return -(-k // cls.SLICE_ELEMENTS) * cls.SLICE_ELEMENTS
+
+    @classmethod
     def stored_row_bytes(cls, k: int, block_size: int) -> int:
-        """Bytes per weight row in ``b``'s shape: K/2 weight bytes and K/block_size scale bytes."""
+        """Bytes per weight row in ``b``'s shape: K/2 weight bytes and K/block_size scale bytes of the padded K."""
+        k = cls.padded_k(k)
         return k // 2 + k // block_size
 
     @classmethod
     def _k(cls, shape, block_size: int) -> int:
-        """K of fused weights of ``shape``; ValueError unless they are whole chunks."""
+        """The (padded) K of fused weights of ``shape``; ValueError unless they are whole chunks."""
         row_bytes = shape[-1] if len(shape) >= 2 else 0
         k = row_bytes * 2 * block_size // (block_size + 2)
         if (len(shape) < 2 or shape[-2] % cls.BOX_ROWS or k <= 0 or k % cls.SLICE_ELEMENTS
                 or cls.stored_row_bytes(k, block_size) != row_bytes):
             raise ValueError(f"{LAYOUT_E2M1_H200_FUSED!r} stores weights with their scales in chunks of {cls.BOX_ROWS} "
-                             f"rows: it needs (..., N, K/2 + K/{block_size}) bytes with N a multiple of "
-                             f"{cls.BOX_ROWS} and K of {cls.SLICE_ELEMENTS}, got {tuple(shape)}")
+                             f"rows: it needs (..., N, K/2 + K/{block_size}) bytes with N padded to a multiple of "
+                             f"{cls.BOX_ROWS} and K to one of {cls.SLICE_ELEMENTS}, got {tuple(shape)}")
         return k
 
     @classmethod
@@ -251,38 +274,50 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
 
     @classmethod
     def fuse(cls, tiled: np.ndarray, scale_atoms: np.ndarray, block_size: int) -> np.ndarray:
-        """Tiled weights (..., N, K/2) (``E2M1H200TiledOrder``) and their 128x4 atoms (..., N/128, K/block/4,
-        32, 4, 4) -> fused (..., N, K/2 + K/block) (a new array)."""
+        """Tiled weights (``E2M1H200TiledOrder``, stored: (..., N_pad, K_pad/2)) and their 128x4 atoms (..., N_pad/128,
+        ceil(K/block/4), 32, 4, 4; the atoms of a padded K slice zero-filled here) -> fused (..., N_pad, K_pad/2 +
+        K_pad/block) (a new array)."""
         tiled, scale_atoms = np.asarray(tiled), np.asarray(scale_atoms)
         E2M1H200TiledOrder.check_shape(tiled.shape)
         *lead, n, kb = tiled.shape
         tiles, slices = n // cls.BOX_ROWS, kb // cls.BOX_BYTES
-        want = (*lead, tiles, 2 * kb // block_size // SF_ATOM_COLS, *SF_ATOM_SHAPE)
-        if scale_atoms.dtype != np.uint8 or scale_atoms.shape != want:
-            raise ValueError(f"fuse: scale atoms must be uint8 {want} for weights {tiled.shape}, got "
+        cols = 2 * kb // block_size // SF_ATOM_COLS
+        if (scale_atoms.dtype != np.uint8 or scale_atoms.ndim != tiled.ndim + 3
+                or scale_atoms.shape[:-4] != (*lead, tiles) or scale_atoms.shape[-3:] != SF_ATOM_SHAPE
+                or not cols - cls.SLICE_ELEMENTS // block_size // SF_ATOM_COLS < scale_atoms.shape[-4] <= cols):
+            raise ValueError(f"fuse: scale atoms must be uint8 {(*lead, tiles, cols, *SF_ATOM_SHAPE)} (or fewer "
+                             f"atom columns, within the last K slice) for weights {tiled.shape}, got "
                              f"{scale_atoms.dtype} {scale_atoms.shape}")
+        padded = np.zeros((*lead, tiles, cols, *SF_ATOM_SHAPE), np.uint8)
+        padded[..., :scale_atoms.shape[-4], :, :, :] = scale_atoms
         boxes = tiled.reshape(*lead, tiles, slices, cls.CHUNK_BOX_BYTES)
-        atoms = scale_atoms.reshape(*lead, tiles, slices, cls.chunk_scale_bytes(block_size))
+        atoms = padded.reshape(*lead, tiles, slices, cls.chunk_scale_bytes(block_size))
         fused = np.concatenate([boxes, atoms], axis=-1)
         return fused.reshape(*lead, n, cls.stored_row_bytes(2 * kb, block_size))
 
     @classmethod
-    def unfuse(cls, fused: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Inverse of ``fuse``: (tiled weights, scale atoms), new arrays."""
+    def unfuse(cls, fused: np.ndarray, block_size: int, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse of ``fuse``: (tiled weights, scale atoms), new arrays; the atoms cut to a logical ``k``'s
+        columns where given (the tiled weights stay padded: ``E2M1H200TiledOrder.untile`` cuts them)."""
         fused = np.asarray(fused)
         *lead, n, _ = fused.shape
         tiled = np.ascontiguousarray(cls._chunks(fused, block_size)[..., :cls.CHUNK_BOX_BYTES])
-        return tiled.reshape(*lead, n, cls._k(fused.shape, block_size) // 2), cls.scale_atoms(fused, block_size)
+        return tiled.reshape(*lead, n, cls._k(fused.shape, block_size) // 2), cls.scale_atoms(fused, block_size, k)
 
     @classmethod
-    def scale_atoms(cls, fused: np.ndarray, block_size: int) -> np.ndarray:
+    def scale_atoms(cls, fused: np.ndarray, block_size: int, k: int | None = None) -> np.ndarray:
         """The copy of the 128x4 scale atoms that fused weights hold (a new array; the weight bytes are not
-        copied: what ``GroupedProblem`` checks against ``b_scales``)."""
+        copied: what ``GroupedProblem`` checks against ``b_scales``), cut to a logical ``k``'s atom columns."""
         fused = np.asarray(fused)
         *lead, n, _ = fused.shape
-        atoms = np.ascontiguousarray(cls._chunks(fused, block_size)[..., cls.CHUNK_BOX_BYTES:])
-        return atoms.reshape(*lead, n // cls.BOX_ROWS, cls._k(fused.shape, block_size) // block_size // SF_ATOM_COLS,
-                             *SF_ATOM_SHAPE)
+        atoms = cls._chunks(fused, block_size)[..., cls.CHUNK_BOX_BYTES:]
+        atoms = atoms.reshape(*lead, n // cls.BOX_ROWS, cls._k(fused.shape, block_size) // block_size // SF_ATOM_COLS,
+                              *SF_ATOM_SHAPE)
+        if k is not None:
+            if cls.padded_k(k) != cls._k(fused.shape, block_size):
+                raise ValueError(f"fused weights {fused.shape} do not store K={k}")
+            atoms = atoms[..., :-(-(k // block_size) // SF_ATOM_COLS), :, :, :]
+        return np.ascontiguousarray(atoms)
 
     @classmethod
     def _chunks(cls, fused: np.ndarray, block_size: int) -> np.ndarray:
@@ -425,10 +460,15 @@ def weight_bytes_layout(layout: str) -> str:
     return LAYOUT_E2M1_H200_TILED if fused_scales(layout) else layout
 
 
-def stored_row_bytes(layout: str, fmt, k: int) -> int:
-    """Bytes per row of an operand of format ``fmt`` stored in ``layout`` (its array's last axis)."""
+def stored_shape(layout: str, fmt, rows: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """The array shape of an operand of format ``fmt`` with ``rows`` (e.g. (E, N) weights, (tokens,)) x ``k``
+    elements stored in ``layout``: tiled and fused weights padded to whole boxes (``E2M1H200TiledOrder``)."""
     fmt = get_format(fmt)
+    shape = (*rows, fmt.row_bytes(k))
+    if not tiled_weights(layout):
+        return shape
+    *lead, n, kb = E2M1H200TiledOrder.padded_shape(shape)
     if fused_scales(layout):
-        return E2M1H200FusedOrder.stored_row_bytes(k, fmt.block_size)
-    return fmt.row_bytes(k)
+        kb = E2M1H200FusedOrder.stored_row_bytes(k, fmt.block_size)
+    return (*lead, n, kb)
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from .dispatch import AUTO_STAGES, KernelConfig, dispatch_for, require_int, route_format_name
 from .formats import get_format
-from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED, E2M1H200TiledOrder
+from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
 from .numba_kernels.h200_wgmma import SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
@@ -152,7 +152,7 @@ class ProblemMeta:
         total = experts * tokens_per_expert
         layouts = {}
         if relaid:
-            layouts = dict(b_layout=h200_weight_layout(b_format, n, k),
+            layouts = dict(b_layout=h200_weight_layout(b_format),
                            a_layout=LAYOUT_E2M1_H200 if a_format.packed else LAYOUT_PACKED)
         return cls(a_format, b_format, n, k, experts, total, total, **layouts)
 
@@ -171,7 +171,7 @@ def _both_fp4(problem) -> bool:
 
 
 def _k_slices(problem) -> int:
-    return max(1, problem.k // k_slice_elements(problem.a_format, problem.b_format))
+    return hl.k_slices_of(problem.k, k_slice_elements(problem.a_format, problem.b_format))
 
 
 def tile_token_rows(problem, tile_tokens: int) -> int:
@@ -327,14 +327,12 @@ def stream_knobs(problem, decision) -> tuple[dict, list[Rule]]:
     return dict(ab_swapped=True, mma_bn=mma_bn, cta_group=1, stages=SMALL_N_STAGES, small_n_warps=warps), rules
 
 
-def h200_weight_layout(weight_format, n: int | None = None, k: int | None = None) -> str:
-    """The layout FP4 weights of ``weight_format`` are re-laid into for the H200 kernels (``H200_WEIGHT_LAYOUTS``);
-    ``"packed"`` for FP8 weights; the row-major H200 order where ``n`` x ``k`` do not make whole boxes."""
+def h200_weight_layout(weight_format) -> str:
+    """The layout FP4 weights of ``weight_format`` are re-laid into for the H200 kernels (``H200_WEIGHT_LAYOUTS``),
+    whatever N and K (tiled layouts store them padded to whole boxes); ``"packed"`` for FP8 weights."""
     fmt = get_format(weight_format)
     if not fmt.packed:
         return LAYOUT_PACKED
-    if n is not None and k is not None and not E2M1H200TiledOrder.whole_boxes((n, fmt.row_bytes(k))):
-        return LAYOUT_E2M1_H200
     return H200_WEIGHT_LAYOUTS[fmt.name]
 
 
@@ -474,7 +472,7 @@ def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Pl
                         tuple(rules) + (Rule("grid", "no tokens: nothing to launch"),))
     if num_ctas is not None:
         num_ctas = check_num_ctas(num_ctas, spec.cta_group)
-    k_slices = problem.k // spec.k_slice
+    k_slices = hl.k_slices_of(problem.k, spec.k_slice)
     registers = registers_of(spec)
     pairs = hl.resident_pairs(spec, registers, sm_count)
     if k_splits is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .formats import (BlockFormat, BlockScaled, ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize, swizzle_scales)
-from .layouts import (LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, fused_scales, stored_row_bytes, weight_bytes_layout)
+from .layouts import LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, fused_scales, stored_shape, weight_bytes_layout
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
 # MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix).
@@ -141,8 +141,10 @@ class GroupedProblem(ProblemShape):
         raw, old = getattr(self, operand), getattr(self, f"{operand}_layout")
         raw_scales = getattr(self, f"{operand}_scales")
         scales = _relaid_scales(raw_scales, fmt, old, layout)
-        elements, elements_layout = _unfused(raw, fmt, old)
-        relaid = _relaid(elements, elements_layout, weight_bytes_layout(layout))
+        rows = (raw.shape[0],) if operand == "a" else (raw.shape[0], self.n)
+        logical = (*rows, fmt.row_bytes(self.k))   # tiled weights store it padded
+        elements, elements_layout = _unfused(raw, fmt, old, self.k)
+        relaid = _relaid(elements, elements_layout, weight_bytes_layout(layout), logical)
         if fused_scales(layout):
             relaid = E2M1H200FusedOrder.fuse(relaid, scales, fmt.block_size)
         return dataclasses.replace(self, **{operand: relaid if relaid is not raw else raw.copy(),
@@ -174,7 +176,7 @@ class GroupedProblem(ProblemShape):
         cols = self.a_format.scale_cols(self.k)
         scales = gather_group_scales(self.a_scales, self.a_offsets, self.a_scale_offsets, cols)
         scales = _relaid_scales(scales, self.a_format, self.a_layout, LAYOUT_PACKED)
-        return BlockScaled(_relaid(self.a, self.a_layout, LAYOUT_PACKED), scales, self.a_format)
+        return BlockScaled(_relaid(self.a, self.a_layout, LAYOUT_PACKED, self.a.shape), scales, self.a_format)
 
     def b_operand(self, expert: int) -> BlockScaled:
         """B[expert] as a ``BlockScaled`` with linear scales (in ``pack_fp4`` order whatever ``b_layout``)."""
@@ -182,8 +184,9 @@ class GroupedProblem(ProblemShape):
 
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
         scales = _relaid_scales(scales, self.b_format, self.b_layout, LAYOUT_PACKED)
-        weights, weights_layout = _unfused(self.b[expert], self.b_format, self.b_layout)
-        return BlockScaled(_relaid(weights, weights_layout, LAYOUT_PACKED), scales, self.b_format)
+        weights, weights_layout = _unfused(self.b[expert], self.b_format, self.b_layout, self.k)
+        logical = (self.n, self.b_format.row_bytes(self.k))
+        return BlockScaled(_relaid(weights, weights_layout, LAYOUT_PACKED, logical), scales, self.b_format)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes each tensor occupies (the whole B, not only the active experts)."""
@@ -222,7 +225,7 @@ class GroupedProblem(ProblemShape):
         a_dtype = np.uint8 if self.a_format.packed else self.a_format.element_dtype
         b_dtype = np.uint8 if self.b_format.packed else self.b_format.element_dtype
         _expect_array("a", self.a, a_dtype, operand_shape(self.a_format, (total,), k))
-        _expect_array("b", self.b, b_dtype, (num_experts, n, stored_row_bytes(self.b_layout, self.b_format, k)))
+        _expect_array("b", self.b, b_dtype, stored_shape(self.b_layout, self.b_format, (num_experts, n), k))
 
         _expect_array("a_offsets", self.a_offsets, np.uint32, (g + 1,))
         offsets = self.a_offsets.astype(np.int64)
@@ -254,7 +257,7 @@ class GroupedProblem(ProblemShape):
         _expect_array("b_scales", self.b_scales, np.uint8,
                       (num_experts, ceil_div(n, 128), ceil_div(b_cols, 4), 32, 4, 4))
         if fused_scales(self.b_layout):
-            fused_copy = E2M1H200FusedOrder.scale_atoms(self.b, self.b_format.block_size)
+            fused_copy = E2M1H200FusedOrder.scale_atoms(self.b, self.b_format.block_size, k)
             if not np.array_equal(fused_copy, self.b_scales):
                 bad = np.unravel_index(int(np.argmax(fused_copy != self.b_scales)), fused_copy.shape)
                 raise ValueError(f"b ({self.b_layout!r}) holds a copy of the weights' scales that differs from "
@@ -291,18 +294,19 @@ def layout_of(problem, operand: str) -> str:
     return getattr(problem, f"{operand}_layout", LAYOUT_PACKED)
 
 
-def _unfused(raw: np.ndarray, fmt: BlockFormat, layout: str) -> tuple[np.ndarray, str]:
+def _unfused(raw: np.ndarray, fmt: BlockFormat, layout: str, k: int) -> tuple[np.ndarray, str]:
     """(element bytes, their layout) of an operand stored in ``layout``: fused weights without their scales."""
     if fused_scales(layout):
-        return E2M1H200FusedOrder.unfuse(raw, fmt.block_size)[0], weight_bytes_layout(layout)
+        return E2M1H200FusedOrder.unfuse(raw, fmt.block_size, k)[0], weight_bytes_layout(layout)
     return raw, layout
 
 
-def _relaid(raw: np.ndarray, layout: str, new_layout: str) -> np.ndarray:
-    """``raw`` bytes in ``layout`` as ``new_layout`` (``raw`` itself when they are the same)."""
+def _relaid(raw: np.ndarray, layout: str, new_layout: str, shape) -> np.ndarray:
+    """``raw`` bytes in ``layout`` as ``new_layout`` (``raw`` itself when they are the same); ``shape``: the
+    operand's logical (..., rows, K bytes), which tiled layouts store padded."""
     if layout == new_layout:
         return raw
-    packed = raw if layout == LAYOUT_PACKED else OPERAND_LAYOUTS[layout].unswizzle(raw)
+    packed = raw if layout == LAYOUT_PACKED else OPERAND_LAYOUTS[layout].unswizzle(raw, shape)
     return packed if new_layout == LAYOUT_PACKED else OPERAND_LAYOUTS[new_layout].swizzle(packed)
 
 

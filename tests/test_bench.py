@@ -535,7 +535,8 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     tiled, or tiled with their scales) and
     FP4 tokens in the H200 word order (W4A8's FP8 tokens stay as they are), re-laying each bench case once
     however many rotation copies are prepared, and skip FP8 weights (no re-layout: the row would only
-    repeat ``gbs_auto``) and, tiled, shapes without whole boxes. Host-only: kernel and copy are stubbed."""
+    repeat ``gbs_auto``); N and K tails (gpt-oss-like) are re-laid too, tiled weights stored padded. Host-only:
+    kernel and copy are stubbed."""
     import gbs.numba_kernels.h200_launch as h200_launch
     import gbs.numba_kernels.launch as launch
     from gbs.layouts import E2M1H200Order
@@ -558,10 +559,11 @@ def test_h200_layout_method_relays_fp4_operands_once_per_case(fmt, relaid, metho
     assert all(p.b_layout == layout and p.a_layout == ("e2m1_h200" if fp4_tokens else "packed") for p in seen)
     np.testing.assert_array_equal(seen[0].b_operand(1).data, problem.b_operand(1).data)
     np.testing.assert_array_equal(seen[0].b_operand(1).scales, problem.b_operand(1).scales)
-    if layout != "e2m1_h200":
-        with pytest.raises(NotImplementedError, match="128 rows"):
-            prepare(cases.BenchCase("t", 200, 256, 2, 3).problem(fmt), None)
     np.testing.assert_array_equal(seen[0].a_operand().data, problem.a)
+    tail = cases.BenchCase("t", 200, 352, 2, 3).problem(fmt)
+    prepare(tail, None)
+    assert seen[-1].b.shape[1] == (256 if layout != "e2m1_h200" else 200)
+    np.testing.assert_array_equal(seen[-1].b_operand(1).data, tail.b_operand(1).data)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -891,18 +891,21 @@ def tma_box_2d(tensor: np.ndarray, args: hl.TensorMapArgs, coords: tuple[int, in
     return out.reshape(-1)
 
 
+@pytest.mark.parametrize("n, k_tail", [(384, 0), (200, 96)])   # whole boxes; N and K tails (stored padded)
 @pytest.mark.parametrize("layout", [LAYOUT_E2M1_H200_TILED, LAYOUT_E2M1_H200_FUSED])
 @pytest.mark.parametrize("fmt", FP4_WEIGHT_FORMATS)
 @pytest.mark.parametrize("config", ["decode", "not_swapped", "not_swapped_wide", "not_swapped_decode", "wide"])
-def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, layout):
+def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, layout, n, k_tail):
     """Tiled weights (``E2M1H200TiledOrder``, and ``E2M1H200FusedOrder`` with the scales in the chunks): the
     producer's 2-D loads (``tiled_weight_row``, one per 128-row box part) put in a stage the bytes its 3-D
     load of the untiled weights does, for every expert, weight tile and K slice (64-byte slices of W4A8
     included: half a box's width), on every row below N; fused, the weight-scale loads from ``b`` put there
-    the bytes of the 3-D loads of ``b_scales``, band by band."""
+    the bytes of the 3-D loads of ``b_scales``, band by band. With N and K tails (N = 200, K 96 past whole
+    slices) the tiled weights are stored padded and the last K slice reads the pad's zeros where the row-major
+    map reads its zero fill."""
     base = spec_of(fmt, CONFIGS[config])
     spec = dataclasses.replace(base, b_layout=layout)
-    p = _problem(fmt, n=384, k=4 * spec.k_slice, group_sizes=[3], expert_ids=[2])   # 256-row tiles: one half past N
+    p = _problem(fmt, n=n, k=4 * spec.k_slice + k_tail, group_sizes=[3], expert_ids=[2])   # 256-row tiles past N
     untiled = p.with_b_layout(LAYOUT_E2M1_H200)
     tiled = p.with_b_layout(layout)
     assert not np.array_equal(tiled.b[..., :untiled.b.shape[2]], untiled.b)
@@ -919,8 +922,10 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
     w_bytes, w_rows, _ = spec.weight_box
     parts = spec.tiled_weight_loads
     assert parts == (2 if w_rows == 256 else 1) and maps[1].box[1] * parts == w_rows
-    k_slices, row_tiles, bands = p.k // spec.k_slice, p.n // hr.TILED_BOX_ROWS, spec.weight_side.scale_bands
-    k_boxes = k_slices * w_bytes // hr.TILED_BOX_BYTES
+    k_slices, bands = hl.k_slices_of(p.k, spec.k_slice), spec.weight_side.scale_bands
+    row_tiles = -(-p.n // hr.TILED_BOX_ROWS)   # what the producer computes: the stored (padded) boxes
+    k_boxes = -(-k_slices * w_bytes // hr.TILED_BOX_BYTES)
+    assert tiled.b.shape[1] == row_tiles * hr.TILED_BOX_ROWS
     sf_rows = spec.scale_box[1]
     for expert in range(p.num_experts):
         for row0 in range(0, p.n, w_rows):
@@ -960,19 +965,19 @@ def tma_box_3d_any(tensor: np.ndarray, args: hl.TensorMapArgs, coords: tuple[int
 
 
 def test_tiled_weights_are_refused_where_they_cannot_be_read():
-    """The tiled layout: weights only, FP4 only, whole boxes (N and K/2 multiples of 128): each a clear
-    error before anything is written; every legal weight tile reads whole boxes or a part of one."""
+    """The tiled layout: weights only, FP4 only, stored in whole boxes (N and K/2 padded to multiples of 128):
+    each a clear error before anything is written; every legal weight tile reads whole boxes or a part of one."""
     p = _problem("nvfp4", n=512, k=512, group_sizes=[4], expert_ids=[0])
     with pytest.raises(ValueError, match="'e2m1_h200_tiled' is for weights, not tokens"):
         p.with_a_layout(LAYOUT_E2M1_H200_TILED)
     with pytest.raises(ValueError, match="re-lays FP4"):
         _problem("mxfp8", n=512, k=512, group_sizes=[4], expert_ids=[0]).with_b_layout(LAYOUT_E2M1_H200_TILED)
-    for n, k in ((512 + 64, 512), (512, 512 + 64)):
+    for n, k in ((512 + 64, 512), (512, 512 + 64)):   # stored padded by with_b_layout; not as a bare tag
         odd = _problem("nvfp4", n=n, k=k, group_sizes=[4], expert_ids=[0])
+        stored = odd.with_b_layout(LAYOUT_E2M1_H200_TILED).b.shape
+        assert stored == (odd.num_experts, 640 if n > 512 else 512, 384 if k > 512 else 256)
         with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
-            odd.with_b_layout(LAYOUT_E2M1_H200_TILED)
-        with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
-            dataclasses.replace(odd, b_layout=LAYOUT_E2M1_H200_TILED)   # a tag on bytes that cannot be tiled
+            dataclasses.replace(odd, b_layout=LAYOUT_E2M1_H200_TILED)   # a tag on bytes that are not stored padded
     a, b = PROBLEM_FORMATS["nvfp4"]
     for config in ALL_KNOBS:   # every legal weight tile is whole boxes or a power-of-2 part of one
         spec = hr.StreamSpec(a, b, config.ab_swapped, config.mma_bn, config.cta_group, 2,
@@ -1041,15 +1046,20 @@ def test_can_implement_accepts_dispatch_configs_and_reports_why_not():
     assert plan_spec(p, decided).stages == decided.num_pipeline_stages
 
 
-def test_k_not_a_multiple_of_the_slice_is_rejected_with_the_padding_to_use():
-    p = _problem("nvfp4", n=128, k=384, group_sizes=[4], expert_ids=[0])
-    with pytest.raises(ValueError, match=r"K=384 is not a multiple of this kernel's 256-element K slice.*pad K to 512"):
-        plan_spec(p, Stream(True, 8, 1))
-    fp8 = _problem("mxfp8", n=128, k=384, group_sizes=[4], expert_ids=[0])
-    assert can_implement(fp8, Stream(True, 8, 1))[0], "128-element slices for FP8"
-    fp8_bad = _problem("w4a8", n=128, k=160, group_sizes=[4], expert_ids=[0])
-    ok, why = can_implement(fp8_bad, Stream(True, 8, 1))
-    assert not ok and "128-element K slice" in why and "pad K to 256" in why
+def test_k_tails_run_and_rows_tma_cannot_load_are_rejected_with_the_padding_to_use():
+    """K need not be a multiple of the K slice (gpt-oss's 2880: the last slice reads zeros past K); rows whose
+    bytes TMA cannot address (not a multiple of 16) are refused with the K to pad to."""
+    for fmt, k in (("nvfp4", 384), ("mxfp4", 352), ("mxfp8", 416), ("w4a8", 352)):
+        p = _problem(fmt, n=200, k=k, group_sizes=[4], expert_ids=[0])
+        assert can_implement(p, Stream(True, 8, 1))[0], (fmt, k)
+        assert hl.k_slices_of(k, plan_spec(p, Stream(True, 8, 1)).k_slice) == -(-k // (256 if fmt in (
+            "nvfp4", "mxfp4") else 128))
+    odd = _problem("nvfp4", n=128, k=400, group_sizes=[4], expert_ids=[0])
+    with pytest.raises(ValueError, match=r"K=400: rows of a \(nvfp4\) are 200 bytes; TMA needs a multiple of 16 "
+                                         r"\(K a multiple of 32\); pad K to 416"):
+        plan_spec(odd, Stream(True, 8, 1))
+    ok, why = can_implement(odd, Stream(True, 8, 1))
+    assert not ok and "pad K to 416" in why
 
 
 def test_too_many_stages_are_refused_and_a_configs_are_capped():

@@ -297,9 +297,12 @@ def test_256_token_tiles_share_one_weight_decode(fmt):
     assert spec.b_items * narrow.sub_k == narrow.b_items * spec.sub_k, "weight work per kappa unchanged"
 
 
-def test_k_not_a_multiple_of_the_slice_is_refused():
-    with pytest.raises(ValueError, match="pad K"):
-        plan_spec(_problem("nvfp4", k=384), Wgmma(128))
+def test_k_tails_plan_and_rows_tma_cannot_load_are_refused():
+    """K = 384 is 1.5 FP4 slices: planned, the last slice partial; K = 400 makes 200-byte FP4 rows, which TMA
+    cannot address: refused with the K to pad to."""
+    assert plan_spec(_problem("nvfp4", k=384), Wgmma(128)).k_slice == 256
+    with pytest.raises(ValueError, match="pad K to 416"):
+        plan_spec(_problem("nvfp4", k=400), Wgmma(128))
 
 
 # Local memory the offline compile may use (ptxas 13.5), per (mma_bn, tile_tokens). 128 x 128: nothing in
@@ -820,7 +823,7 @@ def test_gpu_auto_backend_takes_swapped_tiles_for_small_prefill(fmt, sizes, want
 
     problem = synthetic_problem(fmt, n=4096 + 128, k=1024, group_sizes=sizes, expert_ids=[2, 0, -1, 3, 1, 4],
                                 num_experts=5, seed=zlib.crc32(f"auto-swapped/{fmt}".encode()))
-    relaid = problem.with_b_layout(gbs_plan.h200_weight_layout(problem.b_format, problem.n, problem.k)).with_a_layout(
+    relaid = problem.with_b_layout(gbs_plan.h200_weight_layout(problem.b_format)).with_a_layout(
         "e2m1_h200")
     plan = gbs_plan.plan_h200(relaid)
     assert plan.kernel == "h200_wgmma" and (plan.spec.ab_swapped, plan.spec.mma_bn) == (True, want_bn)

@@ -254,8 +254,8 @@ def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_co
     assert interop.to_host(dp).a_layout == "e2m1_h200"
     with pytest.raises(ValueError, match="a_layout 'e2m1_h200' re-lays FP4"):
         interop.device_problem(**fake_arrays(ragged("w4a8")), fmt="w4a8", a_layout="e2m1_h200")
-    # tiled weights: whole boxes only (N 96 is not), and weights only
-    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
+    # tiled weights: stored padded to whole boxes (N 96 as 128 rows; unpadded bytes are refused), weights only
+    with pytest.raises(ValueError, match=r"b must have shape \(7, 128, 128\), got \(7, 96, 128\)"):
         interop.device_problem(**fake_arrays(ragged("nvfp4")), fmt="nvfp4", b_layout="e2m1_h200_tiled")
     boxed = random_problem("nvfp4", n=128, k=256, num_experts=3, total_tokens=20, num_active_experts=2,
                            seed=6).with_b_layout("e2m1_h200_tiled")
@@ -418,9 +418,9 @@ def test_h200_stream_checks_everything_host_side_before_asking_for_the_gpu():
     dp = interop.device_problem(**fake_arrays(p), validate=False)
     with pytest.raises(launch.NoSuitableGPUError, match="sm_90"):
         gbs.grouped_matmul(dp, backend="h200_stream")
-    short_k = interop.device_problem(**fake_arrays(ragged(k=128)), validate=False)
-    with pytest.raises(ValueError, match="K slice"):
-        gbs.grouped_matmul(short_k, backend="h200_stream")
+    odd_k = interop.device_problem(**fake_arrays(ragged(k=80)), validate=False)   # 40-byte rows
+    with pytest.raises(ValueError, match="TMA needs a multiple of 16"):
+        gbs.grouped_matmul(odd_k, backend="h200_stream")
     bits = poison_output(p.total_tokens, p.n).view(np.uint16)
     with pytest.raises(ValueError, match=r"out must have shape \(\d+, 96\)"):
         gbs.grouped_matmul(dp, backend="h200_stream", out=FakeCudaArray(bits[:-1]))

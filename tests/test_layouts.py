@@ -73,12 +73,51 @@ def test_tiled_h200_order_stores_each_box_contiguously():
     assert E2M1H200TiledOrder.WORD_ORDER == E2M1H200Order.WORD_ORDER
 
 
-@pytest.mark.parametrize("shape", [(3, 384, 600), (3, 200, 640), (640,)])
-def test_tiled_h200_order_needs_whole_boxes(shape):
+@pytest.mark.parametrize("shape", [(3, 384, 600), (3, 200, 640), (2, 200, 88)])
+def test_tiled_h200_order_pads_to_whole_boxes_with_zeros(shape):
+    """N and K/2 that are not whole boxes (gpt-oss: N = K = 2880) are stored padded to them with zero bytes (E2M1
+    zeros); ``unswizzle`` given the logical shape cuts the pad off and inverts ``swizzle``; without it, or with
+    another shape, a stored array that is not whole boxes is refused."""
+    rng = np.random.default_rng(13)
+    packed = rng.integers(0, 256, shape, dtype=np.uint8)
+    tiled = E2M1H200TiledOrder.swizzle(packed)
+    padded = E2M1H200TiledOrder.padded_shape(shape)
+    assert tiled.shape == padded == (*shape[:-2], -(-shape[-2] // 128) * 128, -(-shape[-1] // 128) * 128)
+    rows = E2M1H200TiledOrder.untile(tiled)   # stored rows, pad included
+    assert not rows[..., shape[-2]:, :].any() and not rows[..., shape[-1]:].any()
+    np.testing.assert_array_equal(rows[..., :shape[-2], :shape[-1]], E2M1H200Order.swizzle(packed))
+    np.testing.assert_array_equal(E2M1H200TiledOrder.unswizzle(tiled, shape), packed)
+    with pytest.raises(ValueError, match="do not store weights of shape"):
+        E2M1H200TiledOrder.unswizzle(tiled, (*shape[:-1], shape[-1] + 128))
     with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
-        E2M1H200TiledOrder.swizzle(np.zeros(shape, np.uint8))
-    with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
-        E2M1H200TiledOrder.unswizzle(np.zeros(shape, np.uint8))
+        E2M1H200TiledOrder.unswizzle(packed)
+
+
+def test_tiled_h200_order_needs_rows_of_bytes():
+    with pytest.raises(ValueError, match="tile takes"):
+        E2M1H200TiledOrder.swizzle(np.zeros((640,), np.uint8))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fused_h200_order_pads_n_k_and_the_last_slice_s_atoms(block_size):
+    """Fused weights of N = 200, K = 352 (neither whole): chunks of the padded (256, 512) weights, the atoms of
+    the padded K columns zero; ``unfuse`` / ``scale_atoms`` given K return the logical atoms."""
+    rng = np.random.default_rng(14)
+    n, k = 200, 352
+    tiled = E2M1H200TiledOrder.swizzle(rng.integers(0, 256, (2, n, k // 2), dtype=np.uint8))
+    cols = -(-(k // block_size) // 4)
+    atoms = rng.integers(0, 256, (2, 2, cols, 32, 4, 4), dtype=np.uint8)
+    fused = E2M1H200FusedOrder.fuse(tiled, atoms, block_size)
+    assert fused.shape == (2, 256, 256 + 512 // block_size)
+    assert E2M1H200FusedOrder.stored_row_bytes(k, block_size) == fused.shape[-1]
+    stored = E2M1H200FusedOrder.scale_atoms(fused, block_size)
+    assert stored.shape[2] == 512 // block_size // 4 and not stored[:, :, cols:].any()
+    np.testing.assert_array_equal(E2M1H200FusedOrder.scale_atoms(fused, block_size, k), atoms)
+    back, back_atoms = E2M1H200FusedOrder.unfuse(fused, block_size, k)
+    np.testing.assert_array_equal(back, tiled)
+    np.testing.assert_array_equal(back_atoms, atoms)
+    with pytest.raises(ValueError, match="do not store K=600"):
+        E2M1H200FusedOrder.scale_atoms(fused, block_size, 600)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -113,7 +152,7 @@ def test_fused_h200_order_puts_each_box_s_scale_atoms_behind_it(block_size):
 def test_fused_h200_order_refuses_what_it_cannot_hold():
     tiled = np.zeros((2, 256, 256), np.uint8)
     atoms = np.zeros((2, 2, 8, 32, 4, 4), np.uint8)   # NVFP4: 512 elements / 16 / 4
-    with pytest.raises(ValueError, match=r"scale atoms must be uint8 \(2, 2, 4, 32, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"scale atoms must be uint8 \(2, 2, 4, 32, 4, 4\) \(or fewer"):
         E2M1H200FusedOrder.fuse(tiled, atoms, 32)
     with pytest.raises(ValueError, match="boxes of 128 rows x 128 bytes"):
         E2M1H200FusedOrder.fuse(np.zeros((2, 200, 256), np.uint8), atoms, 16)

@@ -5,7 +5,7 @@ bit-identical to the host ``E2M1H200Order.swizzle`` on random bytes of several s
 included), into a new array and into a given ``out``, the input untouched; UE4M3 scale bytes (all 256 values)
 to the host ``UE4M3H200Scales.encode`` codes, sign-bit bytes to the NaN code; bad input refused before any
 launch. Weights into ``E2M1H200TiledOrder`` (``to_e2m1_h200_tiled``): bit-identical to the host order in the
-simulator, shapes without whole boxes refused; into ``E2M1H200FusedOrder`` with their scale atoms
+simulator, shapes without whole boxes stored padded with zeros (a given ``out``'s pad zeroed); into ``E2M1H200FusedOrder`` with their scale atoms
 (``to_e2m1_h200_fused``, NVFP4 and MXFP4 blocks) the same, atoms of the wrong shape refused. Offline: the
 kernels assemble for sm_90a without local memory. GPU: torch tokens and their scales re-laid on the device run
 the H200 kernels with ``a_layout`` and give the packed tokens' bits; torch weights tiled or fused on the
@@ -26,8 +26,10 @@ from gbs.layouts import E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, U
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 24), (5, 4), (0, 8), (3, 2, 16)]   # odd rows, one word per row, empty, 3-D
-TILED_SHAPES = [(2, 256, 384), (128, 128), (0, 128, 128)]   # experts x 2 row tiles x 3 K boxes, one box, empty
-FUSED_CASES = [((2, 256, 384), 16), ((2, 256, 384), 32), ((128, 128), 32), ((0, 128, 128), 16)]   # (shape, block)
+# experts x 2 row tiles x 3 K boxes, one box, empty, and N / K tails (stored padded: gpt-oss's 2880 x 2880)
+TILED_SHAPES = [(2, 256, 384), (128, 128), (0, 128, 128), (2, 200, 176)]
+FUSED_CASES = [((2, 256, 384), 16), ((2, 256, 384), 32), ((128, 128), 32), ((0, 128, 128), 16),
+               ((2, 200, 176), 16), ((2, 200, 176), 32)]   # (shape, block)
 
 _SIMULATOR_SCRIPT = r"""
 import json, sys
@@ -51,7 +53,7 @@ for shape in tiled_shapes:
     host = rng.integers(0, 256, shape, dtype=np.uint8)
     device = cuda.to_device(host)
     fresh = relayout.to_e2m1_h200_tiled(device).copy_to_host()
-    out = cuda.device_array(tuple(shape), np.uint8)
+    out = cuda.to_device(np.full(fresh.shape, 0xA5, np.uint8))   # a given out's pad is zeroed too
     relayout.to_e2m1_h200_tiled(device, out)
     results["tiled"].append([host.tolist(), fresh.tolist(), out.copy_to_host().tolist(),
                              bool(np.array_equal(device.copy_to_host(), host))])
@@ -59,10 +61,10 @@ results["fused"] = []
 for shape, block in fused_cases:
     *lead, n, kb = shape
     host = rng.integers(0, 256, shape, dtype=np.uint8)
-    atoms = rng.integers(0, 256, (*lead, n // 128, 2 * kb // block // 4, 32, 4, 4), dtype=np.uint8)
+    atoms = rng.integers(0, 256, (*lead, -(-n // 128), -(-(2 * kb // block) // 4), 32, 4, 4), dtype=np.uint8)
     device, device_atoms = cuda.to_device(host), cuda.to_device(atoms)
     fresh = relayout.to_e2m1_h200_fused(device, device_atoms).copy_to_host()
-    out = cuda.device_array(fresh.shape, np.uint8)
+    out = cuda.to_device(np.full(fresh.shape, 0xA5, np.uint8))
     relayout.to_e2m1_h200_fused(device, device_atoms, out)
     results["fused"].append([host.tolist(), atoms.tolist(), fresh.tolist(), out.copy_to_host().tolist(),
                              list(fresh.shape), bool(np.array_equal(device.copy_to_host(), host))
@@ -77,7 +79,10 @@ bad = {"host": lambda: relayout.to_e2m1_h200(np.zeros((2, 8), np.uint8)),
        "strided": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((4, 16), np.uint8))[:, :8]),
        "out_shape": lambda: relayout.to_e2m1_h200(cuda.to_device(np.zeros((2, 8), np.uint8)),
                                                   cuda.device_array((2, 4), np.uint8)),
-       "tiled_rows": lambda: relayout.to_e2m1_h200_tiled(cuda.to_device(np.zeros((1, 192, 128), np.uint8))),
+       "tiled_out": lambda: relayout.to_e2m1_h200_tiled(cuda.to_device(np.zeros((1, 192, 128), np.uint8)),
+                                                        cuda.device_array((1, 192, 128), np.uint8)),
+       "fused_short": lambda: relayout.to_e2m1_h200_fused(cuda.to_device(np.zeros((1, 128, 32), np.uint8)),
+                                                          cuda.to_device(np.zeros((1, 1, 1, 32, 4, 4), np.uint8))),
        "tiled_host": lambda: relayout.to_e2m1_h200_tiled(np.zeros((1, 128, 128), np.uint8)),
        "fused_atoms": lambda: relayout.to_e2m1_h200_fused(cuda.to_device(np.zeros((1, 128, 128), np.uint8)),
                                                           cuda.to_device(np.zeros((1, 1, 3, 32, 4, 4), np.uint8))),
@@ -123,7 +128,7 @@ def test_device_tiled_relayout_is_the_host_order_in_the_simulator(simulated):
         host = np.array(host, np.uint8).reshape(shape)
         want = E2M1H200TiledOrder.swizzle(host)
         for got in (fresh, given):
-            np.testing.assert_array_equal(np.array(got, np.uint8).reshape(shape), want)
+            np.testing.assert_array_equal(np.array(got, np.uint8).reshape(want.shape), want)
         assert untouched, "the input bytes are not modified"
     first = np.array(simulated["tiled"][0][0], np.uint8).reshape(TILED_SHAPES[0])
     assert not np.array_equal(E2M1H200TiledOrder.swizzle(first), E2M1H200Order.swizzle(first)), "boxes move"
@@ -133,9 +138,10 @@ def test_device_fused_relayout_is_the_host_order_in_the_simulator(simulated):
     for (shape, block), (host, atoms, fresh, given, fused_shape, untouched) in zip(FUSED_CASES, simulated["fused"]):
         *lead, n, kb = shape
         host = np.array(host, np.uint8).reshape(shape)
-        atoms = np.array(atoms, np.uint8).reshape(*lead, n // 128, 2 * kb // block // 4, 32, 4, 4)
+        atoms = np.array(atoms, np.uint8).reshape(*lead, -(-n // 128), -(-(2 * kb // block) // 4), 32, 4, 4)
         want = E2M1H200FusedOrder.fuse(E2M1H200TiledOrder.swizzle(host), atoms, block)
-        assert tuple(fused_shape) == want.shape == (*lead, n, kb + 2 * kb // block)
+        n_pad, k_pad = -(-n // 128) * 128, -(-2 * kb // 256) * 256
+        assert tuple(fused_shape) == want.shape == (*lead, n_pad, k_pad // 2 + k_pad // block)
         for got in (fresh, given):
             np.testing.assert_array_equal(np.array(got, np.uint8).reshape(want.shape), want)
         assert untouched, "the input bytes are not modified"
@@ -158,10 +164,11 @@ def test_device_scale_codes_are_the_host_encoding_in_the_simulator(simulated):
     ("odd_row", "ValueError: a: the last axis ((6,)) must be a multiple of 4 bytes"),
     ("strided", "ValueError: a must be C-contiguous"),
     ("out_shape", "ValueError: out has shape (2, 4), a has (2, 8)"),
-    ("tiled_rows", "ValueError: 'e2m1_h200_tiled' stores weights in boxes of 128 rows x 128 bytes"),
+    ("tiled_out", "ValueError: out has shape (1, 192, 128), weights (1, 192, 128) are stored as (1, 256, 128)"),
+    ("fused_short", "ValueError: b_scales of shape (1, 1, 1, 32, 4, 4) are not the 128x4 atoms"),
     ("tiled_host", "TypeError: b is a host array"),
     ("fused_atoms", "ValueError: b_scales of shape (1, 1, 3, 32, 4, 4) are not the 128x4 atoms"),
-    ("fused_out", "ValueError: out has shape (1, 128, 128), fused weights (1, 128, 128) have (1, 128, 136)"),
+    ("fused_out", "ValueError: out has shape (1, 128, 128), weights (1, 128, 128) are stored as (1, 128, 136)"),
 ])
 def test_device_relayout_refuses_bad_input(simulated, case, message):
     assert simulated["errors"][case].startswith(message), simulated["errors"][case]
@@ -192,7 +199,9 @@ def test_relayout_kernel_assembles_for_sm90a_without_local_memory():
                               (relayout.map_bytes, (words, types.Array(types.uint32, 1, "C"), words)),
                               (relayout.relay_tiled_words, (words, tables, types.int64, types.int64, types.int64,
                                                             words)),
-                              (relayout.place_scale_words, (words, types.int64, types.int64, words))):
+                              (relayout.place_scale_words, (words, types.int64, types.int64, types.int64,
+                                                            types.int64, words)),
+                              (relayout.zero_words, (words,))):
         cubin = offline.compile_cubin(kernel, signature, offline.SM90A)
         assert offline.resource_usage(cubin).local_bytes == 0
 

@@ -129,8 +129,8 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     ``"h200_wgmma"`` the wgmma kernel with its plan.
     ``layout``: FP4 weights re-laid once (``GroupedProblem.with_b_layout``) and FP4 tokens in the same
     word order (``with_a_layout``, ``gbs.formats.word_order``: their quantizer would write it, and the
-    quantization is not timed either), both untimed, before the runs; tiled weights need whole boxes
-    (a shape without them: the method is unavailable for it). ``relay_tokens``: the FP4 tokens arrive
+    quantization is not timed either), both untimed, before the runs (tiled weights stored padded to whole
+    boxes where N or K needs it). ``relay_tokens``: the FP4 tokens arrive
     packed instead, and each timed launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
     from ..numba_kernels import h200_launch
     from ..numba_kernels.launch import to_device
@@ -147,10 +147,7 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
                 raise NotImplementedError(f"{problem.a_format.name} tokens: no FP4 tokens to re-lay")
             if last[0] is not problem:
                 last[:] = [None, None]   # drop the previous case's copy before making this one
-                try:
-                    relaid = problem.with_b_layout(layout)
-                except ValueError as error:   # tiled weights without whole boxes
-                    raise NotImplementedError(str(error)) from error
+                relaid = problem.with_b_layout(layout)
                 last[:] = [problem, relaid.with_a_layout(word_order(layout)) if problem.a_format.packed else relaid]
             problem = last[1]
         device = to_device(problem)

@@ -147,6 +147,12 @@ BENCH_CASES: dict[str, BenchCase] = {c.name: c for c in (
     # the same 8192 tokens over 32 experts as a router spreads them: 0-1694 each, four empty (workloads.md:
     # "ragged loads (a few hot experts)"); the H200 plans see only the average (host metadata)
     BenchCase("large_prefill_ragged", 4096, 7168, 32, 256, routing="ragged"),
+    # gpt-oss-120b (MXFP4 checkpoint, 128 experts, top-4): K = 2880 is 11 FP4 slices + 64, N = 2880 22 boxes + 64
+    # rows; no caller padding (issue 31 item 4)
+    BenchCase("gptoss_decode_up", 5760, 2880, 64, 4),
+    BenchCase("gptoss_decode_down", 2880, 2880, 64, 4),
+    BenchCase("gptoss_prefill_up", 5760, 2880, 32, 256),
+    BenchCase("gptoss_prefill_down", 2880, 2880, 32, 256),
 )}
 QUICK_CASES = ("decode_up", "kimi_decode", "small_prefill_up", "large_prefill_up")
 QUICK_FORMATS = ("nvfp4", "mxfp8")

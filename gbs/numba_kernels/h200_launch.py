@@ -90,6 +90,13 @@ def max_tiles_bound(ring, total_tokens: int, num_slots: int, n: int) -> int:
     return token_blocks * -(-n // shape.weight_rows)
 
 
+def k_slices_of(k: int, k_slice: int) -> int:
+    """K slices (pipeline stages' worth of K) of a problem: the last one partial where ``k_slice`` does not divide K
+    (its tail past K reads as zeros: TMA fills what lies outside the tokens' rows, and tiled weights are stored padded
+    with zero bytes)."""
+    return -(-k // k_slice)
+
+
 def split_runs(k_slices: int, k_splits: int) -> tuple[int, int]:
     """(k_splits, slices_per_split) closest to ``k_splits`` runs of ``k_slices`` with none empty."""
     if not 1 <= k_splits <= k_slices:
@@ -119,18 +126,14 @@ def check_can_implement(problem, spec) -> None:
         if layout_of(problem, operand) != getattr(spec, f"{operand}_layout"):
             raise ValueError(f"the build reads {operand} in layout {getattr(spec, f'{operand}_layout')!r}, the "
                              f"problem's is {layout_of(problem, operand)!r}")
-    k_slice = spec.k_slice
-    if problem.k % k_slice:
-        kind = "both operands are FP4" if k_slice == 2 * hr.K_SLICE_BYTES else "an operand is FP8"
-        raise ValueError(
-            f"K={problem.k} is not a multiple of this kernel's {k_slice}-element K slice ({kind}: "
-            f"{hr.K_SLICE_BYTES} bytes of every row per pipeline stage); pad K to "
-            f"{-(-problem.k // k_slice) * k_slice} with zero elements (zero codes; any scale byte) in A and B")
     for name, row_bytes in (("a", problem.a_format.row_bytes(problem.k)),
                             ("b", problem.b_format.row_bytes(problem.k))):
         if row_bytes % launch.TMA_ADDRESS_ALIGN:
-            raise ValueError(f"rows of {name} are {row_bytes} bytes; TMA needs a multiple of "
-                             f"{launch.TMA_ADDRESS_ALIGN}")
+            fmt = getattr(problem, f"{name}_format")
+            step = launch.TMA_ADDRESS_ALIGN * 8 // fmt.element_bits
+            raise ValueError(f"K={problem.k}: rows of {name} ({fmt.name}) are {row_bytes} bytes; TMA needs a multiple "
+                             f"of {launch.TMA_ADDRESS_ALIGN} (K a multiple of {step}); pad K to "
+                             f"{-(-problem.k // step) * step} with zero elements in A and B")
     deepest = max_pipeline_stages(dataclasses.replace(spec, stages=1))
     if not 1 <= spec.stages <= deepest:
         one = dataclasses.replace(spec, stages=1).smem
@@ -294,7 +297,7 @@ def prepare(problem_device: launch.DeviceProblem, plan, out=None, *, stream=0) -
         trace_buffer, slot = ht.trace_buffer(plan.num_ctas, stream)
         images.append(slot)
     maps = launch.device_tensor_maps(images, stream=stream)
-    k_slices = problem_device.k // spec.k_slice
+    k_slices = k_slices_of(problem_device.k, spec.k_slice)
     args = (np.uint64(launch.device_address(maps)), problem_device.a_offsets, problem_device.a_scale_offsets,
             problem_device.expert_ids, problem_device.expert_scales, out_array, np.int64(problem_device.n),
             np.int64(k_slices), np.int64(plan.max_tiles), split_sums, split_counters, np.int64(plan.k_splits),

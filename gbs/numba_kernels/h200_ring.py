@@ -826,6 +826,9 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
             map_tokens, map_weights = tensor_maps + MAP_TOKENS, tensor_maps + MAP_WEIGHTS
             map_token_sf, map_weight_sf = tensor_maps + MAP_TOKEN_SCALES, tensor_maps + MAP_WEIGHT_SCALES
             weight_bands_per_expert = (n + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS
+            # tiled weights' boxes per expert, N and K padded to whole boxes (E2M1H200TiledOrder.padded_shape)
+            weight_row_tiles = (n + TILED_BOX_ROWS - 1) // TILED_BOX_ROWS
+            weight_k_boxes = (k_slices * w_slice_bytes + TILED_BOX_BYTES - 1) // TILED_BOX_BYTES
             stage = np.int64(0)
             phase = np.int64(0)
             cursor_slot = np.uint32(0)
@@ -861,8 +864,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     if tiled:
                         for p in range(tiled_loads):
                             w_row = tiled_row_of(np.int64(expert), w_row0 + p * TILED_BOX_ROWS, k_byte,
-                                                 n // TILED_BOX_ROWS, k_slices * w_slice_bytes // TILED_BOX_BYTES,
-                                                 chunk_rows)
+                                                 weight_row_tiles, weight_k_boxes, chunk_rows)
                             cp.tma_load_2d(dst + w_data_off + p * tiled_part_bytes, map_weights,
                                            k_byte % TILED_BOX_BYTES, w_row, full)
                     else:
@@ -870,8 +872,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     for b in range(w_bands):
                         if fused:   # the atoms after the box of band b's rows; W4A8: after the other half's
                             chunk = tiled_row_of(np.int64(expert), (w_row0 // TILED_BOX_ROWS + b) * TILED_BOX_ROWS,
-                                                 k_byte, n // TILED_BOX_ROWS,
-                                                 k_slices * w_slice_bytes // TILED_BOX_BYTES, chunk_rows)
+                                                 k_byte, weight_row_tiles, weight_k_boxes, chunk_rows)
                             cp.tma_load_2d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0,
                                            chunk + TILED_BOX_ROWS + k_byte % TILED_BOX_BYTES // w_slice_bytes
                                            * sf_rows_per_slice, full)

@@ -37,7 +37,7 @@ from gbs.dispatch import require_int
 from gbs.ptx_inline.copy import TENSOR_MAP_BYTES
 from gbs.problem import ProblemShape
 from gbs.formats import BlockFormat, get_format
-from gbs.layouts import LAYOUT_PACKED, stored_row_bytes
+from gbs.layouts import LAYOUT_PACKED, stored_shape
 
 # Device limits that do not depend on the model (CUDA programming guide, compute capability 9.0).
 MAX_THREADS_PER_BLOCK = 1024
@@ -164,7 +164,7 @@ def _check_device_shapes(p: DeviceProblem) -> None:
     num_experts, total = p.b.shape[0], p.a.shape[0]
     want = {
         "a": (total, p.a_format.row_bytes(k)),
-        "b": (num_experts, n, stored_row_bytes(p.b_layout, p.b_format, k)),
+        "b": stored_shape(p.b_layout, p.b_format, (num_experts, n), k),
         "a_offsets": (g + 1,),
         "a_scale_offsets": (g,),
         "expert_ids": (g,),

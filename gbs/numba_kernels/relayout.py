@@ -30,7 +30,7 @@ followed by its scale atoms) and a second kernel copies the atoms behind their b
 
 Constraints (checked before any device work): a C-contiguous device array of 1-byte elements whose last
 axis is a multiple of 4 bytes (K a multiple of 8); ``out``, if given, the same; tiled or fused weights
-(..., N, K/2) with N and K/2 multiples of 128, fused ones with their 128x4 atoms. Runs in Numba's CUDA
+(..., N, K/2) of any N and K (stored padded to whole boxes), fused ones with their 128x4 atoms. Runs in Numba's CUDA
 simulator too (``NUMBA_ENABLE_CUDASIM=1``).
 """
 from __future__ import annotations
@@ -67,10 +67,10 @@ def relay_words(words, tables, out_words):
 def relay_tiled_words(words, tables, rows, row_words, chunk_words, out_words):
     """Kernel: the image of ``words[i]`` (word ``i`` of row-major (matrices x ``rows``, ``row_words``) weights)
     under the byte ``tables``, at its place in ``E2M1H200TiledOrder`` in ``out_words``, boxes ``chunk_words``
-    apart (a box's words, or more: ``E2M1H200FusedOrder``'s chunks)."""
+    apart (a box's words, or more: ``E2M1H200FusedOrder``'s chunks); rows and K padded to whole boxes."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
-    k_boxes = row_words // BOX_WORDS
-    slab = (rows // BOX_ROWS) * k_boxes * chunk_words
+    k_boxes = (row_words + BOX_WORDS - 1) // BOX_WORDS
+    slab = ((rows + BOX_ROWS - 1) // BOX_ROWS) * k_boxes * chunk_words
     for i in range(start, words.size, stride):
         row, col = i // row_words, i % row_words
         r = row % rows
@@ -79,15 +79,24 @@ def relay_tiled_words(words, tables, rows, row_words, chunk_words, out_words):
             word_image(tables, words[i])
 
 
-def place_scale_words(scale_words, atoms_per_chunk, chunk_words, out_words):
-    """Kernel: word ``i`` of 128x4 scale atoms (bands of K boxes x ``atoms_per_chunk`` atoms of ``ATOM_WORDS``)
-    behind the box of its chunk in ``E2M1H200FusedOrder`` words ``out_words``."""
+def place_scale_words(scale_words, atoms_per_band, atoms_per_chunk, k_boxes, chunk_words, out_words):
+    """Kernel: word ``i`` of 128x4 scale atoms (bands of ``atoms_per_band`` atoms of ``ATOM_WORDS``; the last K box's
+    chunk may hold fewer) behind the box of its chunk (``atoms_per_chunk`` each, ``k_boxes`` per band) in
+    ``E2M1H200FusedOrder`` words ``out_words``."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
     box_words = BOX_ROWS * BOX_WORDS
     for i in range(start, scale_words.size, stride):
         atom, word = i // ATOM_WORDS, i % ATOM_WORDS
-        chunk, in_chunk = atom // atoms_per_chunk, atom % atoms_per_chunk   # chunks run (band, K box)
-        out_words[chunk * chunk_words + box_words + in_chunk * ATOM_WORDS + word] = scale_words[i]
+        band, column = atom // atoms_per_band, atom % atoms_per_band
+        chunk = band * k_boxes + column // atoms_per_chunk   # chunks run (band, K box)
+        out_words[chunk * chunk_words + box_words + (column % atoms_per_chunk) * ATOM_WORDS + word] = scale_words[i]
+
+
+def zero_words(out_words):
+    """Kernel: every word of ``out_words`` zero (the pad of weights stored padded to whole boxes)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for i in range(start, out_words.size, stride):
+        out_words[i] = 0
 
 
 def map_bytes(words, table, out_words):
@@ -119,6 +128,11 @@ def _tiled_kernel():
 @functools.cache
 def _scale_kernel():
     return cuda.jit(place_scale_words)
+
+
+@functools.cache
+def _zero_kernel():
+    return cuda.jit(zero_words)
 
 
 @functools.cache
@@ -184,18 +198,34 @@ def to_e2m1_h200(a, out=None, *, stream=0):
 
 
 def to_e2m1_h200_tiled(b, out=None, *, stream=0):
-    """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2), N and K/2 multiples of 128) in
-    ``E2M1H200TiledOrder`` on the GPU, enqueued on ``stream``: a new numba device array, or ``out`` (as
-    ``to_e2m1_h200``). ``b`` is not modified. NVFP4's weight scales take ``ue4m3_scales_to_h200`` too."""
-    src, dst, blocks = _word_launch("b", b, out, stream)
+    """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2)) in ``E2M1H200TiledOrder`` on the GPU, enqueued on
+    ``stream``: a new numba device array of ``E2M1H200TiledOrder.padded_shape`` (N and K/2 padded to multiples of
+    128 with zero bytes), or ``out`` of that shape filled and returned as a numba view of it. ``b`` is not
+    modified. NVFP4's weight scales take ``ue4m3_scales_to_h200`` too."""
+    src = _byte_array("b", b)
     shape = tuple(src.shape)   # the simulator's shape takes no negative indices
-    E2M1H200TiledOrder.check_shape(shape)   # before the launch: nothing is written
-    _launch_tiled(src, dst, blocks, BOX_ROWS * BOX_WORDS, stream)
+    if len(shape) < 2:
+        raise ValueError(f"b must be (..., N, K/2) weight bytes, got shape {shape}")
+    dst = _padded_out(out, E2M1H200TiledOrder.padded_shape(shape), shape, stream)
+    _launch_tiled(src, dst, BOX_ROWS * BOX_WORDS, stream)
     return dst
 
 
-def _launch_tiled(src, dst, blocks, chunk_words, stream):
+def _padded_out(out, stored_shape, shape, stream):
+    """The destination of weights ``shape`` stored as ``stored_shape``: ``out`` (checked) or a new array; zeroed
+    first where the stored shape holds a pad (the kernels write only the weights' own words)."""
+    dst = cuda.device_array(stored_shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
+    if tuple(dst.shape) != tuple(stored_shape):
+        raise ValueError(f"out has shape {tuple(dst.shape)}, weights {shape} are stored as {tuple(stored_shape)}")
+    if E2M1H200TiledOrder.padded_shape(shape) != shape:
+        words = dst.reshape(dst.size).view(np.uint32)
+        _zero_kernel()[_grid_blocks(dst), THREADS, stream](words)
+    return dst
+
+
+def _launch_tiled(src, dst, chunk_words, stream):
     shape = tuple(src.shape)
+    blocks = _grid_blocks(src)
     if blocks:
         _tiled_kernel()[blocks, THREADS, stream](src.reshape(src.size).view(np.uint32), _device_tables(),
                                                  np.int64(shape[-2]), np.int64(shape[-1] // 4), np.int64(chunk_words),
@@ -203,35 +233,39 @@ def _launch_tiled(src, dst, blocks, chunk_words, stream):
 
 
 def to_e2m1_h200_fused(b, b_scales, out=None, *, stream=0):
-    """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2), N and K/2 multiples of 128) and their 128x4
-    scale atoms ``b_scales`` ((..., N/128, K/block/4, 32, 4, 4), in the H200 encoding: NVFP4's through
-    ``ue4m3_scales_to_h200`` first, UE8M0 as they are) in ``E2M1H200FusedOrder`` on the GPU, enqueued on
-    ``stream``: a new numba device array of shape (..., N, K/2 + K/block), or ``out`` of that shape filled
-    and returned as a numba view of it. Neither input is modified; pass ``b_scales`` as the problem's too."""
+    """FP4 weight bytes ``b`` (``pack_fp4`` order, (..., N, K/2)) and their 128x4 scale atoms ``b_scales``
+    ((..., ceil(N/128), ceil(K/block/4), 32, 4, 4), in the H200 encoding: NVFP4's through ``ue4m3_scales_to_h200``
+    first, UE8M0 as they are) in ``E2M1H200FusedOrder`` on the GPU, enqueued on ``stream``: a new numba device
+    array of ``gbs.layouts.stored_shape`` (..., N_pad, K_pad/2 + K_pad/block: N and K padded to whole chunks, the
+    pad zero), or ``out`` of that shape filled and returned as a numba view of it. Neither input is modified;
+    pass ``b_scales`` as the problem's too."""
     src = _byte_array("b", b)
     scales = _byte_array("b_scales", b_scales)
     shape, scale_shape = tuple(src.shape), tuple(scales.shape)
-    E2M1H200TiledOrder.check_shape(shape)   # before the launch: nothing is written
+    if len(shape) < 2:
+        raise ValueError(f"b must be (..., N, K/2) weight bytes, got shape {shape}")
     *lead, n, kb = shape
-    k_boxes = kb // E2M1H200TiledOrder.BOX_BYTES
+    k = 2 * kb
     atoms_per_band = scale_shape[len(lead) + 1] if len(scale_shape) == len(shape) + 3 else 0
-    atoms_per_chunk = atoms_per_band // k_boxes
-    block = 2 * kb // max(1, 4 * atoms_per_band)
-    want = (*lead, n // BOX_ROWS, atoms_per_band, 32, 4, 4)
-    if scale_shape != want or block not in FP4_BLOCK_SIZES or 4 * atoms_per_band * block != 2 * kb:
+    # the block size the atoms' columns imply (both for K <= 64: refused, no FP4 MoE weight is that short)
+    blocks = [size for size in FP4_BLOCK_SIZES if k % size == 0 and -(-(k // size) // 4) == atoms_per_band]
+    want = (*lead, -(-n // BOX_ROWS), atoms_per_band, 32, 4, 4)
+    if scale_shape != want or len(blocks) != 1:   # before any launch: nothing is written
         raise ValueError(f"b_scales of shape {scale_shape} are not the 128x4 atoms of 16- or 32-element blocks of "
-                         f"weights {shape}")
-    fused_shape = (*lead, n, E2M1H200FusedOrder.stored_row_bytes(2 * kb, block))
-    dst = cuda.device_array(fused_shape, np.uint8, stream=stream) if out is None else _byte_array("out", out)
-    if tuple(dst.shape) != fused_shape:
-        raise ValueError(f"out has shape {tuple(dst.shape)}, fused weights {shape} have {fused_shape}")
-    chunk_words = (E2M1H200FusedOrder.CHUNK_BOX_BYTES + E2M1H200FusedOrder.chunk_scale_bytes(block)) // 4
-    _launch_tiled(src, dst, _grid_blocks(src), chunk_words, stream)
+                         f"weights {shape} (or K is too short to tell which)")
+    block = blocks[0]
+    *_, n_pad, kb_pad = E2M1H200TiledOrder.padded_shape(shape)
+    dst = _padded_out(out, (*lead, n_pad, E2M1H200FusedOrder.stored_row_bytes(k, block)), shape, stream)
+    chunk_scale_bytes = E2M1H200FusedOrder.chunk_scale_bytes(block)
+    chunk_words = (E2M1H200FusedOrder.CHUNK_BOX_BYTES + chunk_scale_bytes) // 4
+    _launch_tiled(src, dst, chunk_words, stream)
     scale_blocks = _grid_blocks(scales)
     if scale_blocks:
         _scale_kernel()[scale_blocks, THREADS, stream](scales.reshape(scales.size).view(np.uint32),
-                                                       np.int64(atoms_per_chunk), np.int64(chunk_words),
-                                                       dst.reshape(dst.size).view(np.uint32))
+                                                       np.int64(atoms_per_band),
+                                                       np.int64(chunk_scale_bytes // SF_ATOM_BYTES),
+                                                       np.int64(kb_pad // E2M1H200TiledOrder.BOX_BYTES),
+                                                       np.int64(chunk_words), dst.reshape(dst.size).view(np.uint32))
     return dst
 
 
