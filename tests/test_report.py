@@ -222,11 +222,28 @@ def test_headline_takes_each_format_from_its_newest_csv(tmp_path):
           _row("torch_bf16", "peer", 600.0, fmt="mxfp8", date="2026-11-30")]
     files = _bench_files(tmp_path, {"a-new.csv": new, "b-old.csv": old + mx})
     sources = report.headline_sources(files)
-    assert [(fmt, f.path) for fmt, f in sources.items()] == [
-        ("nvfp4", "data/bench/a-new.csv"), ("mxfp8", "data/bench/b-old.csv")]
+    assert [(fmt, case, f.path) for fmt, by_case in sources.items() for case, f in by_case.items()] == [
+        ("nvfp4", "decode_up", "data/bench/a-new.csv"), ("mxfp8", "decode_up", "data/bench/b-old.csv")]
     headline = report.render_headline(files)
     assert "150.0: 4.00x" in headline and "200.0: 3.00x" in headline and "300.0" not in headline
     assert "| NVFP4 | MXFP8 |" in headline
+
+
+def test_headline_adds_a_newer_run_of_other_cases_without_hiding_the_full_run(tmp_path):
+    """A newer CSV of a few cases (the gpt-oss run) adds its rows; the cases it did not run keep the older full
+    run's, and the footnote names which cases each file gave."""
+    full = [_row("gbs_auto", "ours", 150.0), _row("torch_bf16", "peer", 600.0)]
+    few = [_row("gbs_auto", "ours", 80.0, case="gptoss_decode_up", date="2026-12-02"),
+           _row("torch_bf16", "peer", 320.0, case="gptoss_decode_up", date="2026-12-02")]
+    files = _bench_files(tmp_path, {"full.csv": full, "few.csv": few})
+    sources = report.headline_sources(files)
+    assert {case: f.path for case, f in sources["nvfp4"].items()} == {
+        "decode_up": "data/bench/full.csv", "gptoss_decode_up": "data/bench/few.csv"}
+    headline = report.render_headline(files)
+    assert "150.0: 4.00x" in headline and "80.0: 4.00x" in headline
+    assert "- NVFP4 (`gptoss_decode_up`): `data/bench/few.csv`" in headline
+    assert "- NVFP4 (`decode_up`): `data/bench/full.csv`" in headline
+    assert headline.index("`decode_up` |") < headline.index("`gptoss_decode_up` |")   # the older run's first
 
 
 def test_skipped_rows_show_their_reason(tmp_path):

@@ -270,15 +270,18 @@ def _flag_lines(files: list[BenchFile], rows_by_file: dict[str, list[dict]]) -> 
 # ----------------------------------------------------------------------------------------------
 # The README headline table
 # ----------------------------------------------------------------------------------------------
-def headline_sources(files: list[BenchFile]) -> dict[str, BenchFile]:
-    """For each format, the newest CSV (latest ``date``, then file name) that has timed gbs on it."""
-    chosen: dict[str, BenchFile] = {}
+def headline_sources(files: list[BenchFile]) -> dict[str, dict[str, BenchFile]]:
+    """For each format and case, the newest CSV (latest ``date``, then file name) that has timed gbs on it: a run of
+    a few cases (e.g. gpt-oss's) adds its rows without hiding the other cases' last full run."""
+    chosen: dict[str, dict[str, BenchFile]] = {}
     for f in files:
         for fmt in f.formats:
-            if not any(r.get("kind") == KIND_OURS for r in f.rows_of(fmt)):
-                continue
-            if fmt not in chosen or (f.date, f.path) > (chosen[fmt].date, chosen[fmt].path):
-                chosen[fmt] = f
+            for case in cases(f.rows_of(fmt)):
+                if ours_row(case_rows(f.rows_of(fmt), case)) is None:
+                    continue
+                best = chosen.setdefault(fmt, {}).get(case)
+                if best is None or (f.date, f.path) > (best.date, best.path):
+                    chosen[fmt][case] = f
     return {fmt: chosen[fmt] for fmt in _ordered_formats(list(chosen))}
 
 
@@ -298,14 +301,20 @@ def render_headline(files: list[BenchFile]) -> str:
     sources = headline_sources(files)
     if not sources:
         raise ValueError("no bench CSV holds a gbs row")
-    case_order = list(dict.fromkeys(c for fmt, f in sources.items() for c in cases(f.rows_of(fmt))))
-    with_humming = any(peer_row(f.rows_of(fmt), HUMMING_PEER) for fmt, f in sources.items())
+    per_case = {fmt: {case: case_rows(f.rows_of(fmt), case) for case, f in by_case.items()}
+                for fmt, by_case in sources.items()}
+    # the cases in the order of the runs that cover the most of them (the full runs), then the others'
+    widest_first = sorted({f.path: f for by_case in sources.values() for f in by_case.values()}.values(),
+                          key=lambda f: (-len({r["case"] for r in f.rows}), f.date, f.path))
+    case_order = list(dict.fromkeys(c for f in widest_first for fmt, by_case in sources.items()
+                                    for c in cases(f.rows_of(fmt)) if by_case.get(c) is f))
+    with_humming = any(peer_row(rs, HUMMING_PEER) for by_case in per_case.values() for rs in by_case.values())
     header = ["case", "N x K", "experts x tokens", "torch bf16 (us)", "torch FP8 (us)"] + \
         (["humming (us)"] if with_humming else []) + [FORMAT_NAMES.get(fmt, fmt) for fmt in sources]
     body, shown = [], {}
     fp8_methods = {}
     for case in case_order:
-        per_fmt = {fmt: case_rows(f.rows_of(fmt), case) for fmt, f in sources.items()}
+        per_fmt = {fmt: by_case.get(case, []) for fmt, by_case in per_case.items()}
         first = next(rs[0] for rs in per_fmt.values() if rs)
         bf16s, fp8s, hums, cells = [], [], [], []
         for fmt, rs in per_fmt.items():
@@ -316,7 +325,8 @@ def render_headline(files: list[BenchFile]) -> str:
             hums.append(hum)
             if fp8 is not None:
                 fp8_methods.setdefault(fp8["method"], None)
-            shown.setdefault(sources[fmt].path, []).extend(r for r in (ours, bf16, fp8, hum) if r is not None)
+            if rs:
+                shown.setdefault(sources[fmt][case].path, []).extend(r for r in (ours, bf16, fp8, hum) if r is not None)
             if ours is None:
                 cells.append("-")
                 continue
@@ -334,11 +344,16 @@ def render_headline(files: list[BenchFile]) -> str:
                  + (" humming is humming-kernels' fastest verified format on the case (each of its formats: "
                     "docs/results.md); only the processes that timed it." if with_humming else ""))
     lines.append("")
-    used = list(dict.fromkeys(sources.values()))
+    used = list(dict.fromkeys(f for by_case in sources.values() for f in by_case.values()))
     for f in used:
-        fmts = ", ".join(FORMAT_NAMES.get(fmt, fmt) for fmt, src in sources.items() if src is f)
-        rows = [r for fmt, src in sources.items() if src is f for r in f.rows_of(fmt)]
-        lines.append(f"- {fmts}: `{f.path}`: {f.joined('gpu', rows)}, {f.joined('date', rows)}, "
+        fmts = [fmt for fmt, by_case in sources.items() if f in by_case.values()]
+        rows = [r for fmt in fmts for case, src in sources[fmt].items() if src is f
+                for r in case_rows(f.rows_of(fmt), case)]
+        shown_cases = list(dict.fromkeys(r["case"] for r in rows))
+        alone = all(len(set(sources[fmt].values())) == 1 for fmt in fmts)   # its formats' only source
+        label = ", ".join(FORMAT_NAMES.get(fmt, fmt) for fmt in fmts) + \
+            ("" if alone else " (" + ", ".join(f"`{c}`" for c in shown_cases) + ")")
+        lines.append(f"- {label}: `{f.path}`: {f.joined('gpu', rows)}, {f.joined('date', rows)}, "
                      f"commit {f.joined('commit', rows)}, read ceiling "
                      + " / ".join(f"{float(v):.2f}" for v in f.values("read_ceiling_tbps", rows)) + " TB/s")
     flags = _flag_lines(used, shown)
