@@ -36,7 +36,52 @@ def _e2m1_h200_destinations() -> tuple[int, ...]:
     return tuple(dest)
 
 
-class E2M1H200Order:
+class _WordBitOrder:
+    """A fixed permutation of the 32 bits of every aligned 4-byte word of packed E2M1 bytes (8 elements, element i
+    in nibble i after ``pack_fp4``), applied with per-byte tables (``byte_tables``; ``_TABLES`` is set below, once the
+    destinations are known)."""
+
+    _TABLES: tuple[np.ndarray, np.ndarray]   # (forward, inverse) byte tables, (4, 256) uint32 each
+
+    @classmethod
+    def _words(cls, packed: np.ndarray) -> np.ndarray:
+        packed = np.asarray(packed)
+        if packed.dtype != np.uint8:   # a value cast would corrupt the codes: bytes only
+            raise TypeError(f"{cls.__name__} takes packed FP4 bytes as uint8, got {packed.dtype}")
+        packed = np.ascontiguousarray(packed)
+        if packed.ndim < 1 or packed.shape[-1] % 4:
+            raise ValueError(f"{cls.__name__} works on 4-byte words: the last axis ({packed.shape[-1:]}) "
+                             "must be a multiple of 4 bytes (K a multiple of 8)")
+        return packed.view("<u4")
+
+    @classmethod
+    def byte_tables(cls, inverse: bool = False) -> np.ndarray:
+        """(4, 256) uint32: for byte ``i`` of a little-endian word and each of its 256 values, that byte's
+        bits in their places in the re-laid word (``inverse``: back to ``pack_fp4`` order). A word's image is
+        the OR of its four bytes' entries (``gbs.numba_kernels.relayout`` reads them on the device)."""
+        return cls._TABLES[inverse].copy()
+
+    @classmethod
+    def _permute(cls, packed: np.ndarray, inverse: bool) -> np.ndarray:
+        words = cls._words(packed)
+        tables = cls._TABLES[inverse]   # per byte of the word: its 256 values' destination bits
+        out = tables[0][words & np.uint32(0xFF)]
+        for i in range(1, 4):
+            out |= tables[i][(words >> np.uint32(8 * i)) & np.uint32(0xFF)]
+        return out.view(np.uint8)
+
+    @classmethod
+    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
+        """``pack_fp4`` bytes (..., K/2) -> the same shape in this order (a new array)."""
+        return cls._permute(packed, inverse=False)
+
+    @classmethod
+    def unswizzle(cls, ordered: np.ndarray, shape=None) -> np.ndarray:
+        """Inverse of ``swizzle`` (``shape``: the logical shape, the stored one here)."""
+        return cls._permute(ordered, inverse=True)
+
+
+class E2M1H200Order(_WordBitOrder):
     """Packed E2M1 operands (weights, or tokens) with the 32 bits of every aligned 4-byte word (8 elements,
     element i in nibble i after ``pack_fp4``) permuted, so that the H200 kernels decode them in fewer
     instructions.
@@ -72,43 +117,6 @@ class E2M1H200Order:
     ROLES = ("tokens", "weights")   # what the operand may be (``gbs.problem.check_layout``)
     WORD_ORDER = LAYOUT_E2M1_H200   # the bits of each word: which decode the kernels run
     TILED = False                   # weights stored box by box (``E2M1H200TiledOrder``)
-
-    @staticmethod
-    def _words(packed: np.ndarray) -> np.ndarray:
-        packed = np.asarray(packed)
-        if packed.dtype != np.uint8:   # a value cast would corrupt the codes: bytes only
-            raise TypeError(f"E2M1H200Order takes packed FP4 bytes as uint8, got {packed.dtype}")
-        packed = np.ascontiguousarray(packed)
-        if packed.ndim < 1 or packed.shape[-1] % 4:
-            raise ValueError(f"E2M1H200Order works on 4-byte words: the last axis ({packed.shape[-1:]}) "
-                             "must be a multiple of 4 bytes (K a multiple of 8)")
-        return packed.view("<u4")
-
-    @staticmethod
-    def byte_tables(inverse: bool = False) -> np.ndarray:
-        """(4, 256) uint32: for byte ``i`` of a little-endian word and each of its 256 values, that byte's
-        bits in their places in the re-laid word (``inverse``: back to ``pack_fp4`` order). A word's image is
-        the OR of its four bytes' entries (``gbs.numba_kernels.relayout`` reads them on the device)."""
-        return _E2M1_H200_TABLES[inverse].copy()
-
-    @classmethod
-    def _permute(cls, packed: np.ndarray, inverse: bool) -> np.ndarray:
-        words = cls._words(packed)
-        tables = _E2M1_H200_TABLES[inverse]   # per byte of the word: its 256 values' destination bits
-        out = tables[0][words & np.uint32(0xFF)]
-        for i in range(1, 4):
-            out |= tables[i][(words >> np.uint32(8 * i)) & np.uint32(0xFF)]
-        return out.view(np.uint8)
-
-    @classmethod
-    def swizzle(cls, packed: np.ndarray) -> np.ndarray:
-        """``pack_fp4`` bytes (..., K/2) -> the same shape in this order (a new array)."""
-        return cls._permute(packed, inverse=False)
-
-    @classmethod
-    def unswizzle(cls, ordered: np.ndarray, shape=None) -> np.ndarray:
-        """Inverse of ``swizzle`` (``shape``: the logical shape, the stored one here)."""
-        return cls._permute(ordered, inverse=True)
 
     @staticmethod
     def encode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
@@ -334,6 +342,34 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
     unswizzle = swizzle
 
 
+class E2M1E4M3Order(_WordBitOrder):
+    """The word order of the FP8 route (issue 31 item 3; ``gbs.fp8_route``, ``gbs.numba_kernels.fp8_decode``): packed
+    E2M1 bytes with each word's 8 sign bits moved so that the decode to E4M3 bytes, the block's UE8M0 exponent
+    folded into an 8-byte magnitude table, takes 7 integer instructions per word (2 ``prmt``). NOT YET AN OPERAND
+    LAYOUT: no kernel reads it (``OPERAND_LAYOUTS`` does not list it); it fixes the bits the route's decode reads.
+
+    Magnitude bits (m, e0, e1) stay in place: nibble i's low 3 bits are element i's, so ``word & 0x7777`` is a
+    ``prmt`` selector of elements 0-3 (``prmt`` reads the low 16 bits) and ``(word & 0x77777777) >> 16`` of elements
+    4-7. The sign of element i < 4 goes to bit ``8 i + 7`` (nibble 2 i + 1's bit 3) and of element i + 4 to bit
+    ``8 i + 3`` (nibble 2 i's bit 3), so ``word & 0x80808080`` and ``(word << 4) & 0x80808080`` are the E4M3 sign
+    bits of the two output words, bytes in K order. A bijection of each word's bits; the K order is unchanged.
+    UE8M0 scales stay as they are (MX formats only: NVFP4's UE4M3 scales do not fold exactly)."""
+
+    MAGNITUDE_MASK = 0x77777777
+    SIGN_MASK = 0x80808080        # element i's sign at bit 8 i + 7 (i < 4; i + 4: at 8 i + 3, << 4)
+    HIGH_SIGN_SHIFT = 4
+    ROLES = ("tokens", "weights")
+
+    @staticmethod
+    def destinations() -> tuple[int, ...]:
+        """Destination bit of each source bit ``4 i + b`` (element i, bit b: 0 = m, 1 = e0, 2 = e1, 3 = sign)."""
+        dest = []
+        for element in range(8):
+            dest += [4 * element + bit for bit in range(3)]
+            dest.append(8 * element + 7 if element < 4 else 8 * (element - 4) + 3)
+        return tuple(dest)
+
+
 def _scale_bytes(scale_bytes, scale_dtype: str) -> np.ndarray:
     scale_bytes = np.asarray(scale_bytes)
     if scale_dtype not in ("ue4m3", "ue8m0"):
@@ -430,9 +466,15 @@ def _byte_tables(dest: tuple[int, ...]) -> np.ndarray:
     return tables
 
 
-_E2M1_H200_DEST = _e2m1_h200_destinations()
-_E2M1_H200_TABLES = (_byte_tables(_E2M1_H200_DEST),
-                     _byte_tables(tuple(int(i) for i in np.argsort(_E2M1_H200_DEST))))
+def _tables_of(dest: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, inverse) byte tables of the bit permutation ``dest`` (a bijection of 0..31)."""
+    if sorted(dest) != list(range(32)):
+        raise AssertionError("a word order must be a permutation of the 32 bits")
+    return _byte_tables(dest), _byte_tables(tuple(int(i) for i in np.argsort(dest)))
+
+
+E2M1H200Order._TABLES = _tables_of(_e2m1_h200_destinations())
+E2M1E4M3Order._TABLES = _tables_of(E2M1E4M3Order.destinations())
 OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder,
                    LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder}
 

@@ -35,6 +35,22 @@ prmt_b32 = ptx_intrinsic(
     doc="""Byte permute (default mode): byte i of the result is byte ``c[4i:4i+4]`` (0..7; bit 3 of each
 nibble replicates the byte's sign instead when set) of the 8 bytes ``b:a`` (``a`` = bytes 0-3).""")
 
+
+
+def prmt_b32_host(a, b, c):
+    """``prmt_b32`` on the host (numpy arrays or integers of u32 words), for tests and host models."""
+    a, b, c = np.uint64(a), np.uint64(b), np.uint64(c)
+    source = (b << np.uint64(32)) | a
+    out = np.uint64(0)
+    for i in range(4):
+        nibble = (c >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = (source >> (np.uint64(8) * (nibble & np.uint64(7)))) & np.uint64(0xFF)
+        sign_mode = (nibble & np.uint64(8)) != 0
+        byte = np.where(sign_mode, np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0)), byte)
+        out = out | (np.uint64(byte) << np.uint64(8 * i))
+    return np.uint32(out)
+
+
 min_u16x2 = ptx_intrinsic(
     "min_u16x2", "min.u16x2 $0, $1, $2;", [("a", "u32"), ("b", "u32")], result="u32", pure=True,
     doc="""The unsigned minimum of each 16-bit lane of ``a`` and ``b`` (sm_90+; one ``VIMNMX.U16x2``).
