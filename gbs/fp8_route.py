@@ -2,7 +2,8 @@
 E4M3 x E4M3 products summed per 128-K chunk, chunk sums promoted to an fp32 accumulator with the bases.
 
 Status: this is the exact numpy model of a kernel **not yet written** (issue 31). It makes no claim about GPU
-speed; it fixes the arithmetic the kernel must reproduce and gives its GPU tests a host model to compare with.
+speed; it fixes the arithmetic the kernel must reproduce and gives its GPU tests a host model to compare with. The
+kernel's decode steps exist (``gbs.numba_kernels.fp8_decode``, bit-exact against ``fold_operand`` on the host).
 
 Design
 ------
