@@ -18,7 +18,7 @@ Design
    default: the promotion interval; a last, shorter chunk when K is not a multiple of it) a base
    ``b = max(e) - FOLD_WINDOW[1]`` is taken over the chunk's live blocks (a nonzero element, a finite scale), so
    the largest block lands at ``d = e - b = 6`` and no block rises above the window. A live block with
-   ``d < -8`` is **out of window**: its E4M3 bytes are zero and it is marked in ``in_window`` (False), so the FP8
+   ``d < -8`` is **out of window**: its E4M3 bytes are (signed) zeros and it is marked in ``in_window`` (False), so the FP8
    MMA adds nothing for it and another path must add its exact contribution (the model's fallback below; the
    kernel's: another base, or the bf16 route). Never silently wrong. All-zero blocks ignore the base (their
    bytes are signed zeros; a chunk with no live block gets base 0). A NaN-scale block (0xFF) becomes E4M3 NaN
@@ -176,12 +176,19 @@ def _check_mxfp4_2d(q: BlockScaled) -> None:
         raise ValueError(f"fold_operand takes a 2-D (rows, K) operand, got data of shape {q.data.shape}")
 
 
-def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK) -> FoldedOperand:
+BASE_BLOCKS = ("live", "finite")   # which blocks set a chunk's base: see fold_operand
+
+
+def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK, *, base_over: str = "live") -> FoldedOperand:
     """Fold the UE8M0 block scales of a 2-D MXFP4 operand into E4M3 bytes with a base per (row, chunk).
 
-    Base rule: ``max(e) - 6`` over the chunk's live blocks (module docstring); live blocks below the window
-    are zeroed and marked out of window."""
+    Base rule: ``max(e) - 6`` over the chunk's live blocks (module docstring), or with ``base_over="finite"`` over
+    every block with a finite scale, zero blocks included: what a kernel computes from the scale bytes alone
+    (``gbs.numba_kernels.fp8_decode``; a chunk whose scales are all NaN gets base 0 here, -133 there, and NaN
+    bytes either way). Live blocks below the window are zeroed and marked out of window."""
     _check_mxfp4_2d(q)
+    if base_over not in BASE_BLOCKS:
+        raise ValueError(f"base_over must be one of {BASE_BLOCKS}, got {base_over!r}")
     if not (isinstance(chunk, (int, np.integer)) and chunk > 0 and chunk % MX_BLOCK == 0):
         raise ValueError(f"chunk must be a positive multiple of the MXFP4 block ({MX_BLOCK}), got {chunk!r}")
     codes = q.element_codes()                                   # (rows, K) 0..15
@@ -195,7 +202,8 @@ def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK) -> FoldedOperand:
     exponent = scales - UE8M0_BIAS
 
     padded = np.full((rows, nchunks * blocks_per_chunk), np.iinfo(np.int32).min, np.int64)
-    padded[:, :nblocks] = np.where(live, exponent, np.iinfo(np.int32).min)
+    counted = live if base_over == "live" else ~nan_block
+    padded[:, :nblocks] = np.where(counted, exponent, np.iinfo(np.int32).min)
     chunk_max = padded.reshape(rows, nchunks, blocks_per_chunk).max(axis=2)
     bases = np.where(chunk_max > np.iinfo(np.int32).min, chunk_max - FOLD_WINDOW[1], 0).astype(np.int32)
 
@@ -206,7 +214,7 @@ def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK) -> FoldedOperand:
 
     table_row = np.repeat(np.where(in_window, shifts, 0) - FOLD_WINDOW[0], MX_BLOCK, axis=1)
     e4m3 = E2M1_TO_E4M3_TABLES[table_row, codes]
-    e4m3 = np.where(np.repeat(in_window, MX_BLOCK, axis=1), e4m3, 0)
+    e4m3 = np.where(np.repeat(in_window, MX_BLOCK, axis=1), e4m3, e4m3 & 0x80)   # out of window: signed zeros
     e4m3 = np.where(np.repeat(nan_block, MX_BLOCK, axis=1), E4M3_NAN, e4m3).astype(np.uint8)
     return FoldedOperand(e4m3=e4m3, bases=bases, shifts=shifts, in_window=in_window, source=q, chunk=int(chunk))
 

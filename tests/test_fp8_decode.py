@@ -91,8 +91,7 @@ def _mxfp4_operand(rng, rows, k, scales):
 def test_decode_operand_is_the_route_model_where_every_block_is_live():
     """A whole operand through the per-thread steps (chunk max, table row, word decode) gives
     ``gbs.fp8_route.fold_operand``'s bytes, bases and out-of-window blocks, with in-window, out-of-window (17 below
-    the chunk's largest) and NaN-scale blocks; NaN bytes compared as NaN, an out-of-window block's zeros keep their
-    signs here (the model writes +0: the same zero contribution)."""
+    the chunk's largest) and NaN-scale blocks; NaN bytes compared as NaN (0x7F, or 0xFF with the code's sign)."""
     rng = np.random.default_rng(21)
     rows, k = 6, 512
     scales = rng.integers(110, 140, (rows, k // 32))
@@ -105,11 +104,32 @@ def test_decode_operand_is_the_route_model_where_every_block_is_live():
     got, bases, outside = fd.decode_operand(E2M1E4M3Order.swizzle(q.data), q.scales)
     np.testing.assert_array_equal(bases, model.bases)
     np.testing.assert_array_equal(outside, ~model.in_window)
-    values = lambda b: b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    np.testing.assert_array_equal(values(got), values(model.e4m3))   # NaN as NaN; out of window: +0 or -0
-    exact = np.repeat(model.in_window, 32, axis=1) & ~_is_nan_e4m3(model.e4m3)
-    np.testing.assert_array_equal(got[exact], model.e4m3[exact])    # in the window: the same bytes
+    nan = _is_nan_e4m3(model.e4m3)
+    np.testing.assert_array_equal(_is_nan_e4m3(got), nan)
+    np.testing.assert_array_equal(got[~nan], model.e4m3[~nan])     # the same bytes, signed zeros included
     assert outside[0, 1] and _is_nan_e4m3(got[2, 9 * 32:10 * 32]).all()
+
+
+def test_decode_operand_is_the_route_model_of_finite_scales_with_zero_blocks():
+    """With all-zero blocks (whose scales a kernel still counts) the per-thread steps are
+    ``fold_operand(base_over="finite")`` exactly: bytes (signed zeros included), bases and out-of-window blocks; and
+    a large-scale zero block pushes a neighbour out of the window that the live-only model keeps."""
+    rng = np.random.default_rng(22)
+    rows, k = 4, 256
+    scales = rng.integers(118, 126, (rows, k // 32)).astype(np.uint8)
+    codes = rng.integers(1, 16, (rows, k), dtype=np.uint8)
+    codes[0, 0:32] = 0                  # a zero block with the chunk's largest scale
+    scales[0, 0], scales[0, 1] = 140, 120
+    codes[1, 64:96] = 8                 # negative zeros
+    q = BlockScaled(pack_fp4(codes), scales, get_format("mxfp4"))
+    got, bases, outside = fd.decode_operand(E2M1E4M3Order.swizzle(q.data), q.scales)
+    model = fold_operand(q, base_over="finite")
+    np.testing.assert_array_equal(got, model.e4m3)
+    np.testing.assert_array_equal(bases, model.bases)
+    np.testing.assert_array_equal(outside, ~model.in_window)
+    assert outside[0, 1] and fold_operand(q).in_window[0, 1]   # 20 below the zero block; live-only: in window
+    with pytest.raises(ValueError, match="base_over"):
+        fold_operand(q, base_over="all")
 
 
 def test_decode_kernel_assembles_for_sm90a_with_two_prmt_per_word():
