@@ -482,7 +482,10 @@ def device_problem(a, b, a_scales, b_scales, a_offsets, a_scale_offsets, expert_
     ``GroupedProblem.with_b_layout``, decode faster on the H200 kernels). ``a_layout``: the byte layout of
     ``a`` and ``a_scales`` (the same layouts: FP4 tokens written in ``E2M1H200Order`` by their quantizer, or
     re-laid on the GPU by ``gbs.numba_kernels.relayout``, decode faster too). The tag is not checked against
-    the bytes: NVFP4 scales in the wrong encoding give wrong numbers.
+    the bytes: NVFP4 scales in the wrong encoding give wrong numbers. Tiled and fused weights are stored padded to
+    whole boxes (``gbs.layouts.stored_shape``). Where K is not a multiple of 4 blocks the atoms' padding columns
+    must hold finite scales (zeros, as ``gbs.formats.swizzle_scales`` writes): the kernels multiply the zeros past
+    K by them, and a NaN there makes its row NaN (host problems check it; device bytes are not read).
     """
     a_format, b_format = resolve_formats(fmt)
     given = None if stream is None else stream_handle(stream)

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import (BlockFormat, BlockScaled, ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize, swizzle_scales)
-from .layouts import LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, fused_scales, stored_shape, weight_bytes_layout
+from .formats import (BlockFormat, BlockScaled, ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize,
+                      swizzle_scales, unswizzle_scales)
+from .layouts import (LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, UE4M3H200Scales, fused_scales, stored_shape,
+                      weight_bytes_layout)
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
 # MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix).
@@ -180,8 +182,6 @@ class GroupedProblem(ProblemShape):
 
     def b_operand(self, expert: int) -> BlockScaled:
         """B[expert] as a ``BlockScaled`` with linear scales (in ``pack_fp4`` order whatever ``b_layout``)."""
-        from .formats import unswizzle_scales
-
         scales = unswizzle_scales(self.b_scales[expert], self.n, self.b_format.scale_cols(self.k))
         scales = _relaid_scales(scales, self.b_format, self.b_layout, LAYOUT_PACKED)
         weights, weights_layout = _unfused(self.b[expert], self.b_format, self.b_layout, self.k)
@@ -256,6 +256,9 @@ class GroupedProblem(ProblemShape):
         _expect_array("a_scales", self.a_scales, np.uint8, (bands, ceil_div(a_cols, 4), 32, 4, 4))
         _expect_array("b_scales", self.b_scales, np.uint8,
                       (num_experts, ceil_div(n, 128), ceil_div(b_cols, 4), 32, 4, 4))
+        for name, fmt, layout, cols in (("a_scales", self.a_format, self.a_layout, a_cols),
+                                        ("b_scales", self.b_format, self.b_layout, b_cols)):
+            _check_padding_scales(name, getattr(self, name), fmt, layout, cols)
         if fused_scales(self.b_layout):
             fused_copy = E2M1H200FusedOrder.scale_atoms(self.b, self.b_format.block_size, k)
             if not np.array_equal(fused_copy, self.b_scales):
@@ -266,6 +269,21 @@ class GroupedProblem(ProblemShape):
 
 
 OPERAND_ROLES = {"a": "tokens", "b": "weights"}
+
+
+def _check_padding_scales(name: str, atoms: np.ndarray, fmt: BlockFormat, layout: str, cols: int) -> None:
+    """The atoms' columns past K's last block (a K tail: K not a multiple of 4 blocks) scale the zeros the H200
+    kernels read past K: they must not be NaN scales (0 x NaN is NaN). ``swizzle_scales`` writes zeros there."""
+    if cols % 4 == 0:
+        return
+    padding = unswizzle_scales(atoms)[..., cols:]
+    if layout != LAYOUT_PACKED and fmt.scale_dtype == "ue4m3":
+        nan = padding == UE4M3H200Scales.NAN_BYTE
+    else:
+        nan = (padding == 0xFF) if fmt.scale_dtype == "ue8m0" else ((padding & 0x7F) == 0x7F)
+    if np.any(nan):
+        raise ValueError(f"{name}: the 128x4 atoms' padding columns (past K's {cols} scale columns) hold NaN scale "
+                         "bytes; they scale the zeros past K, so they must be finite (swizzle_scales writes zeros)")
 
 
 def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:

@@ -959,6 +959,36 @@ def test_tiled_weight_loads_fill_the_stage_with_the_row_major_box(fmt, config, l
     assert sum(size for _, _, size, _ in hr.stage_loads(spec)) == spec.tx_bytes == base.tx_bytes
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_tail_reads_zeros_past_k_through_the_exact_maps(fmt):
+    """K = 3 slices + 96 elements: the tokens' and row-major weights' maps span exactly K's bytes and the scale maps
+    exactly the atoms' column groups, so the partial last slice's boxes hold the operand's bytes up to K and TMA's
+    zero fill past it (the scale columns past the last atom group too): nothing past K can add to the sum."""
+    spec = spec_of(fmt, CONFIGS["decode"])
+    k = 3 * spec.k_slice + 96
+    p = _problem(fmt, n=200, k=k, group_sizes=[5, 3], expert_ids=[1, 0])
+    shapes, addresses = _shapes_and_fake_addresses(p)
+    tokens, weights, token_sf, weight_sf = hl.tensor_map_args(spec, shapes, addresses)
+    a_bytes, b_bytes = p.a_format.row_bytes(k), p.b_format.row_bytes(k)
+    assert tokens.dims[0] == a_bytes and weights.dims[0] == b_bytes
+    last = hl.k_slices_of(k, spec.k_slice) - 1
+    t_box = tma_box_2d(p.a.view(np.uint8), dataclasses.replace(tokens, swizzle="none"),
+                       (last * tokens.box[0], 0)).reshape(tokens.box[1], tokens.box[0])
+    inside = a_bytes - last * tokens.box[0]
+    assert 0 < inside < tokens.box[0]
+    np.testing.assert_array_equal(t_box[:p.total_tokens, :inside], p.a.view(np.uint8)[:, last * tokens.box[0]:])
+    assert not t_box[:, inside:].any()
+    w_box = tma_box_3d_any(p.b.view(np.uint8), weights, (last * weights.box[0], 0, 1))
+    w_box = w_box.reshape(weights.box[2], weights.box[1], weights.box[0])[0]
+    assert not w_box[:, b_bytes - last * weights.box[0]:].any()
+    for args, scales in ((token_sf, p.a_scales), (weight_sf, p.b_scales)):
+        groups = scales.shape[-4]   # the atoms' column groups: K's scale columns rounded up to 4
+        assert args.dims[1] == hr.ATOM_MAP_ROWS * groups
+        rows = tma_box_3d(scales, args, (0, last * spec.scale_box[1], 0)).reshape(args.box[::-1])[0]
+        present = groups * hr.ATOM_MAP_ROWS - last * spec.scale_box[1]
+        assert 0 < present <= rows.shape[0] and not rows[present:].any()
+
+
 def tma_box_3d_any(tensor: np.ndarray, args: hl.TensorMapArgs, coords: tuple[int, int, int]) -> np.ndarray:
     """``tma_box_3d`` for a swizzled map, before the swizzle (see ``tma_box_2d``)."""
     return tma_box_3d(tensor, dataclasses.replace(args, swizzle="none"), coords)

@@ -115,3 +115,23 @@ def test_tail_builds_are_legal_plans_on_the_cpu():
                 assert plan.kernel == knobs.backend, (fmt, name)
                 assert (plan.k_splits > 1) == ("split" in name), (fmt, name, plan.k_splits)
         assert meta.b_layout == LAYOUT_PACKED
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "w4a8"])
+def test_nan_scales_in_the_padding_columns_of_a_k_tail_are_refused(fmt):
+    """Past K the kernels multiply zero elements by the atoms' padding columns: a NaN there would make the row NaN,
+    so a problem with a K tail refuses NaN padding scales (both operands); zeros, as quantized, pass."""
+    import dataclasses
+
+    from gbs.formats import swizzle_scales, unswizzle_scales
+
+    p = synthetic_problem(fmt, n=128, k=352, group_sizes=[3], expert_ids=[0], num_experts=1)
+    p.validate()
+    for name, fmt_ in (("a_scales", p.a_format), ("b_scales", p.b_format)):
+        linear = unswizzle_scales(getattr(p, name))
+        cols = fmt_.scale_cols(p.k)
+        assert cols % 4 and not linear[..., cols:].any()
+        linear[..., 0, cols] = 0xFF if fmt_.scale_dtype == "ue8m0" else 0x7F
+        bad = swizzle_scales(linear)
+        with pytest.raises(ValueError, match=f"{name}: the 128x4 atoms' padding columns"):
+            dataclasses.replace(p, **{name: bad})

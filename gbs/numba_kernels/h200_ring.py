@@ -42,10 +42,11 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
 * The start-up trace (``StreamSpec.trace``, ``h200_trace``) stamps the producer's events here, one hook call
   per event, which compile to nothing in untraced builds.
 
-Constraints: K a multiple of the K slice (``k_slice_elements``: 256 elements when both operands are FP4,
-else 128); 16-byte aligned device arrays (TMA); the ring's real shared-memory bytes
-(``StreamSmemLayout.total_bytes``) within the H200's 227 KiB per block; tiled weights (tiled or fused): N a
-multiple of 128 and K / 2 bytes of 128 (whole boxes).
+Constraints: rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8); K need not be a multiple of
+the K slice (``k_slice_elements``: 256 elements when both operands are FP4, else 128): the last slice reads TMA's
+zeros past K and past the atoms' last column group, and tiled weights stored padded; 16-byte aligned device arrays
+(TMA); the ring's real shared-memory bytes (``StreamSmemLayout.total_bytes``) within the H200's 227 KiB per block;
+tiled weights (tiled or fused) stored in whole boxes (``E2M1H200TiledOrder.padded_shape``).
 """
 from __future__ import annotations
 

@@ -58,9 +58,10 @@ faster for NVFP4 (evidence: tiled-weight-layout); weights fused with their scale
 are one contiguous chunk) stream fastest for both FP4 formats (evidence: fused-weight-layout). FP8 decodes
 twice the bytes per instruction.
 
-Constraints (``check_can_implement``): the ring's (``h200_ring``): K a multiple of the K slice (256 elements
-when both operands are FP4, else 128; pad K with zero elements otherwise), 16-byte aligned device arrays,
-the ring's real shared-memory bytes within the H200's 227 KiB per block, tiled weights in whole boxes.
+Constraints (``check_can_implement``): the ring's (``h200_ring``): rows TMA can address (K a multiple of 32 with
+FP4 operands, 16 with FP8; a partial last K slice reads zeros past K), finite scales in the atoms' padding columns
+of a K tail, 16-byte aligned device arrays, the ring's real shared-memory bytes within the H200's 227 KiB per
+block, tiled weights stored in whole boxes (padded).
 """
 from __future__ import annotations
 
