@@ -473,6 +473,9 @@ def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Pl
     if num_ctas is not None:
         num_ctas = check_num_ctas(num_ctas, spec.cta_group)
     k_slices = hl.k_slices_of(problem.k, spec.k_slice)
+    if problem.k % spec.k_slice:
+        rules.append(Rule("K tail", f"K {problem.k}: {k_slices} slices of {spec.k_slice}, the last "
+                                    f"{problem.k - (k_slices - 1) * spec.k_slice} (zeros read past K)", "k-n-tails-gpu"))
     registers = registers_of(spec)
     pairs = hl.resident_pairs(spec, registers, sm_count)
     if k_splits is not None:

@@ -49,7 +49,9 @@ def test_gpt_oss_shapes_plan_on_the_fast_layout_with_a_partial_last_slice(fmt, l
     slices = hl.k_slices_of(k, plan.spec.k_slice)
     assert slices * plan.spec.k_slice > k > (slices - 1) * plan.spec.k_slice   # 2880: 11 slices + 64, or 22 + 64
     assert plan.k_splits * plan.slices_per_split >= slices > (plan.k_splits - 1) * plan.slices_per_split
-    assert plan.describe()
+    tail = next(r for r in plan.rules if r.name == "K tail")
+    assert tail.evidence == "k-n-tails-gpu" and f"the last {k - (slices - 1) * plan.spec.k_slice}" in tail.decided
+    assert "evidence k-n-tails-gpu" in plan.explain()
 
 
 def test_k_slices_of_counts_the_partial_slice():
