@@ -132,6 +132,21 @@ def test_decode_operand_is_the_route_model_of_finite_scales_with_zero_blocks():
         fold_operand(q, base_over="all")
 
 
+def test_k_order_gives_each_lane_whole_words_of_its_block():
+    """In the route's K order every A register of an E4M3 k32 step (the m16n8k32 layout per warp: lane, byte) holds
+    4 consecutive elements of one FP4 word of the block, word = quad lane, low half in registers 0/1 (rows g, g + 8),
+    high half in 2/3: one decode per word, no lane decodes a word it half uses. The order is a permutation."""
+    from gbs.ptx_inline import hopper as hp
+
+    assert sorted(fd.block_element_at(p) for p in range(32)) == list(range(32))
+    for lane in range(32):
+        for i in range(16):
+            row, k = hp.mma_m16n8k32_a_position(lane, i)
+            register, byte = divmod(i, 4)
+            assert row == lane // 4 + 8 * (register % 2)
+            assert fd.block_element_at(k) == 8 * (lane % 4) + 4 * (register // 2) + byte
+
+
 def test_decode_kernel_assembles_for_sm90a_with_two_prmt_per_word():
     """Offline (ptxas): the decode loop holds 2 PRMT per word decoded (4 words per table row), no local memory;
     each word is mask, shift left, shift right, 2 PRMT, 2 LOP3 (evidence: fp8-decode-offline)."""

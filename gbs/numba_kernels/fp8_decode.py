@@ -105,6 +105,15 @@ chunk_max_scale_device = inline_device(chunk_max_scale)
 fold_table_row_device = inline_device(fold_table_row)
 
 
+def block_element_at(position):
+    """The element of a 32-element MX block that K position ``position`` (0..31) of a k32 ``wgmma`` step carries
+    in the route's K order (``docs/design/h200_port.md``): position 4q + i -> 8q + i, 16 + 4q + i -> 8q + 4 + i, so
+    quad lane q's A registers of a row are the two output words of the block's FP4 word q."""
+    half, rest = divmod(position, 16)
+    q, i = divmod(rest, 4)
+    return 8 * q + 4 * half + i
+
+
 def decode_words_kernel(words, scale_words, tables, out):
     """Kernel (offline instruction counts and GPU checks): thread i decodes the 32 words (256 elements: two
     128-K chunks) of row i, ``scale_words[i, c]`` holding the row's 4 block scales of chunk c, into E4M3 bytes
