@@ -380,9 +380,10 @@ def make_wgmma_ss_kernel(n: int, swizzle: str, dtype: str):
 
 
 @functools.cache
-def make_wgmma_rs_kernel(n: int, swizzle: str):
-    """bf16 wgmma kernel with A from registers, B in shared memory."""
-    return _wgmma_kernel(n, swizzle, hp.wgmma_bf16_rs(n), a_from_registers=True)
+def make_wgmma_rs_kernel(n: int, swizzle: str, dtype: str = "bf16"):
+    """wgmma kernel with A from registers, B in shared memory; dtype "bf16" or "e4m3"."""
+    mma = hp.wgmma_bf16_rs(n) if dtype == "bf16" else hp.wgmma_e4m3_rs(n)
+    return _wgmma_kernel(n, swizzle, mma, a_from_registers=True)
 
 
 SIG_WGMMA = (_u32_1d, _u32_3d, _f32_2d, _f32_2d, types.uint32, _u64_1d)
@@ -438,6 +439,7 @@ KERNELS = {
     "wgmma_bf16_n256_128B": (make_wgmma_ss_kernel(256, "128B", "bf16"), SIG_WGMMA),
     "wgmma_e4m3_n64_128B": (make_wgmma_ss_kernel(64, "128B", "e4m3"), SIG_WGMMA),
     "wgmma_bf16_rs_n64_none": (make_wgmma_rs_kernel(64, "none"), SIG_WGMMA),
+    "wgmma_e4m3_rs_n64_128B": (make_wgmma_rs_kernel(64, "128B", "e4m3"), SIG_WGMMA),
     "wgmma_two_groups": (k_wgmma_two_groups, (_f32_2d, types.uint64, types.uint64)),
 }
 
@@ -552,6 +554,7 @@ def test_mma_e4m3_is_emulated_with_fp16_hmma_on_sm90a():
     ("wgmma_bf16_n256_128B", "HGMMA.64x256x16.F32.BF16", K_STEPS),
     ("wgmma_e4m3_n64_128B", "QGMMA.64x64x32.F32.E4M3.E4M3", K_STEPS),
     ("wgmma_bf16_rs_n64_none", "HGMMA.64x64x16.F32.BF16", K_STEPS),
+    ("wgmma_e4m3_rs_n64_128B", "QGMMA.64x64x32.F32.E4M3.E4M3", K_STEPS),
 ])
 def test_wgmma_sass(name, opcode, count):
     text = sass(name)

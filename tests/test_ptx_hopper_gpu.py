@@ -226,6 +226,24 @@ def test_wgmma_bf16_rs_a_from_registers(rng, swizzle):
     assert rel_err(d, a @ b_t.T + c) < BF16_TOL
 
 
+@needs_sm90
+def test_wgmma_e4m3_rs_a_from_registers(rng):
+    """E4M3 A from registers (the FP8 route's token operand) at ``wgmma_e4m3_a_register_position``."""
+    n = 64
+    a_bits, a, b_bits, b_t = _wgmma_operands(rng, n, "e4m3")
+    k_step = hp.K_STEP_BYTES
+    a_frag = np.stack([
+        pack_registers(a_bits[:, s * k_step:(s + 1) * k_step], hp.wgmma_e4m3_a_register_position,
+                       hp.WGMMA_THREADS, 16, 8)
+        for s in range(kernels.K_STEPS)])
+    poison_a_tile = np.full(kernels.A_TILE_BYTES, 0x7F, np.uint8)  # e4m3 NaNs: must not be read
+    image = np.concatenate([poison_a_tile, kernels.smem_image(b_bits, "128B")])
+    c = rng.standard_normal((hp.WGMMA_M, n)).astype(np.float32)
+    kernel = kernels.make_wgmma_rs_kernel(n, "128B", "e4m3")
+    d, _ = _run_wgmma(kernel, image, a_frag, c, n, scale_first=1)
+    assert rel_err(d, a @ b_t.T + c) < FP8_WGMMA_TOL
+
+
 # =============================================================================================
 # TMA + mbarrier
 # =============================================================================================

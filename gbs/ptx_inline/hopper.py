@@ -225,6 +225,13 @@ def wgmma_a_register_position(thread: int, i: int) -> tuple[int, int]:
     return 16 * (thread // 32) + row, k
 
 
+def wgmma_e4m3_a_register_position(thread: int, i: int) -> tuple[int, int]:
+    """(row, k) in the 64 x 32 e4m3 A tile of byte ``i`` (0..15; register i // 4, byte i % 4) held by warpgroup
+    thread ``thread`` for ``wgmma_e4m3_rs``: warp w holds rows 16w..16w+15 in the mma.sync m16n8k32 A layout."""
+    row, k = mma_m16n8k32_a_position(thread % 32, i)
+    return 16 * (thread // 32) + row, k
+
+
 @functools.cache
 def wgmma_zero_accumulators(n: int):
     """Intrinsic returning ``UniTuple(float32, n // 2)`` of zeros: defined accumulator registers to
@@ -390,6 +397,21 @@ def wgmma_bf16_rs(n: int):
     text = _wgmma_text(f"m64n{n}k16.f32.bf16.bf16", count, f"{{{a_regs}}}, ${count + 4}", "1, 1, 0")
     return _wgmma_intrinsic(f"wgmma_bf16_rs({n})", text, count, ("a4", "desc", "scale"),
                             "D[64x%d] (+)= A[64x16] @ B[16x%d], bf16 in, fp32 accumulate, A in "
+                            "registers.\n\n" % (n, n) + _WGMMA_COMMON_DOC.format(count=count, n=n))
+
+
+@functools.cache
+def wgmma_e4m3_rs(n: int):
+    """Intrinsic ``acc = f(acc, a, desc_b, scale_d)``: one wgmma m64nNk32, fp32 += e4m3 x e4m3, A (64 x 32)
+    from registers (``a``: ``UniTuple(uint32, 4)`` per thread, 4 e4m3 per register, lowest k in the low byte, at
+    ``mma_m16n8k32_a_position`` of the thread's warp: rows 16 w + lane // 4 (+ 8 in registers 1, 3), k 4 (lane % 4)
+    (+ 16 in registers 2, 3)), B (N x 32 bytes) K-major in shared memory; imm-scale-a = imm-scale-b = 1. The FP8
+    route's path: A decoded in registers (FP4 -> E4M3, ``gbs.numba_kernels.fp8_decode``)."""
+    count = _check_n("wgmma_e4m3_rs", n)
+    a_regs = ", ".join(f"${count + i}" for i in range(4))
+    text = _wgmma_text(f"m64n{n}k32.f32.e4m3.e4m3", count, f"{{{a_regs}}}, ${count + 4}", "1, 1")
+    return _wgmma_intrinsic(f"wgmma_e4m3_rs({n})", text, count, ("a4", "desc", "scale"),
+                            "D[64x%d] (+)= A[64x32] @ B[32x%d], e4m3 in, fp32 accumulate, A in "
                             "registers.\n\n" % (n, n) + _WGMMA_COMMON_DOC.format(count=count, n=n))
 
 
