@@ -179,16 +179,21 @@ def _check_mxfp4_2d(q: BlockScaled) -> None:
 BASE_BLOCKS = ("live", "finite")   # which blocks set a chunk's base: see fold_operand
 
 
-def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK, *, base_over: str = "live") -> FoldedOperand:
+def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK, *, base_over: str = "live",
+                 base_rows: int = 1) -> FoldedOperand:
     """Fold the UE8M0 block scales of a 2-D MXFP4 operand into E4M3 bytes with a base per (row, chunk).
 
     Base rule: ``max(e) - 6`` over the chunk's live blocks (module docstring), or with ``base_over="finite"`` over
     every block with a finite scale, zero blocks included: what a kernel computes from the scale bytes alone
     (``gbs.numba_kernels.fp8_decode``; a chunk whose scales are all NaN gets base 0 here, -133 there, and NaN
-    bytes either way). Live blocks below the window are zeroed and marked out of window."""
+    bytes either way). ``base_rows``: rows that share one base per chunk (1; 128: a weight tile's, so that the
+    promotion takes one factor per token row, ``docs/design/h200_port.md``). Live blocks below the window are
+    zeroed and marked out of window."""
     _check_mxfp4_2d(q)
     if base_over not in BASE_BLOCKS:
         raise ValueError(f"base_over must be one of {BASE_BLOCKS}, got {base_over!r}")
+    if not (isinstance(base_rows, (int, np.integer)) and base_rows >= 1):
+        raise ValueError(f"base_rows must be a positive int, got {base_rows!r}")
     if not (isinstance(chunk, (int, np.integer)) and chunk > 0 and chunk % MX_BLOCK == 0):
         raise ValueError(f"chunk must be a positive multiple of the MXFP4 block ({MX_BLOCK}), got {chunk!r}")
     codes = q.element_codes()                                   # (rows, K) 0..15
@@ -205,6 +210,12 @@ def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK, *, base_over: str
     counted = live if base_over == "live" else ~nan_block
     padded[:, :nblocks] = np.where(counted, exponent, np.iinfo(np.int32).min)
     chunk_max = padded.reshape(rows, nchunks, blocks_per_chunk).max(axis=2)
+    if base_rows > 1:   # one base per group of rows: the group's largest
+        groups = -(-rows // base_rows)
+        grouped = np.full((groups * base_rows, nchunks), np.iinfo(np.int32).min, np.int64)
+        grouped[:rows] = chunk_max
+        group_max = grouped.reshape(groups, base_rows, nchunks).max(axis=1)
+        chunk_max = np.repeat(group_max, base_rows, axis=0)[:rows]
     bases = np.where(chunk_max > np.iinfo(np.int32).min, chunk_max - FOLD_WINDOW[1], 0).astype(np.int32)
 
     block_bases = np.repeat(bases, blocks_per_chunk, axis=1)[:, :nblocks]

@@ -352,3 +352,22 @@ def window_survey(rows=1024, k=7168, seed=0, chunks=(128, 256, 512)):
 if __name__ == "__main__":
     for name, cells in window_survey().items():
         print(f"{name:42s}", "  ".join(f"{b:.1e} / {t:.3f}" for b, t in cells))
+
+
+def test_base_rows_share_one_base_per_group_and_chunk():
+    """``base_rows=128``: every row of a 128-row group gets the group's base per chunk (the largest block's), the
+    values are still exact where in the window, and a row far below its group's largest drops out of the window."""
+    rng = np.random.default_rng(31)
+    q = quantize(rng.standard_normal((200, 256)).astype(np.float32), "mxfp4")
+    scales = q.scales.copy()
+    scales[5, 0] = scales[:128, :4].max() + 16          # row 5 lifts group 0's base in chunk 0
+    q = BlockScaled(q.data, scales, q.fmt)
+    f = fr.fold_operand(q, base_over="finite", base_rows=128)
+    own = fr.fold_operand(q, base_over="finite")
+    assert (f.bases[:128, 0] == own.bases[5, 0]).all() and (f.bases[128:, 0] == own.bases[128:, 0].max()).all()
+    inside = np.repeat(f.in_window, 32, axis=1)
+    np.testing.assert_array_equal(f.unfold()[inside], own.unfold()[inside])
+    shared, alone = (~f.in_window[:128, :4]).sum(), (~own.in_window[:128, :4]).sum()
+    assert shared > alone + 100   # the other rows of the group fall 16 below the lifted base
+    with pytest.raises(ValueError, match="base_rows"):
+        fr.fold_operand(q, base_rows=0)
