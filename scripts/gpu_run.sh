@@ -7,7 +7,7 @@
 #   scripts/gpu_run.sh sanitize   # compute-sanitizer memcheck + racecheck of scripts/sanitize_small.py
 #   scripts/gpu_run.sh bench      # benchmark only; BENCH_ARGS replaces --quick (e.g. BENCH_ARGS="--skip-peaks")
 #   scripts/gpu_run.sh verify     # tests and sanitize side by side (separate processes), then nothing else
-#   scripts/gpu_run.sh probe      # scripts/wgmma_fp8_probe.py: the FP8 route's open facts (under a minute)
+#   scripts/gpu_run.sh probe      # the FP8 route's probes: scripts/wgmma_fp8_probe.py, scripts/fp8_route_probe.py
 #
 # Records kept under $OUT for each mode (so a claim can cite the test that backs it): tests -> gpu_tests-<mode>.xml
 # (JUnit, one testcase per test id) and gpu_tests-<mode>.log (-rap: a PASSED / FAILED / SKIPPED line per test id);
@@ -83,7 +83,9 @@ case "$what" in
         tail -4 "$OUT/gpu_tests-$what.log" ;;
     bench) ;;
     probe) "$PY" scripts/wgmma_fp8_probe.py --csv "$OUT/wgmma_fp8_probe.csv" 2>&1 | tee "$OUT/wgmma_fp8_probe.log"
-           rc=${PIPESTATUS[0]} ;;
+           rc=${PIPESTATUS[0]}
+           "$PY" scripts/fp8_route_probe.py --csv "$OUT/fp8_route_probe.csv" 2>&1 | tee "$OUT/fp8_route_probe.log"
+           [ "$rc" -eq 0 ] && rc=${PIPESTATUS[0]} ;;
     *) echo "unknown mode $what: all, tests, sanitize, bench, verify or probe"; exit 2 ;;
 esac
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -103,6 +103,7 @@ decode_word = make_word_decoder(prmt_b32_host)
 decode_word_device = inline_device(make_word_decoder(prmt_b32))
 chunk_max_scale_device = inline_device(chunk_max_scale)
 fold_table_row_device = inline_device(fold_table_row)
+promotion_log2_device = inline_device(promotion_log2)
 
 
 def block_element_at(position):
