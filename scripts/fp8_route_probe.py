@@ -25,7 +25,6 @@ reports how many the data has).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 
 import numpy as np
@@ -37,6 +36,7 @@ from gbs.formats import quantize
 from gbs.fp8_route import fold_operand, fp8_route_accumulate
 from gbs.layouts import E2M1E4M3Order
 from gbs.numba_kernels import fp8_decode as fd
+from gbs.lab.bench import write_csv
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 
@@ -232,11 +232,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(row, flush=True)
     if args.csv:
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     return 0
 
 

@@ -22,7 +22,6 @@ Constraints: sm_90a; 128 threads (precision), 256 (throughput), one CTA per SM.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 
 import numpy as np
@@ -32,6 +31,7 @@ from numba.cuda.extending import intrinsic
 
 import ml_dtypes
 
+from gbs.lab.bench import write_csv
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 
@@ -280,11 +280,7 @@ def main(argv=None) -> int:
     precision(rows)
     throughput(rows, args.ctas)
     if args.csv:
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     return 0
 
 

@@ -26,13 +26,13 @@ Constraints: sm_90a, 256 threads per CTA, one CTA per SM; rounds a multiple of 4
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
 
+from gbs.lab.bench import write_csv
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline.arith import fma_bf16x2
@@ -233,10 +233,7 @@ def main(argv=None) -> int:
             print(f"{case.name:12} rounds={rounds:3}: {both:7.1f} clk/iter (issue {issue:6.1f}); work alone "
                   f"{alone[key]:7.1f}, MMA alone {mma_only:7.1f}, sum {mma_only + alone[key]:7.1f}", flush=True)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     return 0
 
 

@@ -415,6 +415,9 @@ def test_write_csv_round_trip(tmp_path):
     assert list(read[0]) == list(rows[0])
     assert float(read[0]["speedup_vs_torch_bf16"]) == pytest.approx(0.5)
     assert read[1]["median_us"] == "" and read[1]["status"] == "skipped"
+    bench.write_csv(str(path), [{"part": "a", "x": 1}, {"part": "b", "y": 2}])   # the probes' rows differ in keys
+    with open(path, newline="") as f:
+        assert list(csv.DictReader(f)) == [{"part": "a", "x": "1", "y": ""}, {"part": "b", "x": "", "y": "2"}]
 
 
 def test_measurement_is_frozen():

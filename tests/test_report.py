@@ -12,6 +12,7 @@ import pytest
 
 from gbs.__main__ import main
 from gbs.lab import report
+from gbs.lab.bench import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,7 +127,7 @@ def test_a_changed_csv_is_reported(tmp_path):
         rows = list(csv.DictReader(f))
     ours = next(r for r in rows if r["kind"] == "ours")
     ours["median_us"] = str(float(ours["median_us"]) * 0.5)
-    _write_csv(path, rows)
+    write_csv(str(path), rows)
     assert report.check(root) == [report.README, report.RESULTS]
 
 
@@ -146,18 +147,10 @@ def _row(method, kind, median, *, fmt="nvfp4", nbytes=400_000_000, date="2026-12
     return row
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    columns = list(dict.fromkeys(c for r in rows for c in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def _bench_files(tmp_path: Path, tables: dict[str, list[dict]]) -> list[report.BenchFile]:
     (tmp_path / report.BENCH_DIR).mkdir(parents=True, exist_ok=True)
     for name, rows in tables.items():
-        _write_csv(tmp_path / report.BENCH_DIR / name, rows)
+        write_csv(str(tmp_path / report.BENCH_DIR / name), rows)
     return report.load_bench_dir(tmp_path)
 
 

@@ -406,11 +406,12 @@ Peers run only the live groups (torch has no -1 skip semantics) on their own ran
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    """Write rows (dicts with the same keys) as CSV, creating the folder."""
+    """Write rows (dicts) as CSV, creating the folder; the columns are every key in first-seen order (a row without
+    one leaves its cell empty)."""
     if not rows:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
