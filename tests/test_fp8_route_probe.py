@@ -4,8 +4,6 @@ the E4M3 A registers agree), and its kernel assembles for sm_90a with what it cl
 from __future__ import annotations
 
 import collections
-import importlib.util
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -16,15 +14,13 @@ from gbs.formats import quantize
 from gbs.numba_kernels import fp8_decode as fd
 from gbs.ptx_inline import hopper as hp
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_route_probe.py"
+from script_modules import load_script
+
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("fp8_route_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fp8_route_probe")
 
 
 def _e4m3(b: np.ndarray) -> np.ndarray:

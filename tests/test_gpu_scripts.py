@@ -1,11 +1,9 @@
 """The GPU scripts' command lines, on the CPU: ``scripts/h200_stream_sweep.py``'s points (the wgmma
 operands suffix included) and trace summary, ``scripts/sanitize_small.py``'s kernel / format filters, and
-``scripts/compare_variants.py``'s variants, trees, commands and summary. Their GPU runs are recorded in
-``notes/h200/``."""
+``scripts/compare_variants.py``'s variants, trees, commands and summary. Their GPU runs are cited by the
+evidence rows of ``data/h200_evidence.csv``."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import subprocess
 
 import numpy as np
@@ -14,14 +12,8 @@ import pytest
 from gbs.dispatch import AUTO_STAGES
 from gbs.numba_kernels import h200_trace
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+from script_modules import load_script
 
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,12 @@
 and ``scripts/h200_sass_report.py`` (CPU only: compiles offline for sm_90a)."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
 from gbs.ptx_inline import offline
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "h200_sass_report.py"
+from script_modules import load_script
+
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   LDS R2, [R3] ;
@@ -22,13 +20,6 @@ LISTING = """
 """
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("h200_sass_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sass_loops_finds_nested_backward_branches_innermost_first():
     loops = offline.sass_loops(LISTING)
     assert [(loop.start, loop.end) for loop in loops] == [(0x10, 0x30), (0x0, 0x50)]   # BRA 0x60 is no loop
@@ -39,12 +30,12 @@ def test_sass_loops_finds_nested_backward_branches_innermost_first():
 
 
 def test_report_reads_the_decode_kernels_hot_loop():
-    text = load_script().report("stream:nvfp4:T:8:1:2")
+    text = load_script("h200_sass_report").report("stream:nvfp4:T:8:1:2")
     assert "innermost HMMA loop" in text and "16 HMMA, 0 local accesses" in text
 
 
 def test_report_spec_takes_the_weight_layout():
-    script = load_script()
+    script = load_script("h200_sass_report")
     spec, _, _ = script.parse_spec("stream:nvfp4:T:8:1:2:e2m1_h200")
     assert spec.b_layout == "e2m1_h200" and script.parse_spec("stream:nvfp4:T:8:1:2")[0].b_layout == "packed"
     assert script.parse_spec("wgmma:nvfp4:128:e2m1_h200")[0].ring.weight_side.layout == "e2m1_h200"
@@ -53,4 +44,4 @@ def test_report_spec_takes_the_weight_layout():
 @pytest.mark.parametrize("bad", ["stream:nvfp4:8:1:2", "wgmma:fp16:128", "gemm:nvfp4:128"])
 def test_report_rejects_malformed_specs(bad):
     with pytest.raises(ValueError, match="want|format must be"):
-        load_script().parse_spec(bad)
+        load_script("h200_sass_report").parse_spec(bad)

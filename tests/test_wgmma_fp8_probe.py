@@ -3,8 +3,6 @@ it says (host), and its kernels assemble for sm_90a with the instructions it tim
 from __future__ import annotations
 
 import collections
-import importlib.util
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -12,15 +10,13 @@ import pytest
 
 from gbs.ptx_inline import hopper as hp
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "wgmma_fp8_probe.py"
+from script_modules import load_script
+
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("wgmma_fp8_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("wgmma_fp8_probe")
 
 
 def _tile_values(words: np.ndarray, rows: int) -> np.ndarray:
