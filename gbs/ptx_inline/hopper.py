@@ -392,12 +392,7 @@ def wgmma_bf16_rs(n: int):
     ``wgmma_a_register_position``, two bf16 per register, lower k in the low half), B (N x 16)
     K-major in shared memory. imm-scale-a = imm-scale-b = 1, imm-trans-b = 0 (B K-major).
     The path for A dequantised in registers (FP4/FP8 -> bf16)."""
-    count = _check_n("wgmma_bf16_rs", n)
-    a_regs = ", ".join(f"${count + i}" for i in range(4))
-    text = _wgmma_text(f"m64n{n}k16.f32.bf16.bf16", count, f"{{{a_regs}}}, ${count + 4}", "1, 1, 0")
-    return _wgmma_intrinsic(f"wgmma_bf16_rs({n})", text, count, ("a4", "desc", "scale"),
-                            "D[64x%d] (+)= A[64x16] @ B[16x%d], bf16 in, fp32 accumulate, A in "
-                            "registers.\n\n" % (n, n) + _WGMMA_COMMON_DOC.format(count=count, n=n))
+    return _wgmma_register_a("wgmma_bf16_rs", n, 16, "bf16", "1, 1, 0")
 
 
 @functools.cache
@@ -407,12 +402,18 @@ def wgmma_e4m3_rs(n: int):
     ``mma_m16n8k32_a_position`` of the thread's warp: rows 16 w + lane // 4 (+ 8 in registers 1, 3), k 4 (lane % 4)
     (+ 16 in registers 2, 3)), B (N x 32 bytes) K-major in shared memory; imm-scale-a = imm-scale-b = 1. The FP8
     route's path: A decoded in registers (FP4 -> E4M3, ``gbs.numba_kernels.fp8_decode``)."""
-    count = _check_n("wgmma_e4m3_rs", n)
+    return _wgmma_register_a("wgmma_e4m3_rs", n, 32, "e4m3", "1, 1")
+
+
+def _wgmma_register_a(name: str, n: int, k: int, dtype: str, tail: str):
+    """An m64nNk``k`` wgmma with A (4 u32 registers per thread) from registers and B from a shared-memory
+    descriptor; ``tail``: the immediates after scale_d (FP8 takes no transpose)."""
+    count = _check_n(name, n)
     a_regs = ", ".join(f"${count + i}" for i in range(4))
-    text = _wgmma_text(f"m64n{n}k32.f32.e4m3.e4m3", count, f"{{{a_regs}}}, ${count + 4}", "1, 1")
-    return _wgmma_intrinsic(f"wgmma_e4m3_rs({n})", text, count, ("a4", "desc", "scale"),
-                            "D[64x%d] (+)= A[64x32] @ B[32x%d], e4m3 in, fp32 accumulate, A in "
-                            "registers.\n\n" % (n, n) + _WGMMA_COMMON_DOC.format(count=count, n=n))
+    text = _wgmma_text(f"m64n{n}k{k}.f32.{dtype}.{dtype}", count, f"{{{a_regs}}}, ${count + 4}", tail)
+    return _wgmma_intrinsic(f"{name}({n})", text, count, ("a4", "desc", "scale"),
+                            "D[64x%d] (+)= A[64x%d] @ B[%dx%d], %s in, fp32 accumulate, A in "
+                            "registers.\n\n" % (n, k, k, n, dtype) + _WGMMA_COMMON_DOC.format(count=count, n=n))
 
 
 # ---------------------------------------------------------------------------------------------
