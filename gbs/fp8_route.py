@@ -344,3 +344,100 @@ def chunk_sum_bits_needed(a: FoldedOperand, b: FoldedOperand) -> np.ndarray:
         _, exponent = np.frexp(np.where(total > 0, total, 1.0))
         bits[:, :, c] = np.where(total > 0, (exponent - 1) - q + 1, 0)
     return bits
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. The H200 kernel's route: its bases, what it cannot represent, its tensor core's chunk error
+# ----------------------------------------------------------------------------------------------
+# Hopper's E4M3 wgmma keeps 14 significant bits of each k32 instruction's sum: adding 2^-g to a product (or an
+# accumulator) of 1 is exact for g <= 13 and lost from g = 14, in one instruction or across two (evidence:
+# fp8-wgmma-precision). Taken as: every addend of an instruction (its 32 products and the incoming accumulator) is
+# cut to a multiple of 2^(E - 13), E the exponent of the largest. A chunk whose sum of |products| is below
+# 2^(q + 14) (q: the exponent of the products' common quantum; ``chunk_sum_bits_needed <= 14``) is then summed
+# exactly; otherwise each of its 4 instructions errs by at most 33 x 2^-13 of the chunk's sum of |terms|.
+HOPPER_E4M3_SUM_BITS = 14
+K32_STEPS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK
+HOPPER_CHUNK_ERROR = K32_STEPS_PER_CHUNK * (MX_BLOCK + 1) * 2.0 ** -(HOPPER_E4M3_SUM_BITS - 1)
+KERNEL_WEIGHT_BASE_ROWS = 128      # the kernel's weight tile: one base per 128 rows and chunk
+FP32_FACTOR_LOG2 = (-149, 127)     # promotion factors 2^e exact in fp32 (subnormals included)
+
+
+def _chunk_tops(scales: np.ndarray) -> np.ndarray:
+    """(..., C) UE8M0 bytes -> (..., ceil(C / 4)) int: each 128-K chunk's largest finite byte, 0 if none
+    (``gbs.numba_kernels.fp8_decode.chunk_max_scale``); the atoms' padding columns are zeros."""
+    s = np.where(scales == UE8M0_NAN_BYTE, 0, scales.astype(np.int64))
+    pad = -s.shape[-1] % 4
+    s = np.concatenate([s, np.zeros(s.shape[:-1] + (pad,), np.int64)], axis=-1)
+    return s.reshape(*s.shape[:-1], -1, 4).max(axis=-1)
+
+
+def _live_blocks(data: np.ndarray, blocks: int) -> np.ndarray:
+    """(..., K/2) E2M1 bytes (``pack_fp4`` or ``E2M1E4M3Order``: magnitudes under 0x77 either way) -> (..., blocks)
+    bool: a nonzero element in the 32-element block."""
+    magnitude = (data & 0x77) != 0
+    pad = blocks * (MX_BLOCK // 2) - magnitude.shape[-1]
+    magnitude = np.concatenate([magnitude, np.zeros(magnitude.shape[:-1] + (pad,), bool)], axis=-1)
+    return magnitude.reshape(*magnitude.shape[:-1], blocks, MX_BLOCK // 2).any(axis=-1)
+
+
+def kernel_window_violations(problem: GroupedProblem) -> dict[str, int]:
+    """What the H200 FP8 route (``h200_wgmma``'s E4M3 consumer) cannot compute exactly for an MXFP4 x MXFP4
+    ``problem``, with the kernel's bases (per token row and chunk, per 128-row weight tile and chunk, over the finite
+    scales: ``fp8_decode``): ``token_blocks`` / ``weight_blocks``, live blocks below the window (the kernel makes
+    their outputs NaN); ``factors``, (slot, chunk) pairs whose promotion factor 2^(base_a + base_b) may leave
+    ``FP32_FACTOR_LOG2`` (checked on the extremes of the live chunks: a sufficient test). All 0: the route is exact
+    up to the accumulation (``HOPPER_CHUNK_ERROR``)."""
+    from .formats import unswizzle_scales
+
+    p = problem
+    if (p.a_format.name, p.b_format.name) != ("mxfp4", "mxfp4"):
+        raise ValueError(f"the FP8 route takes MXFP4 x MXFP4, got {p.a_format.name} x {p.b_format.name}")
+    blocks = p.a_format.scale_cols(p.k)
+    a = p.a_operand()
+    a_top = _chunk_tops(a.scales)                                            # (T, chunks)
+    a_live = _live_blocks(a.data, blocks)
+    b_scales = unswizzle_scales(p.b_scales)                                  # (E, bands * 128, cols padded)
+    e, rows, cols = b_scales.shape
+    b_top = _chunk_tops(b_scales).reshape(e, rows // KERNEL_WEIGHT_BASE_ROWS, KERNEL_WEIGHT_BASE_ROWS, -1).max(2)
+    b_live = _live_blocks(np.asarray(p.b), blocks)                           # (E, N, blocks)
+
+    def outside(scales, top, live):
+        d = scales.astype(np.int64) - np.repeat(top, 4, axis=-1)[..., :scales.shape[-1]] + FOLD_WINDOW[1]
+        return live & (scales != UE8M0_NAN_BYTE) & (d < FOLD_WINDOW[0])
+
+    token_blocks = int(outside(a.scales, a_top, a_live).sum())
+    b_row_top = np.repeat(b_top, KERNEL_WEIGHT_BASE_ROWS, axis=1)[:, :p.n]
+    weight_blocks = int(outside(b_scales[:, :p.n, :blocks], b_row_top, b_live).sum())
+    chunk_live = lambda live: _chunk_tops(np.where(live, 1, 0).astype(np.uint8)) > 0
+    a_base, b_base = a_top - UE8M0_BIAS - FOLD_WINDOW[1], b_top - UE8M0_BIAS - FOLD_WINDOW[1]
+    b_chunk_live = chunk_live(b_live)                                         # (E, N, chunks)
+    factors = 0
+    for g in p.active_slots():
+        ex, lo, hi = int(p.expert_ids[g]), int(p.a_offsets[g]), int(p.a_offsets[g + 1])
+        a_ok = chunk_live(a_live[lo:hi])
+        tile_live = np.zeros(b_base[ex].shape, bool)
+        n_live = b_chunk_live[ex]
+        pad = tile_live.shape[0] * KERNEL_WEIGHT_BASE_ROWS - p.n
+        tile_live[:] = np.concatenate([n_live, np.zeros((pad, n_live.shape[1]), bool)]).reshape(
+            tile_live.shape[0], KERNEL_WEIGHT_BASE_ROWS, -1).any(axis=1)
+        big = np.iinfo(np.int64).max
+        a_min = np.where(a_ok, a_base[lo:hi], big).min(axis=0)
+        a_max = np.where(a_ok, a_base[lo:hi], -big).max(axis=0)
+        b_min = np.where(tile_live, b_base[ex], big).min(axis=0)
+        b_max = np.where(tile_live, b_base[ex], -big).max(axis=0)
+        both = a_ok.any(axis=0) & tile_live.any(axis=0)
+        low = np.where(both, a_min + b_min, 0) < FP32_FACTOR_LOG2[0]
+        high = np.where(both, a_max + b_max, 0) > FP32_FACTOR_LOG2[1]
+        factors += int((low | high).sum())
+    return dict(token_blocks=token_blocks, weight_blocks=weight_blocks, factors=factors)
+
+
+def check_kernel_window(problem: GroupedProblem) -> None:
+    """ValueError, with the counts, where ``kernel_window_violations`` finds anything."""
+    found = kernel_window_violations(problem)
+    if any(found.values()):
+        raise ValueError(f"the FP8 route cannot compute this problem exactly: {found['token_blocks']} token and "
+                         f"{found['weight_blocks']} weight blocks lie more than 14 binades below their chunk's "
+                         f"largest (the window [-8, 6] with a base per token row / 128-row weight tile), "
+                         f"{found['factors']} promotion factors leave fp32; run it on the bf16 route (re-lay the "
+                         f"operands with gbs.plan.h200_weight_layout and 'e2m1_h200')")

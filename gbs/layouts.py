@@ -20,6 +20,7 @@ LAYOUT_PACKED = "packed"                    # pack_fp4's nibbles, as quantized (
 LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layout for the H200 kernels
 LAYOUT_E2M1_H200_TILED = "e2m1_h200_tiled"  # E2M1H200TiledOrder: the same bits, weights stored box by box
 LAYOUT_E2M1_H200_FUSED = "e2m1_h200_fused"  # E2M1H200FusedOrder: each box followed by its block scales
+LAYOUT_E2M1_E4M3 = "e2m1_e4m3"              # E2M1E4M3Order: the FP8 route's word order (MXFP4, both operands)
 
 
 def _e2m1_h200_destinations() -> tuple[int, ...]:
@@ -343,22 +344,32 @@ class E2M1H200FusedOrder(E2M1H200TiledOrder):
 
 
 class E2M1E4M3Order(_WordBitOrder):
-    """The word order of the FP8 route (issue 31 item 3; ``gbs.fp8_route``, ``gbs.numba_kernels.fp8_decode``): packed
-    E2M1 bytes with each word's 8 sign bits moved so that the decode to E4M3 bytes, the block's UE8M0 exponent
-    folded into an 8-byte magnitude table, takes 7 integer instructions per word (2 ``prmt``). NOT YET AN OPERAND
-    LAYOUT: no kernel reads it (``OPERAND_LAYOUTS`` does not list it); it fixes the bits the route's decode reads.
+    """The word order of the FP8 route (``gbs.fp8_route``, ``gbs.numba_kernels.fp8_decode``; the wgmma kernel's
+    E4M3 consumer reads it, ``gbs.numba_kernels.h200_wgmma``): packed E2M1 bytes with each word's 8 sign bits moved
+    so that the decode to E4M3 bytes, the block's UE8M0 exponent folded into an 8-byte magnitude table, takes 7
+    integer instructions per word (2 ``prmt``). MXFP4 only, tokens and weights (the route needs both operands in it).
 
     Magnitude bits (m, e0, e1) stay in place: nibble i's low 3 bits are element i's, so ``word & 0x7777`` is a
     ``prmt`` selector of elements 0-3 (``prmt`` reads the low 16 bits) and ``(word & 0x77777777) >> 16`` of elements
     4-7. The sign of element i < 4 goes to bit ``8 i + 7`` (nibble 2 i + 1's bit 3) and of element i + 4 to bit
     ``8 i + 3`` (nibble 2 i's bit 3), so ``word & 0x80808080`` and ``(word << 4) & 0x80808080`` are the E4M3 sign
     bits of the two output words, bytes in K order. A bijection of each word's bits; the K order is unchanged.
-    UE8M0 scales stay as they are (MX formats only: NVFP4's UE4M3 scales do not fold exactly)."""
+    UE8M0 scales stay as they are (NVFP4's UE4M3 scales do not fold exactly: ``SCALE_DTYPES``)."""
 
     MAGNITUDE_MASK = 0x77777777
     SIGN_MASK = 0x80808080        # element i's sign at bit 8 i + 7 (i < 4; i + 4: at 8 i + 3, << 4)
     HIGH_SIGN_SHIFT = 4
     ROLES = ("tokens", "weights")
+    SCALE_DTYPES = ("ue8m0",)       # the formats whose block scales fold into the decode
+    WORD_ORDER = LAYOUT_E2M1_E4M3
+    TILED = False
+
+    @staticmethod
+    def encode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
+        """UE8M0 scale bytes unchanged (a copy)."""
+        return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+    decode_scales = encode_scales
 
     @staticmethod
     def destinations() -> tuple[int, ...]:
@@ -476,12 +487,12 @@ def _tables_of(dest: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
 E2M1H200Order._TABLES = _tables_of(_e2m1_h200_destinations())
 E2M1E4M3Order._TABLES = _tables_of(E2M1E4M3Order.destinations())
 OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder,
-                   LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder}
+                   LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder, LAYOUT_E2M1_E4M3: E2M1E4M3Order}
 
 
 def word_order(layout: str) -> str:
     """The order of the bits inside each 4-byte word of ``layout`` (what a kernel's decode reads):
-    ``LAYOUT_PACKED`` or ``LAYOUT_E2M1_H200`` (also the tiled layout's)."""
+    ``LAYOUT_PACKED``, ``LAYOUT_E2M1_H200`` (also the tiled layouts') or ``LAYOUT_E2M1_E4M3``."""
     order = OPERAND_LAYOUTS[layout]
     return LAYOUT_PACKED if order is None else order.WORD_ORDER
 

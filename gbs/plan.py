@@ -34,11 +34,11 @@ import numpy as np
 
 from .dispatch import AUTO_STAGES, KernelConfig, dispatch_for, require_int, route_format_name
 from .formats import get_format
-from .layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
+from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
-from .numba_kernels.h200_wgmma import SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
-from .problem import layout_of, problem_format_name
+from .numba_kernels.h200_wgmma import FP8_MMA_BN, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
+from .problem import GroupedProblem, layout_of, problem_format_name
 from .schedule import check_num_ctas
 
 KERNELS = ("h200_stream", "h200_wgmma")
@@ -244,8 +244,17 @@ def min_tokens_per_expert(problem) -> int:
     return SWAPPED_MIN_TOKENS_PER_EXPERT if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
+def fp8_route(problem) -> bool:
+    """Whether ``problem``'s operands are in the FP8 route's layout (``LAYOUT_E2M1_E4M3``, MXFP4 tokens and weights):
+    the caller chose the route by re-laying them; only the wgmma kernel's E4M3 consumer reads that layout."""
+    return LAYOUT_E2M1_E4M3 in (layout_of(problem, "a"), layout_of(problem, "b"))
+
+
 def prefers_wgmma(problem) -> Rule | None:
     """The rule that sends ``problem`` to the wgmma kernel under ``"auto"``, or None (host metadata only)."""
+    if fp8_route(problem):
+        return Rule("kernel", "h200_wgmma: operands in the FP8 route's layout (its E4M3 consumer reads them)",
+                    "fp8-route-gpu")
     tokens = average_tokens_per_expert(problem)
     if tokens >= min_tokens_per_expert(problem):
         evidence = "swapped-tiles" if _both_fp4(problem) else "wgmma-min-tokens"
@@ -280,6 +289,11 @@ def wgmma_tile_tokens(problem, mma_bn: int) -> int:
 
 def wgmma_knobs(problem) -> tuple[dict, list[Rule]]:
     """The wgmma kernel's knobs for ``problem`` (host metadata only) and the rules that chose them."""
+    if fp8_route(problem):
+        return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0]),
+                [Rule("route", f"FP8: MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
+                               f"promotion per 128 K; 128 x {FP8_MMA_BN} tiles (chunk and total accumulators)",
+                      "fp8-route-gpu")])
     bn = fp8_tokens_swapped_bn(problem)
     if bn is not None:
         return (dict(mma_bn=bn, ab_swapped=True),
@@ -459,6 +473,11 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         rules.append(stage_rule)
     spec = _build_spec(kernel, problem, dict(knobs, stages=stages), trace)
     hl.check_can_implement(problem, spec)
+    if fp8_route(problem) and isinstance(problem, GroupedProblem):   # device problems: the kernel's NaN outputs
+        from .fp8_route import check_kernel_window
+
+        check_kernel_window(problem)
+        rules.append(Rule("window", "every live block folds into its chunk's window (checked on the host)"))
     return _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas)
 
 

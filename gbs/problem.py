@@ -298,6 +298,9 @@ def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:
     if not fmt.packed:
         raise ValueError(f"{operand}_layout {layout!r} re-lays FP4 (E2M1) {OPERAND_ROLES[operand]}; "
                          f"{operand} is {fmt.name}")
+    if fmt.scale_dtype not in getattr(order, "SCALE_DTYPES", (fmt.scale_dtype,)):
+        raise ValueError(f"{operand}_layout {layout!r} takes {' or '.join(order.SCALE_DTYPES)} block scales "
+                         f"(MXFP4); {operand} is {fmt.name} ({fmt.scale_dtype} scales)")
     if OPERAND_ROLES[operand] not in order.ROLES:
         raise ValueError(f"{operand}_layout {layout!r} is for {' or '.join(order.ROLES)}, not "
                          f"{OPERAND_ROLES[operand]}")

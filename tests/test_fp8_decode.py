@@ -62,7 +62,8 @@ def test_every_code_at_every_position_decodes_to_the_route_table(d):
 
 def test_nan_and_out_of_window_rows():
     """A NaN scale makes every element NaN (0x7F, or 0xFF with the sign: both E4M3 NaN); a block 9 or more below
-    the chunk's largest decodes to signed zeros and is marked for the fallback."""
+    the chunk's largest is marked out of window: its zeros stay (signed) zeros, every other code becomes NaN, so a
+    live block the route cannot represent is never silently dropped."""
     codes = np.arange(16, dtype=np.uint8)[:8]
     word = E2M1E4M3Order.swizzle(pack_fp4(np.concatenate([codes, codes + 8]))).view("<u4")
     assert fd.fold_table_row(0xFF, 200) == fd.NAN_ROW
@@ -72,7 +73,9 @@ def test_nan_and_out_of_window_rows():
     row = fd.fold_table_row(200 - 15, 200)   # d = -9
     assert fd.is_out_of_window(row) and not fd.is_out_of_window(fd.fold_table_row(200 - 14, 200))
     got = np.array([fd.decode_word(w, *fd.MAGNITUDE_TABLES[row]) for w in word], np.uint32).view(np.uint8)
-    np.testing.assert_array_equal(got.reshape(-1), np.repeat([0x00, 0x80], 8))   # codes 0-7, 8-15: signed zeros
+    got = got.reshape(2, 8)                   # codes 0-7, 8-15
+    np.testing.assert_array_equal(got[:, 0], [0x00, 0x80])
+    assert _is_nan_e4m3(got[:, 1:]).all()
 
 
 def test_chunk_max_skips_nan_scales():
@@ -104,10 +107,13 @@ def test_decode_operand_is_the_route_model_where_every_block_is_live():
     got, bases, outside = fd.decode_operand(E2M1E4M3Order.swizzle(q.data), q.scales)
     np.testing.assert_array_equal(bases, model.bases)
     np.testing.assert_array_equal(outside, ~model.in_window)
-    nan = _is_nan_e4m3(model.e4m3)
+    # out-of-window blocks: NaN where the model (whose fallback adds them) has zeros; the rest the same bytes
+    dropped = np.repeat(outside, 32, axis=1) & (np.unpackbits(q.data[..., None], axis=-1, bitorder="little")
+                                                .reshape(rows, k, 4)[..., :3].any(-1))
+    nan = _is_nan_e4m3(model.e4m3) | dropped
     np.testing.assert_array_equal(_is_nan_e4m3(got), nan)
     np.testing.assert_array_equal(got[~nan], model.e4m3[~nan])     # the same bytes, signed zeros included
-    assert outside[0, 1] and _is_nan_e4m3(got[2, 9 * 32:10 * 32]).all()
+    assert outside[0, 1] and _is_nan_e4m3(got[2, 9 * 32:10 * 32]).all() and dropped[0, 32:64].all()
 
 
 def test_decode_operand_is_the_route_model_of_finite_scales_with_zero_blocks():
@@ -124,7 +130,10 @@ def test_decode_operand_is_the_route_model_of_finite_scales_with_zero_blocks():
     q = BlockScaled(pack_fp4(codes), scales, get_format("mxfp4"))
     got, bases, outside = fd.decode_operand(E2M1E4M3Order.swizzle(q.data), q.scales)
     model = fold_operand(q, base_over="finite")
-    np.testing.assert_array_equal(got, model.e4m3)
+    inside = ~np.repeat(outside, 32, axis=1)
+    np.testing.assert_array_equal(got[inside], model.e4m3[inside])
+    live = (codes[0, 32:64] & 7) != 0
+    assert _is_nan_e4m3(got[0, 32:64][live]).all() and live.any()   # the pushed-out live block: NaN, not dropped
     np.testing.assert_array_equal(bases, model.bases)
     np.testing.assert_array_equal(outside, ~model.in_window)
     assert outside[0, 1] and fold_operand(q).in_window[0, 1]   # 20 below the zero block; live-only: in window

@@ -53,7 +53,7 @@ from .timing import (
 )
 from .verify import check_output
 from ..formats import BF16
-from ..layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
+from ..layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, LAYOUT_PACKED, word_order
 from ..problem import PROBLEM_FORMATS, GroupedProblem
 from ..reference import poison_output, reference_grouped_matmul
 
@@ -140,6 +140,9 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
 
     def prepare(problem: GroupedProblem, config):
         packed = problem
+        if layout == LAYOUT_E2M1_E4M3 and (problem.a_format.name, problem.b_format.name) != ("mxfp4", "mxfp4"):
+            raise NotImplementedError(f"the FP8 route takes MXFP4 x MXFP4, not {problem.a_format.name} x "
+                                      f"{problem.b_format.name}")
         if layout != LAYOUT_PACKED:
             if not problem.b_format.packed:
                 raise NotImplementedError(f"no {layout} re-layout for {problem.b_format.name} weights")
@@ -211,7 +214,8 @@ def launch_knobs(launcher) -> str:
 # ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200 and FP4 tokens come in that
 # order; ``gbs_auto_h200_tiled``: the same with the weights tiled box by box, ``E2M1H200TiledOrder``;
 # ``gbs_auto_h200_fused``: each box followed by its scales, ``E2M1H200FusedOrder``, the recommended one;
-# ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call); a loader raises
+# ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call; ``gbs_fp8_route``:
+# MXFP4 x MXFP4 in ``E2M1E4M3Order``, the wgmma kernel's E4M3 consumer, ``h200_wgmma._make_fp8_consumer``); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
@@ -221,7 +225,8 @@ BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_
                                                             relay_tokens=True),
                    "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
-                   "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma")}
+                   "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma"),
+                   "gbs_fp8_route": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3)}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 

@@ -2,9 +2,9 @@
 their block's UE8M0 exponent folded in, relative to a base per row and 128-K chunk (``gbs.fp8_route``: the
 arithmetic, the exact window [-8, 6], the promotion and its error bound).
 
-Status: building blocks, NOT YET USED BY A KERNEL. They are bit-exact against ``gbs.fp8_route`` on the host
-(``tests/test_fp8_decode.py``) and assemble for sm_90a (offline: ``decode_words_kernel``, 7 integer instructions
-per word of 8 elements); the wgmma consumer that feeds them to E4M3 ``wgmma`` is the route's next step.
+The wgmma kernel's E4M3 consumer (``h200_wgmma``, the FP8 route) runs them; they are bit-exact against
+``gbs.fp8_route`` on the host (``tests/test_fp8_decode.py``) and take 7 integer instructions per word of 8 elements
+(offline: ``decode_words_kernel``).
 
 Per row and chunk (the 4 UE8M0 scale bytes of a row's 128 K elements are one 32-bit word of the 128x4 atom):
 
@@ -15,8 +15,9 @@ Per row and chunk (the 4 UE8M0 scale bytes of a row's 128 K elements are one 32-
   the others still take the exact fallback.
 * ``fold_table_row(scale_byte, max_byte)``: the block's row of ``MAGNITUDE_TABLES``: ``d + 8`` for the folded
   exponent ``d = scale - max + 6`` in the window, ``NAN_ROW`` for a NaN scale (E4M3 NaN bytes: the block is NaN, as
-  in the reference), ``OUT_OF_WINDOW_ROW`` (zero bytes) for ``d < -8``: that block's exact contribution is the
-  fallback's (``is_out_of_window``).
+  in the reference), ``OUT_OF_WINDOW_ROW`` for ``d < -8`` (``is_out_of_window``): zero stays zero (padding
+  past K, all-zero blocks), every nonzero code becomes E4M3 NaN, so a live block the route cannot represent makes
+  its outputs NaN, never silently wrong (``gbs.plan`` refuses such host problems before a launch).
 * ``decode_word(word, t_lo, t_hi)`` (host; ``decode_word_device`` in kernels): 8 E2M1 codes -> 8 E4M3 bytes in K
   order, two words: ``prmt`` of the row's 8 magnitude bytes by the magnitude nibbles, OR the sign bits that
   ``E2M1E4M3Order`` put at bit 7 of each byte (elements 4-7: after a shift by 4). Mask, 2 ``prmt``, 2 ``lop3``, a
@@ -38,7 +39,7 @@ UE8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 WINDOW_ROWS = FOLD_WINDOW[1] - FOLD_WINDOW[0] + 1    # 15: d = -8 .. 6
 NAN_ROW = WINDOW_ROWS                                # E4M3 NaN for every code
-OUT_OF_WINDOW_ROW = WINDOW_ROWS + 1                  # zero bytes: the fallback adds the block
+OUT_OF_WINDOW_ROW = WINDOW_ROWS + 1                  # zero for code 0, NaN for the others: never silently wrong
 LOW_NIBBLES = 0x7777
 
 
@@ -48,6 +49,7 @@ def _magnitude_tables() -> np.ndarray:
     rows = np.zeros((OUT_OF_WINDOW_ROW + 1, 8), np.uint8)
     rows[:WINDOW_ROWS] = E2M1_TO_E4M3_TABLES[:, :8]
     rows[NAN_ROW] = E4M3_NAN
+    rows[OUT_OF_WINDOW_ROW, 1:] = E4M3_NAN
     return np.ascontiguousarray(rows).view("<u4").astype(np.uint32)
 
 

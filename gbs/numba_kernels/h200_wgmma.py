@@ -105,7 +105,8 @@ from numba import cuda, float32
 
 from gbs.dispatch import require_int
 from gbs.formats import SF_ATOM_ROWS
-from gbs.layouts import LAYOUT_PACKED
+from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_PACKED
+from gbs.numba_kernels import fp8_decode as fd
 from gbs.numba_kernels import h200_decode as hd
 from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels.h200_ring import CONSUMER_WAIT
@@ -114,7 +115,8 @@ from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
 from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
-from gbs.ptx_inline.shared import st_shared_u32, st_shared_v2_u32, st_shared_v4_u32
+from gbs.ptx_inline.shared import (ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_u32, st_shared_v2_u32,
+                                   st_shared_v4_u32)
 
 # ----------------------------------------------------------------------------------------------
 # Constants
@@ -167,6 +169,18 @@ SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte off
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
 OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
+# The FP8 route (``fp8_route``): one 128-K chunk per sub-step (the promotion interval), E4M3 B buffers of one
+# 128-byte row per weight row; two buffers (each sub-step waits for its warpgroup's previous MMAs before the
+# promotion, so buffer u % 2 is free again once every thread passed sub-step u + 1's barrier), and after them the
+# scratch: 2 x 8 words of the warps' chunk maxima (the weight tile's base, alternating by chunk parity) and the
+# 17 x 8-byte magnitude table (``fp8_decode.MAGNITUDE_TABLES``).
+FP8_CHUNK = 128
+E4M3_ROW_BYTES = 128
+FP8_BUFFERS = 2
+FP8_MMA_BN = 128
+WGMMA_K_E4M3 = 32
+FP8_MAXIMA_BYTES = 2 * CONSUMER_WARPGROUPS * WARPGROUP_WARPS * 4
+FP8_SCRATCH_BYTES = 256       # the maxima (64 B) and the table (136 B), rounded up
 @dataclass(frozen=True)
 class WgmmaSpec:
     """Everything the kernel is specialised on (hashable: compiled kernels are cached per spec)."""
@@ -203,6 +217,14 @@ class WgmmaSpec:
             raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
                              "ab_swapped must be True")
         self.ring   # format pair, layout and stage checks
+        if LAYOUT_E2M1_E4M3 in (self.a_layout, self.b_layout):
+            if (self.a_layout, self.b_layout) != (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_E4M3):
+                raise ValueError(f"the FP8 route reads both operands in {LAYOUT_E2M1_E4M3!r}; got a_layout="
+                                 f"{self.a_layout!r}, b_layout={self.b_layout!r}")
+            if (bn, tokens, self.ab_swapped) != (FP8_MMA_BN, TILE_TOKENS[0], False):
+                raise ValueError(f"the FP8 route runs 128-token x {FP8_MMA_BN}-row tiles, not swapped (its chunk and "
+                                 f"total accumulators fill the registers); got mma_bn={bn}, tile_tokens={tokens}, "
+                                 f"ab_swapped={self.ab_swapped}")
 
     @property
     def ring(self) -> hr.StreamSpec:
@@ -229,6 +251,11 @@ class WgmmaSpec:
         return self.ring.k_slice
 
     @property
+    def fp8_route(self) -> bool:
+        """MXFP4 x MXFP4 in ``E2M1E4M3Order`` (``LAYOUT_E2M1_E4M3``): the E4M3 consumer (``_make_fp8_consumer``)."""
+        return self.a_layout == LAYOUT_E2M1_E4M3
+
+    @property
     def m_tiles(self) -> int:
         """m64 accumulator tiles per consumer warpgroup: 1, or 2 with 256-token tiles."""
         return self.tile_tokens // (CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP)
@@ -237,6 +264,8 @@ class WgmmaSpec:
     def sub_k(self) -> int:
         """kappa (K elements) per sub-step: half a raw K slice (128 for FP4 x FP4, else 64), or 64
         with ``mma_bn`` 256 or 256-token tiles."""
+        if self.fp8_route:
+            return FP8_CHUNK
         return WIDE_SUB_K if self.mma_bn == 256 or self.m_tiles > 1 else self.k_slice // 2
 
     @property
@@ -291,7 +320,13 @@ class WgmmaSpec:
 
     @property
     def buffer_bytes(self) -> int:
+        if self.fp8_route:
+            return self.mma_bn * E4M3_ROW_BYTES
         return self.column_blocks * self.mma_bn * BF16_ROW_BYTES
+
+    @property
+    def buffers(self) -> int:
+        return FP8_BUFFERS if self.fp8_route else BF16_BUFFERS
 
     @property
     def buffers_offset(self) -> int:
@@ -299,9 +334,15 @@ class WgmmaSpec:
         return -(-self.ring.smem.dynamic_bytes // SW128_ATOM_BYTES) * SW128_ATOM_BYTES
 
     @property
+    def scratch_offset(self) -> int:
+        """Offset of the FP8 route's scratch (after the buffers)."""
+        return self.buffers_offset + self.buffers * self.buffer_bytes
+
+    @property
     def smem(self) -> "WgmmaSmem":
-        """The ring, then ``BF16_BUFFERS`` bf16 B buffers."""
-        return WgmmaSmem(self.buffers_offset + BF16_BUFFERS * self.buffer_bytes, self.ring.smem.static_bytes)
+        """The ring, then the B buffers (``BF16_BUFFERS`` bf16, or ``FP8_BUFFERS`` E4M3 and the scratch)."""
+        scratch = FP8_SCRATCH_BYTES if self.fp8_route else 0
+        return WgmmaSmem(self.scratch_offset + scratch, self.ring.smem.static_bytes)
 
 
 @dataclass(frozen=True)
@@ -382,7 +423,8 @@ def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
     (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
     ring = hr.make_ring(spec.ring)
-    return _kernel_frame(spec, ring, _make_bf16_consumer(spec, ring))
+    make_consumer = _make_fp8_consumer if spec.fp8_route else _make_bf16_consumer
+    return _kernel_frame(spec, ring, make_consumer(spec, ring))
 
 
 def _kernel_frame(spec: WgmmaSpec, ring, consume):
@@ -700,6 +742,212 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                            expert_scales[expert] * epilogue_scale)
             item += 1
 
+
+    return _device(consume)
+
+
+def fp8_weight_source(chunk: int, pair: int, block: int, xor: int) -> int:
+    """In-row byte offset, in the raw stage (128-byte rows, 128B swizzle: ``xor`` from ``h200_decode.swizzle_xor``),
+    of the 8 bytes (FP4 words ``2 pair`` and ``2 pair + 1`` of MX block ``block`` of the slice's 128-K chunk
+    ``chunk``) that a consumer thread of word pair ``pair`` decodes in its weight row."""
+    return ((64 * chunk + 16 * block) ^ xor) + 8 * pair
+
+
+def fp8_buffer_offset(b_row: int, step: int, high: int) -> int:
+    """Byte offset in an E4M3 B buffer (K-major, one 128-byte row per weight row, 128B swizzle) of the 16 bytes of
+    k32 step ``step`` that hold K positions ``16 high`` .. ``16 high + 15``: position ``4 q + i`` (+16) carries
+    element ``i`` (+4) of FP4 word ``step`` of block ``q`` (``fp8_a_word``)."""
+    return b_row * E4M3_ROW_BYTES + 16 * ((2 * step + high) ^ (b_row & SW128_CHUNK_MASK))
+
+
+def fp8_k_of(chunk_position: int) -> int:
+    """The element of the 128-K chunk that the route's ``wgmma`` K index ``chunk_position`` (0..127: step
+    ``chunk_position // 32``) carries: quad lane q's A registers of step s are FP4 word s of block q, so position
+    ``4 q + i`` of step s is element ``8 s + i`` of block q, and ``16 + 4 q + i`` element ``8 s + 4 + i``. A sum over K
+    ignores the order; the weights' buffer is written in the same one (``fp8_buffer_offset``)."""
+    step, position = divmod(chunk_position, WGMMA_K_E4M3)
+    high, rest = divmod(position, 16)
+    block, i = divmod(rest, 4)
+    return 32 * block + 8 * step + 4 * high + i
+
+
+def _make_fp8_consumer(spec: WgmmaSpec, ring):
+    """The FP8 route's consumer (``docs/design/h200_port.md``, "The FP8 route"): MXFP4 x MXFP4 in ``E2M1E4M3Order``,
+    each block's UE8M0 exponent folded into its FP4 -> E4M3 decode (``fp8_decode``) relative to a base per token
+    row and per weight tile (128 rows) and chunk; per 128-K chunk 4 x ``wgmma m64n128k32 .e4m3`` (A in registers)
+    into a chunk accumulator, which is promoted into the fp32 total with one FFMA per accumulator,
+    ``total += chunk * 2^(base_row + base_tile)``, once the next chunk is decoded. A device function for
+    ``_kernel_frame``."""
+    ring_spec = spec.ring
+    read_work_record = ring.read_work_record
+    stages, lay = ring_spec.stages, ring_spec.smem
+    stage_bytes = lay.stage_bytes
+    m_side, n_side = ring_spec.m_side, ring_spec.n_side
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
+    atoms = m_side.sf_atoms_per_slice
+    if (m_side.row_bytes, n_side.row_bytes, spec.subs_per_slice) != (E4M3_ROW_BYTES, E4M3_ROW_BYTES, 2):
+        raise AssertionError("the FP8 route reads 128-byte FP4 rows (256-K slices: two 128-K chunks each)")
+    mma_bn = spec.mma_bn
+    num_acc = mma_bn // 2
+    buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
+    scratch_off = spec.scratch_offset
+    table_off = scratch_off + FP8_MAXIMA_BYTES
+    table_words = fd.MAGNITUDE_TABLES.size
+    magnitude_table = np.ascontiguousarray(fd.MAGNITUDE_TABLES).reshape(-1)
+    m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
+    mma = hp.wgmma_e4m3_rs(mma_bn)
+    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
+    promote = hp.promote_accumulator_rows
+    sf_offset = _device(scale_byte_offset)
+    swizzle = _device(hd.swizzle_xor)
+    weight_source = _device(fp8_weight_source)
+    buffer_offset = _device(fp8_buffer_offset)
+    advance = _device(hp.wgmma_descriptor_advance)
+    chunk_max, table_row = fd.chunk_max_scale_device, fd.fold_table_row_device
+    base_log2, decode = fd.promotion_log2_device, fd.decode_word_device
+    store_tile = _make_store_tile(num_acc)
+    consumer_threads = CONSUMER_THREADS
+    CONSUMER_BARRIER, MBARRIER_BYTES = hr.CONSUMER_BARRIER, hr.MBARRIER_BYTES
+    DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = (
+        hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES)
+    TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
+    ROW_BYTES, STEPS, A_WORDS = E4M3_ROW_BYTES, FP8_CHUNK // WGMMA_K_E4M3, A_FRAGMENT_SETS * 4 * (FP8_CHUNK //
+                                                                                                WGMMA_K_E4M3)
+    A_SET_WORDS = A_WORDS // A_FRAGMENT_SETS
+
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
+        lane = cm.laneid()
+        base = np.uint32(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        thread = np.uint32(cw * 32 + lane)
+        if thread < table_words:
+            st_shared_u32(base + table_off + 4 * thread, magnitude_table[thread])
+        g = lane >> 2
+        q = lane & 3
+        # A side: token rows m_row and m_row + 8 (warpgroup cw // 4, warp cw % 4); lane q reads block q of each chunk
+        m_row = (cw // WARPGROUP_WARPS_) * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
+        m_xor = np.uint32(swizzle(m_row, ROW_BYTES, m_mask))
+        m_row_addr = np.uint32(m_data_off + m_row * ROW_BYTES)
+        # B side: weight row b_row, FP4 words 2 pair, 2 pair + 1 of each block (k32 steps 2 pair, 2 pair + 1)
+        b_row = thread >> 1
+        pair = thread & 1
+        b_xor = np.uint32(swizzle(b_row, ROW_BYTES, n_mask))
+        b_row_addr = np.uint32(n_data_off + b_row * ROW_BYTES)
+        buffers = np.uint32(base + buffers_off)
+        maxima = np.uint32(base + scratch_off)
+        table = np.uint32(base + table_off)
+        desc0 = hp.wgmma_smem_descriptor_device(buffers, SW128_LEADING_BYTES_, SW128_ATOM_BYTES_, "128B")
+        a_frag = cuda.local.array(A_WORDS, np.uint32)
+        low = cuda.local.array(8, np.uint32)    # [step of the pair][block]
+        high = cuda.local.array(8, np.uint32)
+        acc_out = cuda.local.array(num_acc, float32)
+        total = zero_acc()
+        chunk_acc = zero_acc()
+        factor_lo = float32(0.0)
+        factor_hi = float32(0.0)
+        cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)   # the table is in
+        buffer = np.uint32(0)
+        stage = np.int64(0)
+        phase = np.int64(0)
+        item = np.int64(0)
+        while item < max_tiles:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
+                break
+            m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+            n_sf_row0 = r0 % SF_ATOM_ROWS
+            for _ in range(k_slices):
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                st_m = np.uint32(st + m_row_addr)
+                st_b = np.uint32(st + b_row_addr)
+                for chunk in range(2):   # unrolled: the chunk's parity picks the maxima slots and the A set
+                    a_set = A_SET_WORDS * chunk
+                    # 1. the weight tile's base: the largest finite scale byte of its 128 rows in this chunk
+                    w_scales = ld_shared_u32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + b_row), 4 * chunk,
+                                                                       atoms))
+                    warp_top = cm.warp_max_u32(chunk_max(w_scales))
+                    if lane == 0:
+                        st_shared_u32(maxima + 32 * chunk + 4 * cw, warp_top)
+                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                    t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima + 32 * chunk)
+                    t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 32 * chunk + 16)
+                    tile_top = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                    # 2. the weights: E4M3 rows of the chunk into the free buffer
+                    b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                    for block in range(4):
+                        row = table_row(np.int32((w_scales >> (8 * block)) & 0xFF), np.int32(tile_top))
+                        tab_lo, tab_hi = ld_shared_v2_u32(table + 8 * row)
+                        w0, w1 = ld_shared_v2_u32(st_b + weight_source(chunk, pair, block, b_xor))
+                        low[block], high[block] = decode(w0, tab_lo, tab_hi)
+                        low[4 + block], high[4 + block] = decode(w1, tab_lo, tab_hi)
+                    for j in range(2):
+                        step = 2 * pair + j
+                        st_shared_v4_u32(b_addr + buffer_offset(b_row, step, 0), low[4 * j], low[4 * j + 1],
+                                         low[4 * j + 2], low[4 * j + 3])
+                        st_shared_v4_u32(b_addr + buffer_offset(b_row, step, 1), high[4 * j], high[4 * j + 1],
+                                         high[4 * j + 2], high[4 * j + 3])
+                    cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                    # 3. the tokens: FP4 words 0..3 of block q of rows m_row, m_row + 8, one base per row
+                    a_scales_lo = ld_shared_u32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row), 4 * chunk,
+                                                                          atoms))
+                    a_scales_hi = ld_shared_u32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8),
+                                                                          4 * chunk, atoms))
+                    top_lo, top_hi = np.int32(chunk_max(a_scales_lo)), np.int32(chunk_max(a_scales_hi))
+                    tab_lo_g, tab_hi_g = ld_shared_v2_u32(table + 8 * table_row(
+                        np.int32((a_scales_lo >> (8 * q)) & 0xFF), top_lo))
+                    tab_lo_h, tab_hi_h = ld_shared_v2_u32(table + 8 * table_row(
+                        np.int32((a_scales_hi >> (8 * q)) & 0xFF), top_hi))
+                    source = np.uint32((64 * chunk + 16 * q) ^ m_xor)
+                    g0, g1, g2, g3 = ld_shared_v4_u32(st_m + source)
+                    h0, h1, h2, h3 = ld_shared_v4_u32(st_m + 8 * ROW_BYTES + source)
+                    a_frag[a_set + 0], a_frag[a_set + 2] = decode(g0, tab_lo_g, tab_hi_g)
+                    a_frag[a_set + 1], a_frag[a_set + 3] = decode(h0, tab_lo_h, tab_hi_h)
+                    a_frag[a_set + 4], a_frag[a_set + 6] = decode(g1, tab_lo_g, tab_hi_g)
+                    a_frag[a_set + 5], a_frag[a_set + 7] = decode(h1, tab_lo_h, tab_hi_h)
+                    a_frag[a_set + 8], a_frag[a_set + 10] = decode(g2, tab_lo_g, tab_hi_g)
+                    a_frag[a_set + 9], a_frag[a_set + 11] = decode(h2, tab_lo_h, tab_hi_h)
+                    a_frag[a_set + 12], a_frag[a_set + 14] = decode(g3, tab_lo_g, tab_hi_g)
+                    a_frag[a_set + 13], a_frag[a_set + 15] = decode(h3, tab_lo_h, tab_hi_h)
+                    tile_log2 = base_log2(np.int32(tile_top))
+                    next_lo = cuda.libdevice.ldexpf(float32(1.0), np.int32(base_log2(top_lo) + tile_log2))
+                    next_hi = cuda.libdevice.ldexpf(float32(1.0), np.int32(base_log2(top_hi) + tile_log2))
+                    # 4. the previous chunk's MMAs (this warpgroup's) are done: promote it
+                    hp.wgmma_wait_group_0()
+                    chunk_acc = hp.wgmma_fence_accumulators(chunk_acc)
+                    total = promote(total, chunk_acc, factor_lo, factor_hi)
+                    factor_lo, factor_hi = next_lo, next_hi
+                    # 5. meet the other warpgroup (the buffer is complete), then issue this chunk's MMAs
+                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                    hp.wgmma_fence()
+                    b_desc = advance(desc0, buffer * (buffer_bytes // DESCRIPTOR_UNIT_BYTES))
+                    for s in range(STEPS):
+                        chunk_acc = mma(chunk_acc, (a_frag[a_set + 4 * s], a_frag[a_set + 4 * s + 1],
+                                                    a_frag[a_set + 4 * s + 2], a_frag[a_set + 4 * s + 3]),
+                                        advance(b_desc, (WGMMA_K_E4M3 * s) // DESCRIPTOR_UNIT_BYTES),
+                                        np.uint32(s != 0))
+                    hp.wgmma_commit_group()
+                    buffer ^= np.uint32(1)
+                # every read of the raw stage is done (the MMAs read the E4M3 buffers)
+                cuda.syncwarp()
+                if lane == 0:
+                    mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+            hp.wgmma_wait_group_0()
+            chunk_acc = hp.wgmma_fence_accumulators(chunk_acc)
+            total = promote(total, chunk_acc, factor_lo, factor_hi)
+            hp.accumulators_to_array(total, acc_out)
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+            total = zero_acc()
+            chunk_acc = zero_acc()   # the next tile's first promotion adds 0 x 0
+            factor_lo = float32(0.0)
+            factor_hi = float32(0.0)
+            item += 1
 
     return _device(consume)
 

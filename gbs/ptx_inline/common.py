@@ -225,6 +225,11 @@ store_global_u64 = ptx_intrinsic(
     doc="64-bit store of ``value`` at the 8-byte aligned global address ``address``.")
 
 
+warp_max_u32 = ptx_intrinsic(
+    "warp_max_u32", "redux.sync.max.u32 $0, $1, 0xffffffff;", [("value", "u32")], result="u32", memory=False,
+    doc="The largest ``value`` of the full warp, in every lane (``redux.sync``, sm_80+; every lane must call it).")
+
+
 named_barrier_sync = ptx_intrinsic(
     "named_barrier_sync", "bar.sync $0, $1;", [("barrier_id", "u32"), ("nthreads", "u32")],
     doc="""Wait at named barrier ``barrier_id`` until ``nthreads`` threads have arrived.

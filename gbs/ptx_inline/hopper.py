@@ -293,6 +293,29 @@ def accumulators_to_array(typingctx, acc, arr):
     return types.void(acc, arr), codegen
 
 
+@intrinsic
+def promote_accumulator_rows(typingctx, total, chunk, factor_lo, factor_hi):
+    """``total[i] + chunk[i] * factor`` (one FFMA per accumulator) with ``factor_lo`` for the accumulators of a
+    thread's row g (``(i >> 1) & 1 == 0``: ``wgmma_accumulator_position``) and ``factor_hi`` for row g + 8: the FP8
+    route's promotion of a chunk's E4M3 partial sums into the fp32 total (one power of two per token row)."""
+    for name, arg in (("total", total), ("chunk", chunk)):
+        if not (isinstance(arg, types.UniTuple) and arg.dtype == types.float32):
+            raise TypeError(f"promote_accumulator_rows: {name} must be a UniTuple of float32, got {arg}")
+    if total.count != chunk.count:
+        raise TypeError(f"promote_accumulator_rows: total has {total.count} accumulators, chunk {chunk.count}")
+
+    def codegen(context, builder, sig, args):
+        t, c, f_lo, f_hi = args
+        out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+        for i in range(sig.return_type.count):
+            factor = f_hi if (i >> 1) & 1 else f_lo
+            out = builder.insert_value(out, builder.fma(builder.extract_value(c, i), factor,
+                                                        builder.extract_value(t, i)), i)
+        return out
+
+    return total(total, chunk, types.float32, types.float32), codegen
+
+
 def _wgmma_intrinsic(name, text, count, operand_kinds, doc):
     """wgmma with ``count`` tied f32 accumulators followed by operands of ``operand_kinds``
     ('a4' = UniTuple(uint32, 4) register A, 'desc' = u64 descriptor, 'scale' = u32 predicate)."""

@@ -1,0 +1,258 @@
+"""The FP8 route's kernel (issue 31 item 3): the wgmma kernel's E4M3 consumer (``h200_wgmma._make_fp8_consumer``) on
+MXFP4 x MXFP4 problems whose operands are in ``E2M1E4M3Order`` (``LAYOUT_E2M1_E4M3``).
+
+CPU: the route's K order (the tokens' A registers and the weights' E4M3 buffer carry the same element at every K
+position), the plan's rules and refusals (the streaming kernel, one operand re-laid, NVFP4, blocks outside the
+window with the kernel's bases, counted by ``fp8_route.kernel_window_violations``), the build's SASS (E4M3 wgmma,
+no local memory in the K loop).
+
+GPU (the H200): against the exact reference, with the route's contract (``check_route``): bit-identical wherever the
+tensor core sums every chunk exactly (``chunk_sum_bits_needed <= 14``, evidence: fp8-wgmma-precision) and the fp32
+promotions are exact, every output within ``fp8_route_error_bound(chunk_error=HOPPER_CHUNK_ERROR)`` elsewhere,
+skipped rows keep the poison, NaN blocks give NaN where the reference has it. Cases: ragged groups with an empty
+group, a -1 slot and a 1-token group, N and K tails (gpt-oss K = 2880), DeepSeek's K = 7168, blocks at both ends of
+the window, a block beyond it (NaN outputs, never silently dropped), NaN-scale blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+from gbs import fp8_route as fr
+from gbs.exactness import FP64_UNIT, exact_values, gamma, round_to_bf16
+from gbs.formats import pack_fp4, swizzle_scales, unswizzle_scales
+from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, E2M1E4M3Order
+from gbs.numba_kernels import fp8_decode as fd
+from gbs.numba_kernels import h200_launch as hl
+from gbs.numba_kernels import h200_ring as hr
+from gbs.numba_kernels import h200_wgmma as hw
+from gbs.numba_kernels import launch
+from gbs.plan import plan_h200
+from gbs.problem import build_problem
+from gbs.reference import is_poison, reference_grouped_matmul
+
+from gbs.ptx_inline import offline
+
+ROUTE = LAYOUT_E2M1_E4M3
+GROUP_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
+EXPERT_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
+
+
+def gaussian_problem(n: int, k: int, seed: int, group_sizes=GROUP_SIZES, expert_ids=EXPERT_IDS, experts: int = 8):
+    rng = np.random.default_rng(seed)
+    tokens = rng.standard_normal((sum(group_sizes), k)).astype(np.float32)
+    weights = rng.standard_normal((experts, n, k)).astype(np.float32)
+    return build_problem(tokens, weights, list(group_sizes), list(expert_ids), fmt="mxfp4")
+
+
+def on_route(problem):
+    return problem.with_a_layout(ROUTE).with_b_layout(ROUTE)
+
+
+def with_scales(problem, a_linear=None, b_linear=None):
+    """``problem`` with linear scale bytes replaced (tokens: (T, C), written into each group's 128-row bands;
+    weights (E, N, C))."""
+    changes = {}
+    if b_linear is not None:
+        changes["b_scales"] = swizzle_scales(b_linear.astype(np.uint8))
+    if a_linear is not None:
+        atoms = problem.a_scales.copy()
+        for g, (lo, hi) in enumerate(zip(problem.a_offsets[:-1].tolist(), problem.a_offsets[1:].tolist())):
+            if hi == lo:
+                continue
+            first = int(problem.a_scale_offsets[g])   # the group's first 128-row band
+            bands = slice(first, first + -(-(hi - lo) // 128))
+            band = unswizzle_scales(atoms[bands][None])[0]
+            band[:hi - lo, :a_linear.shape[1]] = a_linear[lo:hi]
+            atoms[bands] = swizzle_scales(band[None])[0]
+        changes["a_scales"] = atoms
+    return dataclasses.replace(problem, **changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the K order, the plan, the build
+# ----------------------------------------------------------------------------------------------
+def test_the_tokens_registers_and_the_weights_buffer_carry_the_same_element_at_every_k():
+    """Host emulation of both sides' placement for one row of one chunk: the weights' thread (row, pair) writes the
+    decode of FP4 word s of block b to ``fp8_buffer_offset(row, s, high)`` + 4 b; quad lane q's A registers of step
+    s hold the decode of word s of block q (registers 0 / 2: the low / high words). Position 4 q + i of step s (+16)
+    then carries element ``fp8_k_of`` on both sides, a permutation of the chunk."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 16, 128, dtype=np.uint8)
+    words = E2M1E4M3Order.swizzle(pack_fp4(codes)).view("<u4")        # 16 words: block b = words 4 b .. 4 b + 3
+    t_lo, t_hi = fd.MAGNITUDE_TABLES[fd.fold_table_row(127, 127)]      # d = 6
+    table = fr.e2m1_to_e4m3_table(6)
+    for row in (0, 5, 13):
+        buffer = np.zeros(hw.E4M3_ROW_BYTES, np.uint8)
+        for block in range(4):
+            for s in range(4):
+                low, high = fd.decode_word(int(words[4 * block + s]), t_lo, t_hi)
+                for part, word in ((0, low), (1, high)):
+                    at = hw.fp8_buffer_offset(row, s, part) - row * hw.E4M3_ROW_BYTES + 4 * block
+                    buffer[at:at + 4] = np.array([word], "<u4").view(np.uint8)
+        for position in range(hw.FP8_CHUNK):
+            s, rest = divmod(position, hw.WGMMA_K_E4M3)
+            high, rest = divmod(rest, 16)
+            chunk16 = (2 * s + high) ^ (row & hw.SW128_CHUNK_MASK)
+            assert buffer[16 * chunk16 + rest] == table[codes[hw.fp8_k_of(position)]], (row, position)
+    for position in range(hw.FP8_CHUNK):   # the A side: lane q = block, register word = word s of the block
+        s, rest = divmod(position, hw.WGMMA_K_E4M3)
+        high, rest = divmod(rest, 16)
+        q, i = divmod(rest, 4)
+        low, hi = fd.decode_word(int(words[4 * q + s]), t_lo, t_hi)
+        byte = np.array([hi if high else low], "<u4").view(np.uint8)[i]
+        assert byte == table[codes[hw.fp8_k_of(position)]]
+    assert sorted(hw.fp8_k_of(p) for p in range(hw.FP8_CHUNK)) == list(range(hw.FP8_CHUNK))
+
+
+def test_plan_runs_the_route_on_the_wgmma_kernel_and_refuses_what_it_cannot_read():
+    problem = gaussian_problem(320, 2880, seed=1)
+    plan = plan_h200(on_route(problem))
+    assert plan.kernel == "h200_wgmma" and plan.spec.fp8_route
+    assert (plan.spec.mma_bn, plan.spec.tile_tokens, plan.spec.ab_swapped) == (hw.FP8_MMA_BN, 128, False)
+    names = [r.name for r in plan.rules]
+    assert {"route", "window", "K tail"} <= set(names)
+    assert "evidence fp8-route-gpu" in plan.explain()
+    with pytest.raises(ValueError, match="E4M3 consumer only"):
+        plan_h200(on_route(problem), backend="h200_stream")
+    with pytest.raises(ValueError, match="both operands"):
+        plan_h200(problem.with_a_layout(LAYOUT_E2M1_H200).with_b_layout(ROUTE))
+    with pytest.raises(ValueError, match="128-token"):
+        hw.WgmmaSpec("mxfp4", "mxfp4", 256, 2, a_layout=ROUTE, b_layout=ROUTE)
+    nv = build_problem(np.ones((4, 256), np.float32), np.ones((1, 128, 256), np.float32), [4], [0], fmt="nvfp4")
+    with pytest.raises(ValueError, match="ue8m0"):
+        nv.with_b_layout(ROUTE)
+
+
+def test_blocks_outside_the_kernels_window_are_counted_and_refused():
+    """A weight block 15 binades below its 128-row tile's largest in that chunk (d = -9) is out of the kernel's
+    window (its base is the tile's, not the row's); 14 below (d = -8) is in. Tokens: per row. Zero blocks never
+    count."""
+    problem = gaussian_problem(256, 512, seed=2, group_sizes=(40, 90), expert_ids=(0, 1), experts=2)
+    assert fr.kernel_window_violations(problem) == dict(token_blocks=0, weight_blocks=0, factors=0)
+    b = unswizzle_scales(problem.b_scales, problem.n, 16).copy()
+    top = b[1, :128, 4:8].max()
+    b[1, 0, 4:8] = top                    # row 0 sets the tile's top in chunk 1
+    b[1, 7, 5] = top - 14                 # d = -8: in the window
+    assert fr.kernel_window_violations(with_scales(problem, b_linear=b))["weight_blocks"] == 0
+    b[1, 9, 6] = top - 15                 # d = -9: out
+    bad = with_scales(problem, b_linear=b)
+    assert fr.kernel_window_violations(bad) == dict(token_blocks=0, weight_blocks=1, factors=0)
+    with pytest.raises(ValueError, match="0 token and 1 weight blocks"):
+        plan_h200(on_route(bad))
+    a = problem.a_operand().scales.copy()
+    a[3, 0], a[3, 1] = 140, 140 - 15
+    assert fr.kernel_window_violations(with_scales(problem, a_linear=a))["token_blocks"] == 1
+
+
+def test_route_build_issues_e4m3_wgmma_without_local_memory_in_the_k_loop():
+    """Offline (ptxas, sm_90a): 8 QGMMA (two chunks of 4 k32 steps per slice, unrolled), the first of each chunk
+    starting a fresh accumulator, and no local memory from the first to the last."""
+    spec = hw.WgmmaSpec("mxfp4", "mxfp4", 128, 4, a_layout=ROUTE, b_layout=ROUTE)
+    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
+                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+    instructions = offline.sass_instructions(offline.disassemble(cubin))
+    qgmma = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA.64x128x32.F32.E4M3.E4M3")]
+    assert len(qgmma) == 8
+    assert not [ins for ins in instructions[qgmma[0]:qgmma[-1]] if re.match(r"(LDL|STL)\b", ins)]
+    assert not any(ins.startswith("HGMMA") for ins in instructions)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+def chunk_exact(problem) -> np.ndarray:
+    """(T, N) bool: every chunk of the output needs at most ``HOPPER_E4M3_SUM_BITS`` significant bits (the kernel's
+    bases; the count does not depend on them)."""
+    exact = np.zeros((problem.total_tokens, problem.n), bool)
+    a = problem.a_operand()
+    for g in problem.active_slots():
+        lo, hi = int(problem.a_offsets[g]), int(problem.a_offsets[g + 1])
+        rows = type(a)(a.data[lo:hi], a.scales[lo:hi], a.fmt)
+        fa = fr.fold_operand(rows, base_over="finite")
+        fb = fr.fold_operand(problem.b_operand(int(problem.expert_ids[g])), base_over="finite",
+                             base_rows=fr.KERNEL_WEIGHT_BASE_ROWS)
+        exact[lo:hi] = (fr.chunk_sum_bits_needed(fa, fb) <= fr.HOPPER_E4M3_SUM_BITS).all(axis=2)
+    return exact
+
+
+def check_route(problem, out) -> dict:
+    """The route's contract (module docstring); returns the counts, raises AssertionError on a breach."""
+    written = problem.written_rows()
+    assert np.all(is_poison(out[~written])), "rows of skipped slots were written"
+    rows = np.flatnonzero(written)
+    exact, magnitude, exact_sum = exact_values(problem)
+    ref = reference_grouped_matmul(problem)
+    o, r = out[rows].astype(np.float64), ref[rows].astype(np.float64)
+    e, t = exact[rows], magnitude[rows]
+    nan = np.isnan(r)
+    np.testing.assert_array_equal(np.isnan(o), nan, err_msg="NaN where the reference has none, or none where it has")
+    scale = float(np.max(np.abs(problem.expert_scales)))
+    bound = ((fr.fp8_route_error_bound(problem.k, chunk_error=fr.HOPPER_CHUNK_ERROR)
+              + 2 * gamma(problem.k + 1, FP64_UNIT)) * t + fr.fp8_route_absolute_slack(problem.k, expert_scale=scale))
+    with np.errstate(invalid="ignore"):
+        inside = ((o >= round_to_bf16(e - bound)) & (o <= round_to_bf16(e + bound))) | nan
+    assert inside.all(), f"{int((~inside).sum())} outputs outside the route's bound"
+    must = (exact_sum & chunk_exact(problem))[rows] & ~nan
+    identical = out.view(np.uint16)[rows] == ref.view(np.uint16)[rows]
+    assert np.all(identical[must]), f"{int((must & ~identical).sum())} outputs with exact sums differ in bits"
+    return dict(elements=int(o.size), bit_identical=int(identical.sum()), asserted=int(must.sum()),
+                max_rel=float(np.nanmax(np.abs(o - e) / np.maximum(t, 1e-300))))
+
+
+def _run(problem, plan=None):
+    if launch.gpu_compute_capability() != hr.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    routed = on_route(problem)
+    return hl.run(routed, plan or plan_h200(routed), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168), (128, 256)])
+def test_gpu_route_matches_the_reference_on_ragged_groups_and_tails(n, k):
+    problem = gaussian_problem(n, k, seed=zlib.crc32(f"route/{n}/{k}".encode()))
+    counts = check_route(problem, _run(problem))
+    assert counts["asserted"] > 0.5 * counts["elements"], counts   # Gaussian data: mostly exact chunk sums
+    print(counts)
+
+
+@pytest.mark.gpu
+def test_gpu_route_blocks_at_both_ends_of_the_window_and_nan_blocks():
+    """Per chunk, a token row and a weight tile with blocks at d = 6 (the chunk's largest) and d = -8 (14 below):
+    exact. A NaN-scale token block and a NaN-scale weight block: NaN rows / columns, as the reference."""
+    problem = gaussian_problem(256, 1024, seed=7, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3)
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
+    a[:, 0::4] = 130
+    a[:, 1::4] = 130 - 14
+    b[:, :, 0::4] = 132
+    b[:, 5, 2::4] = 132 - 14
+    a[10, 9] = 0xFF
+    b[2, 17, 20] = 0xFF
+    edge = with_scales(problem, a_linear=a, b_linear=b)
+    assert fr.kernel_window_violations(edge) == dict(token_blocks=0, weight_blocks=0, factors=0)
+    counts = check_route(edge, _run(edge))
+    print(counts)
+
+
+@pytest.mark.gpu
+def test_gpu_route_makes_a_block_beyond_the_window_nan_never_drops_it():
+    """A live weight block 15 binades below its tile's top (d = -9), run with the plan of its in-window twin (the
+    host check refuses it): the outputs of that weight row are NaN for every token of the expert, the rest exact."""
+    problem = gaussian_problem(256, 512, seed=9, group_sizes=(50, 60), expert_ids=(0, 1), experts=2)
+    b = unswizzle_scales(problem.b_scales, problem.n, 16).copy()
+    b[1, :128, 4:8] = 126
+    b[1, 0, 4:8] = 140
+    twin = with_scales(problem, b_linear=b.copy())
+    b[1, 9, 6] = 140 - 15
+    bad = with_scales(problem, b_linear=b)
+    plan = plan_h200(on_route(twin))
+    out = _run(bad, plan)
+    assert np.isnan(out[50:110, 9].astype(np.float32)).all()
+    keep = np.ones(bad.n, bool)
+    keep[9] = False
+    assert not np.isnan(out[:, keep].astype(np.float32)).any()
