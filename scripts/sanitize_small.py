@@ -21,7 +21,7 @@ import numpy as np
 from gbs.numba_kernels import h200_launch, simt
 from gbs.plan import plan_h200
 from gbs.problem import build_problem, random_activations, random_weights
-from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
+from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
 from gbs.reference import check_acceptance
 from gbs.schedule import TileConfig
 
@@ -157,6 +157,10 @@ def run_cases(args: set, results: list) -> int:
                 wide_relaid = wide.with_b_layout(LAYOUT_E2M1_H200).with_a_layout(LAYOUT_E2M1_H200)
                 cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_H200), wide_relaid,
                               lambda: wgmma(wide_relaid, 128, tile_tokens=256)))
+        if fmt == "mxfp4" and "h200_wgmma" in kernels:   # the FP8 route: its E4M3 consumer
+            route = p.with_a_layout(LAYOUT_E2M1_E4M3).with_b_layout(LAYOUT_E2M1_E4M3)
+            cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3), route,
+                          lambda: h200_launch.run(route, plan_h200(route), None)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:

@@ -78,6 +78,14 @@ def test_nan_and_out_of_window_rows():
     assert _is_nan_e4m3(got[:, 1:]).all()
 
 
+def test_power_of_two_bits_is_ldexp_in_fp32_with_subnormals_and_the_ends():
+    for e in range(-160, 140):
+        got = np.array([fd.power_of_two_bits(e)], np.uint32).view(np.float32)[0]
+        with np.errstate(over="ignore"):
+            want = np.float32(np.ldexp(1.0, e)) if e <= 127 else np.float32(np.inf)
+        assert got == want, e
+
+
 def test_chunk_max_skips_nan_scales():
     word = lambda b: int(np.array(b, np.uint8).view("<u4")[0])
     assert fd.chunk_max_scale(word([120, 130, 0xFF, 7])) == 130

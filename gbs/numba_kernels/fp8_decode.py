@@ -73,6 +73,19 @@ def promotion_log2(max_byte):
     return max_byte - UE8M0_BIAS - FOLD_WINDOW[1]
 
 
+def power_of_two_bits(e):
+    """The fp32 bits of ``2**e`` (the promotion factor): normal for e >= -126, subnormal down to -149, 0 below,
+    +Inf above 127. Integer Python (host and kernels); a register move makes it a float (``arith.f32_from_bits``),
+    where ``ldexpf`` costs a libdevice call."""
+    if e > 128:
+        e = 128
+    if e >= -126:
+        return (e + 127) << 23
+    if e >= -149:
+        return 1 << (e + 149)
+    return 0
+
+
 def fold_table_row(scale_byte, max_byte):
     """Row of ``MAGNITUDE_TABLES`` for a block of scale ``scale_byte`` in a chunk whose largest is ``max_byte``."""
     if scale_byte == UE8M0_NAN:
@@ -106,6 +119,7 @@ decode_word_device = inline_device(make_word_decoder(prmt_b32))
 chunk_max_scale_device = inline_device(chunk_max_scale)
 fold_table_row_device = inline_device(fold_table_row)
 promotion_log2_device = inline_device(promotion_log2)
+power_of_two_bits_device = inline_device(power_of_two_bits)
 
 
 def block_element_at(position):

@@ -114,7 +114,7 @@ from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
-from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
+from gbs.ptx_inline.arith import f32_from_bits, f32_to_bf16_bits, fma_bf16x2
 from gbs.ptx_inline.shared import (ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_u32, st_shared_v2_u32,
                                    st_shared_v4_u32)
 
@@ -172,7 +172,7 @@ OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32
 # The FP8 route (``fp8_route``): one 128-K chunk per sub-step (the promotion interval), E4M3 B buffers of one
 # 128-byte row per weight row; two buffers (each sub-step waits for its warpgroup's previous MMAs before the
 # promotion, so buffer u % 2 is free again once every thread passed sub-step u + 1's barrier), and after them the
-# scratch: 2 x 8 words of the warps' chunk maxima (the weight tile's base, alternating by chunk parity) and the
+# scratch: 2 x 8 words of the warps' chunk maxima (the weight tile's bases of a slice's two chunks) and the
 # 17 x 8-byte magnitude table (``fp8_decode.MAGNITUDE_TABLES``).
 FP8_CHUNK = 128
 E4M3_ROW_BYTES = 128
@@ -804,7 +804,7 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
     buffer_offset = _device(fp8_buffer_offset)
     advance = _device(hp.wgmma_descriptor_advance)
     chunk_max, table_row = fd.chunk_max_scale_device, fd.fold_table_row_device
-    base_log2, decode = fd.promotion_log2_device, fd.decode_word_device
+    base_log2, decode, power_bits = fd.promotion_log2_device, fd.decode_word_device, fd.power_of_two_bits_device
     store_tile = _make_store_tile(num_acc)
     consumer_threads = CONSUMER_THREADS
     CONSUMER_BARRIER, MBARRIER_BYTES = hr.CONSUMER_BARRIER, hr.MBARRIER_BYTES
@@ -863,18 +863,26 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
                 st = np.uint32(base + stage * stage_bytes)
                 st_m = np.uint32(st + m_row_addr)
                 st_b = np.uint32(st + b_row_addr)
-                for chunk in range(2):   # unrolled: the chunk's parity picks the maxima slots and the A set
+                # 1. the weight tile's bases of both chunks: the largest finite scale byte of its 128 rows (the
+                # warps' maxima through shared memory: one barrier per slice)
+                w_scales0 = ld_shared_u32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + b_row), 0, atoms))
+                w_scales1 = ld_shared_u32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + b_row), 4, atoms))
+                warp_top0 = cm.warp_max_u32(chunk_max(w_scales0))
+                warp_top1 = cm.warp_max_u32(chunk_max(w_scales1))
+                if lane == 0:
+                    st_shared_u32(maxima + 4 * cw, warp_top0)
+                    st_shared_u32(maxima + 32 + 4 * cw, warp_top1)
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima)
+                t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 16)
+                tile_top0 = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima + 32)
+                t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 48)
+                tile_top1 = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                for chunk in range(2):   # unrolled: the chunk picks the A set
                     a_set = A_SET_WORDS * chunk
-                    # 1. the weight tile's base: the largest finite scale byte of its 128 rows in this chunk
-                    w_scales = ld_shared_u32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + b_row), 4 * chunk,
-                                                                       atoms))
-                    warp_top = cm.warp_max_u32(chunk_max(w_scales))
-                    if lane == 0:
-                        st_shared_u32(maxima + 32 * chunk + 4 * cw, warp_top)
-                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                    t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima + 32 * chunk)
-                    t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 32 * chunk + 16)
-                    tile_top = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                    w_scales = w_scales1 if chunk else w_scales0
+                    tile_top = tile_top1 if chunk else tile_top0
                     # 2. the weights: E4M3 rows of the chunk into the free buffer
                     b_addr = np.uint32(buffers + buffer * buffer_bytes)
                     for block in range(4):
@@ -912,8 +920,8 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
                     a_frag[a_set + 12], a_frag[a_set + 14] = decode(g3, tab_lo_g, tab_hi_g)
                     a_frag[a_set + 13], a_frag[a_set + 15] = decode(h3, tab_lo_h, tab_hi_h)
                     tile_log2 = base_log2(np.int32(tile_top))
-                    next_lo = cuda.libdevice.ldexpf(float32(1.0), np.int32(base_log2(top_lo) + tile_log2))
-                    next_hi = cuda.libdevice.ldexpf(float32(1.0), np.int32(base_log2(top_hi) + tile_log2))
+                    next_lo = f32_from_bits(np.uint32(power_bits(np.int32(base_log2(top_lo) + tile_log2))))
+                    next_hi = f32_from_bits(np.uint32(power_bits(np.int32(base_log2(top_hi) + tile_log2))))
                     # 4. the previous chunk's MMAs (this warpgroup's) are done: promote it
                     hp.wgmma_wait_group_0()
                     chunk_acc = hp.wgmma_fence_accumulators(chunk_acc)

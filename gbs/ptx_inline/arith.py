@@ -65,6 +65,10 @@ def min_u16x2_host(a, b):
     return np.uint32((hi << np.uint32(16)) | lo)
 
 
+f32_from_bits = ptx_intrinsic(
+    "f32_from_bits", "mov.b32 $0, $1;", [("bits", "u32")], result="f32", pure=True,
+    doc="The fp32 number whose bits are ``bits`` (a register move).")
+
 f32_to_bf16_bits = ptx_intrinsic(
     "f32_to_bf16_bits", "cvt.rn.bf16.f32 $0, $1;", [("value", "f32")], result="u16", pure=True,
     doc="bf16 bits (u16) of an f32, rounded to nearest even in hardware; NaN stays NaN, overflow -> Inf.")
