@@ -1,9 +1,11 @@
 """Host model of the FP8 route (issue 31, item 3): MXFP4 block scales folded into the FP4 -> E4M3 decode,
 E4M3 x E4M3 products summed per 128-K chunk, chunk sums promoted to an fp32 accumulator with the bases.
 
-Status: this is the exact numpy model of a kernel **not yet written** (issue 31). It makes no claim about GPU
-speed; it fixes the arithmetic the kernel must reproduce and gives its GPU tests a host model to compare with. The
-kernel's decode steps exist (``gbs.numba_kernels.fp8_decode``, bit-exact against ``fold_operand`` on the host).
+The exact numpy model of the route the H200 wgmma kernel's E4M3 consumer runs (``h200_wgmma``, layout
+``e2m1_e4m3``; its decode: ``gbs.numba_kernels.fp8_decode``). It makes no claim about GPU speed; it fixes the
+arithmetic, gives the kernel's GPU tests their model, and says what the kernel cannot represent
+(``kernel_window_violations``: the plan refuses those host problems) and what its tensor core adds to the bound
+(``HOPPER_CHUNK_ERROR``).
 
 Design
 ------

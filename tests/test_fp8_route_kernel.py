@@ -121,7 +121,7 @@ def test_plan_runs_the_route_on_the_wgmma_kernel_and_refuses_what_it_cannot_read
         plan_h200(on_route(problem), backend="h200_stream")
     with pytest.raises(ValueError, match="both operands"):
         plan_h200(problem.with_a_layout(LAYOUT_E2M1_H200).with_b_layout(ROUTE))
-    with pytest.raises(ValueError, match="128-token"):
+    with pytest.raises(ValueError, match="128-token x"):
         hw.WgmmaSpec("mxfp4", "mxfp4", 256, 2, a_layout=ROUTE, b_layout=ROUTE)
     nv = build_problem(np.ones((4, 256), np.float32), np.ones((1, 128, 256), np.float32), [4], [0], fmt="nvfp4")
     with pytest.raises(ValueError, match="ue8m0"):

@@ -71,6 +71,13 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back with plain L2
   loads before it stores the bf16 outputs and zeroes the words (evidence: swapped-split-k).
 
+* The FP8 route (``WgmmaSpec.fp8_route``: MXFP4 x MXFP4 in ``gbs.layouts.E2M1E4M3Order``, 128 x 128 tiles,
+  ``_make_fp8_consumer``): each block's UE8M0 exponent folded into its FP4 -> E4M3 decode (``fp8_decode``) relative
+  to a base per token row and per 128-row weight tile and 128-K chunk, 4 x ``wgmma m64n128k32 .e4m3`` per chunk into
+  a chunk accumulator, promoted into the fp32 total with one FFMA per accumulator. Exact up to the tensor core's
+  14-bit chunk sums (``gbs.fp8_route``); slower than the bf16 route so far (evidence: fp8-route-gpu;
+  ``docs/design/h200_port.md``, "The FP8 route: the kernel, and what it measured").
+
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
 decode's own time plus 54-82 % of the MMA time, whatever the arrangement (A in registers or shared memory,
@@ -222,7 +229,7 @@ class WgmmaSpec:
                 raise ValueError(f"the FP8 route reads both operands in {LAYOUT_E2M1_E4M3!r}; got a_layout="
                                  f"{self.a_layout!r}, b_layout={self.b_layout!r}")
             if (bn, tokens, self.ab_swapped) != (FP8_MMA_BN, TILE_TOKENS[0], False):
-                raise ValueError(f"the FP8 route runs 128-token x {FP8_MMA_BN}-row tiles, not swapped (its chunk and "
+                raise ValueError(f"the FP8 route takes 128-token x {FP8_MMA_BN}-row tiles, not swapped (its chunk and "
                                  f"total accumulators fill the registers); got mma_bn={bn}, tile_tokens={tokens}, "
                                  f"ab_swapped={self.ab_swapped}")
 
