@@ -254,3 +254,11 @@ def test_write_then_check_on_a_fresh_tree(tmp_path):
     assert report.check(tmp_path) == [] and report.write(tmp_path) == []
     readme = (tmp_path / "README.md").read_text(encoding="utf-8")
     assert readme.startswith("# x\n") and "100.0: 4.00x / 2.00x" in readme
+
+
+def test_headline_takes_the_auto_method_that_ran_over_a_skipped_one():
+    """MXFP8 weights have no fused FP4 layout: ``gbs_auto_h200_fused`` is skipped and ``gbs_auto`` ran."""
+    rows = [dict(kind="ours", method="gbs_auto_h200_fused", status="skipped"),
+            dict(kind="ours", method="gbs_auto", status="ok", median_us="291.1")]
+    assert report.ours_row(rows)["method"] == "gbs_auto"
+    assert report.ours_row(rows[:1])["method"] == "gbs_auto_h200_fused"   # nothing ran: the skipped row says why

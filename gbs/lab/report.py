@@ -176,10 +176,12 @@ def case_rows(rows, case: str) -> list[dict]:
 
 
 def ours_row(rows) -> dict | None:
-    """gbs's row of one (format, case): the ``gbs_auto*`` method if there is one, else the first ours."""
+    """gbs's row of one (format, case): the first ``gbs_auto*`` method that ran (a skipped one, e.g. a weight layout
+    that does not apply to the format, only where none ran), else the first ours."""
     ours = [r for r in rows if r.get("kind") == KIND_OURS]
     auto = [r for r in ours if r.get("method", "").startswith("gbs_auto")]
-    return (auto or ours or [None])[0]
+    ran = [r for r in auto if r.get("status", STATUS_OK) == STATUS_OK]
+    return (ran or auto or ours or [None])[0]
 
 
 def peer_methods(rows, headline: bool | None = None) -> list[str]:
