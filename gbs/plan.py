@@ -108,7 +108,7 @@ class H200Plan:
                 knobs += f", {s.small_n_warps} consumer warps"
         else:
             knobs = f"bn{s.mma_bn}, {s.tile_tokens}-token tiles" if not s.ab_swapped else f"bn{s.mma_bn}"
-            knobs += f", {s.stages} stages"
+            knobs += f", {s.stages} stages" + (", FP8 route" if s.fp8 else "")
         split = f"{self.k_splits} split-K runs of {self.slices_per_split} slices" if self.k_splits > 1 else "whole K"
         grid = f"{self.num_ctas} CTAs" + ("" if self.registers is not None else " (estimated: no sm_90 GPU to compile)")
         return f"{self.kernel} {orientation} {knobs}; {split}; {grid}"
@@ -244,17 +244,35 @@ def min_tokens_per_expert(problem) -> int:
     return SWAPPED_MIN_TOKENS_PER_EXPERT if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
-def fp8_route(problem) -> bool:
-    """Whether ``problem``'s operands are in the FP8 route's layout (``LAYOUT_E2M1_E4M3``, MXFP4 tokens and weights):
-    the caller chose the route by re-laying them; only the wgmma kernel's E4M3 consumer reads that layout."""
-    return LAYOUT_E2M1_E4M3 in (layout_of(problem, "a"), layout_of(problem, "b"))
+def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
+    """The wgmma kernel's FP8 route (``fp8=True``: asked for, never chosen by ``"auto"``, which it does not beat:
+    evidence fp8-route-gpu) for ``problem``: its knobs and rules, or None and the rule that falls back to the bf16
+    route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
+    operands exactly). Device problems are not checked on the host: such blocks give NaN outputs."""
+    if (layout_of(problem, "a"), layout_of(problem, "b")) != (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_E4M3):
+        raise ValueError(f"fp8=True (the FP8 route) reads MXFP4 tokens and weights in {LAYOUT_E2M1_E4M3!r} "
+                         f"(GroupedProblem.with_a_layout / with_b_layout); got a_layout={layout_of(problem, 'a')!r}, "
+                         f"b_layout={layout_of(problem, 'b')!r}")
+    if isinstance(problem, GroupedProblem):
+        from .fp8_route import kernel_window_violations
+
+        found = kernel_window_violations(problem)
+        if any(found.values()):
+            return None, [Rule("route", f"bf16, not the FP8 route asked for: {found['token_blocks']} token and "
+                                        f"{found['weight_blocks']} weight blocks lie below the window of their chunk's "
+                                        f"base, {found['factors']} promotion factors leave fp32 (the bf16 route is "
+                                        "exact for them)", "fp8-route-gpu")]
+        window = [Rule("window", "every live block folds into its chunk's window (checked on the host)")]
+    else:
+        window = [Rule("window", "not checked (a device problem): blocks below the window give NaN outputs")]
+    return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True),
+            [Rule("route", f"FP8 (asked for): MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
+                           f"promotion per 128 K; 128 x {FP8_MMA_BN} tiles (chunk and total accumulators)",
+                  "fp8-route-gpu")] + window)
 
 
 def prefers_wgmma(problem) -> Rule | None:
     """The rule that sends ``problem`` to the wgmma kernel under ``"auto"``, or None (host metadata only)."""
-    if fp8_route(problem):
-        return Rule("kernel", "h200_wgmma: operands in the FP8 route's layout (its E4M3 consumer reads them)",
-                    "fp8-route-gpu")
     tokens = average_tokens_per_expert(problem)
     if tokens >= min_tokens_per_expert(problem):
         evidence = "swapped-tiles" if _both_fp4(problem) else "wgmma-min-tokens"
@@ -289,11 +307,6 @@ def wgmma_tile_tokens(problem, mma_bn: int) -> int:
 
 def wgmma_knobs(problem) -> tuple[dict, list[Rule]]:
     """The wgmma kernel's knobs for ``problem`` (host metadata only) and the rules that chose them."""
-    if fp8_route(problem):
-        return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0]),
-                [Rule("route", f"FP8: MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
-                               f"promotion per 128 K; 128 x {FP8_MMA_BN} tiles (chunk and total accumulators)",
-                      "fp8-route-gpu")])
     bn = fp8_tokens_swapped_bn(problem)
     if bn is not None:
         return (dict(mma_bn=bn, ab_swapped=True),
@@ -363,7 +376,7 @@ def _build_spec(kernel: str, problem, knobs: dict, trace: bool):
     if trace:
         raise ValueError("trace=True is the streaming kernel's diagnostic build")
     return WgmmaSpec(a, b, knobs["mma_bn"], knobs["stages"], tile_tokens=knobs.get("tile_tokens", TILE_TOKENS[0]),
-                     ab_swapped=knobs.get("ab_swapped", False), **layouts)
+                     ab_swapped=knobs.get("ab_swapped", False), fp8=knobs.get("fp8", False), **layouts)
 
 
 def _resolve_stages(kernel: str, problem, knobs: dict, capped: bool) -> tuple[int, Rule | None]:
@@ -399,7 +412,7 @@ def _sm_count() -> int:
 
 
 PROBLEM_METADATA = ("a_format", "b_format", "n", "k", "num_active_experts", "estimated_total_m", "total_tokens")
-TILE_CONSTRAINTS = ("ab_swapped", "mma_bn", "cta_group", "stages", "small_n_warps", "tile_tokens")
+TILE_CONSTRAINTS = ("ab_swapped", "mma_bn", "cta_group", "stages", "small_n_warps", "tile_tokens", "fp8")
 
 
 def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto", *, k_splits: int | None = None,
@@ -432,13 +445,23 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     if (decision.a_format, decision.b_format) != route:
         raise ValueError(f"config was decided for {decision.a_format} x {decision.b_format}, the problem is "
                          f"{_formats(problem)[0]} x {_formats(problem)[1]}")
+    fp8 = tile.pop("fp8", False)
+    if not isinstance(fp8, (bool, np.bool_)):
+        raise TypeError(f"fp8 must be a bool, got {fp8!r}")
     chosen = config is not None or bool(tile)
     rules = [Rule("decision", "the caller's KernelConfig" if config is not None else
                   "knob constraints: " + ", ".join(f"{k}={v}" for k, v in tile.items()) if tile else
                   f"SM100 dispatch: {decision.regime} ({decision.rule}) -> swapped={decision.ab_swapped} "
                   f"bn{decision.mma_bn} cg{decision.cta_group}")]
-    kernel = backend
-    if backend == "auto":
+    route_knobs = None
+    if fp8:
+        if backend == "h200_stream" or config is not None or tile:
+            raise ValueError("fp8=True is the wgmma kernel's FP8 route with its own tile: backend 'auto' or "
+                             "'h200_wgmma', no config or other knob constraints")
+        route_knobs, fired = fp8_route_knobs(problem)
+        rules += fired
+    kernel = "h200_wgmma" if route_knobs is not None else backend
+    if backend == "auto" and kernel == "auto":
         wgmma_rule = None if chosen else prefers_wgmma(problem)
         kernel = "h200_wgmma" if wgmma_rule else "h200_stream"
         rules.append(wgmma_rule or Rule("kernel", "h200_stream: decode and small prefill, and every chosen config",
@@ -460,7 +483,9 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
             raise ValueError(f"the wgmma kernel runs cta_group=1 only (one CTA per tile), got {config.cta_group}")
         if tile.get("cta_group", 1) != 1 or "small_n_warps" in tile:
             raise ValueError("the wgmma kernel takes mma_bn, ab_swapped, tile_tokens and stages (cta_group 1)")
-        if tile:
+        if route_knobs is not None:
+            knobs = route_knobs
+        elif tile:
             knobs = {k: v for k, v in tile.items() if k != "cta_group"}
             knobs.setdefault("mma_bn", WGMMA_MMA_BN_FP8)
         elif config is not None:
@@ -473,11 +498,6 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         rules.append(stage_rule)
     spec = _build_spec(kernel, problem, dict(knobs, stages=stages), trace)
     hl.check_can_implement(problem, spec)
-    if fp8_route(problem) and isinstance(problem, GroupedProblem):   # device problems: the kernel's NaN outputs
-        from .fp8_route import check_kernel_window
-
-        check_kernel_window(problem)
-        rules.append(Rule("window", "every live block folds into its chunk's window (checked on the host)"))
     return _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas)
 
 

@@ -160,7 +160,9 @@ def run_cases(args: set, results: list) -> int:
         if fmt == "mxfp4" and "h200_wgmma" in kernels:   # the FP8 route: its E4M3 consumer
             route = p.with_a_layout(LAYOUT_E2M1_E4M3).with_b_layout(LAYOUT_E2M1_E4M3)
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3), route,
-                          lambda: h200_launch.run(route, plan_h200(route), None)))
+                          lambda: h200_launch.run(route, plan_h200(route, fp8=True), None)))
+            cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_E4M3, "bf16 route"), route,
+                          lambda: wgmma(route, 128, tile_tokens=256)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:

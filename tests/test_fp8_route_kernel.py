@@ -109,20 +109,43 @@ def test_the_tokens_registers_and_the_weights_buffer_carry_the_same_element_at_e
     assert sorted(hw.fp8_k_of(p) for p in range(hw.FP8_CHUNK)) == list(range(hw.FP8_CHUNK))
 
 
-def test_plan_runs_the_route_on_the_wgmma_kernel_and_refuses_what_it_cannot_read():
+def test_bf16_decode_of_the_route_layout_is_the_packed_decode():
+    """``h200_decode.e2m1_e4m3_pair_bits`` of an ``E2M1E4M3Order`` word = ``e2m1_pair_bits`` of the packed word, for
+    every register, on random words and on every code at every position."""
+    from gbs.numba_kernels import h200_decode as hd
+
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2 ** 32, 2000, dtype=np.uint64).astype(np.uint32)
+    every = np.array([int(c) << (4 * i) for c in range(16) for i in range(8)], np.uint32)
+    words = np.concatenate([words, every])
+    ordered = E2M1E4M3Order.swizzle(words.view(np.uint8)).view("<u4")
+    for word, routed in zip(words.tolist(), ordered.tolist()):
+        for j in range(4):
+            assert hd.e2m1_e4m3_pair_bits(routed, j) == hd.e2m1_pair_bits(word, j), (hex(word), j)
+
+
+def test_plan_runs_the_route_when_asked_and_the_bf16_route_otherwise():
+    """``fp8=True`` plans the E4M3 consumer (128 x 128 tiles, the window checked on the host); without it the same
+    operands take ``"auto"``'s bf16 route (the bf16 consumers read ``E2M1E4M3Order`` too: the route is not faster,
+    evidence fp8-route-gpu); what the route cannot take is refused."""
     problem = gaussian_problem(320, 2880, seed=1)
-    plan = plan_h200(on_route(problem))
+    plan = plan_h200(on_route(problem), fp8=True)
     assert plan.kernel == "h200_wgmma" and plan.spec.fp8_route
     assert (plan.spec.mma_bn, plan.spec.tile_tokens, plan.spec.ab_swapped) == (hw.FP8_MMA_BN, 128, False)
     names = [r.name for r in plan.rules]
     assert {"route", "window", "K tail"} <= set(names)
-    assert "evidence fp8-route-gpu" in plan.explain()
-    with pytest.raises(ValueError, match="E4M3 consumer only"):
-        plan_h200(on_route(problem), backend="h200_stream")
+    assert "evidence fp8-route-gpu" in plan.explain() and "FP8 route" in plan.describe()
+    auto = plan_h200(on_route(problem))
+    assert not auto.spec.fp8 and auto.ring.weight_side.layout == ROUTE
+    assert plan_h200(on_route(problem), backend="h200_stream").kernel == "h200_stream"
+    with pytest.raises(ValueError, match="backend 'auto' or 'h200_wgmma'"):
+        plan_h200(on_route(problem), backend="h200_stream", fp8=True)
+    with pytest.raises(ValueError, match="reads MXFP4 tokens and weights"):
+        plan_h200(problem.with_a_layout(LAYOUT_E2M1_H200).with_b_layout(ROUTE), fp8=True)
     with pytest.raises(ValueError, match="both operands"):
-        plan_h200(problem.with_a_layout(LAYOUT_E2M1_H200).with_b_layout(ROUTE))
+        hw.WgmmaSpec("mxfp4", "mxfp4", 128, 2, a_layout=LAYOUT_E2M1_H200, b_layout=ROUTE, fp8=True)
     with pytest.raises(ValueError, match="128-token x"):
-        hw.WgmmaSpec("mxfp4", "mxfp4", 256, 2, a_layout=ROUTE, b_layout=ROUTE)
+        hw.WgmmaSpec("mxfp4", "mxfp4", 256, 2, a_layout=ROUTE, b_layout=ROUTE, fp8=True)
     nv = build_problem(np.ones((4, 256), np.float32), np.ones((1, 128, 256), np.float32), [4], [0], fmt="nvfp4")
     with pytest.raises(ValueError, match="ue8m0"):
         nv.with_b_layout(ROUTE)
@@ -142,8 +165,8 @@ def test_blocks_outside_the_kernels_window_are_counted_and_refused():
     b[1, 9, 6] = top - 15                 # d = -9: out
     bad = with_scales(problem, b_linear=b)
     assert fr.kernel_window_violations(bad) == dict(token_blocks=0, weight_blocks=1, factors=0)
-    with pytest.raises(ValueError, match="0 token and 1 weight blocks"):
-        plan_h200(on_route(bad))
+    fallback = plan_h200(on_route(bad), fp8=True)   # the exact path: the bf16 consumer on the same operands
+    assert not fallback.spec.fp8 and "0 token and 1 weight blocks" in fallback.explain()
     a = problem.a_operand().scales.copy()
     a[3, 0], a[3, 1] = 140, 140 - 15
     assert fr.kernel_window_violations(with_scales(problem, a_linear=a))["token_blocks"] == 1
@@ -152,7 +175,7 @@ def test_blocks_outside_the_kernels_window_are_counted_and_refused():
 def test_route_build_issues_e4m3_wgmma_without_local_memory_in_the_k_loop():
     """Offline (ptxas, sm_90a): 8 QGMMA (two chunks of 4 k32 steps per slice, unrolled), the first of each chunk
     starting a fresh accumulator, and no local memory from the first to the last."""
-    spec = hw.WgmmaSpec("mxfp4", "mxfp4", 128, 4, a_layout=ROUTE, b_layout=ROUTE)
+    spec = hw.WgmmaSpec("mxfp4", "mxfp4", 128, 4, a_layout=ROUTE, b_layout=ROUTE, fp8=True)
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     instructions = offline.sass_instructions(offline.disassemble(cubin))
@@ -208,7 +231,7 @@ def _run(problem, plan=None):
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     routed = on_route(problem)
-    return hl.run(routed, plan or plan_h200(routed), None)
+    return hl.run(routed, plan or plan_h200(routed, fp8=True), None)
 
 
 @pytest.mark.gpu
@@ -250,9 +273,53 @@ def test_gpu_route_makes_a_block_beyond_the_window_nan_never_drops_it():
     twin = with_scales(problem, b_linear=b.copy())
     b[1, 9, 6] = 140 - 15
     bad = with_scales(problem, b_linear=b)
-    plan = plan_h200(on_route(twin))
+    plan = plan_h200(on_route(twin), fp8=True)
+    assert plan.spec.fp8
     out = _run(bad, plan)
     assert np.isnan(out[50:110, 9].astype(np.float32)).all()
     keep = np.ones(bad.n, bool)
     keep[9] = False
     assert not np.isnan(out[:, keep].astype(np.float32)).any()
+
+
+@pytest.mark.gpu
+def test_gpu_route_falls_back_to_the_exact_bf16_route_for_blocks_beyond_the_window():
+    """The same problem as above, planned with ``fp8=True`` itself: the plan takes the bf16 consumer on the same
+    operands, and every output meets the bf16 route's contract (no NaN)."""
+    from gbs.exactness import check_output
+
+    problem = gaussian_problem(256, 512, seed=9, group_sizes=(50, 60), expert_ids=(0, 1), experts=2)
+    b = unswizzle_scales(problem.b_scales, problem.n, 16).copy()
+    b[1, :128, 4:8] = 126
+    b[1, 0, 4:8] = 140
+    b[1, 9, 6] = 140 - 15
+    bad = with_scales(problem, b_linear=b)
+    plan = plan_h200(on_route(bad), fp8=True)
+    assert not plan.spec.fp8
+    out = _run(bad, plan)
+    result = check_output(bad, out, "h200_wgmma")
+    assert result.passed, result.summary()
+
+
+ROUTE_LAYOUT_BUILDS = {   # the bf16 consumers on E2M1E4M3Order operands: (backend, plan constraints)
+    "stream_swapped_bn8": ("h200_stream", dict(ab_swapped=True, mma_bn=8, cta_group=1)),
+    "stream_bn128": ("h200_stream", dict(ab_swapped=False, mma_bn=128, cta_group=1)),
+    "wgmma_bn128_256_tokens": ("h200_wgmma", dict(mma_bn=128, tile_tokens=256)),
+    "wgmma_swapped_bn32": ("h200_wgmma", dict(mma_bn=32, ab_swapped=True)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", list(ROUTE_LAYOUT_BUILDS))
+def test_gpu_bf16_consumers_read_the_route_layout_bit_identically(build):
+    """The streaming and wgmma kernels' bf16 decode of ``E2M1E4M3Order`` words (``h200_decode.e2m1_e4m3_pair_bits``)
+    gives the packed operands' bits, tails and ragged groups included."""
+    backend, knobs = ROUTE_LAYOUT_BUILDS[build]
+    problem = gaussian_problem(320, 2880, seed=zlib.crc32(build.encode()))
+    if launch.gpu_compute_capability() != hr.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    # whole K (k_splits=1): split-K runs add their partials with atomics, in no fixed order
+    packed = hl.run(problem, plan_h200(problem, backend=backend, k_splits=1, **knobs), None)
+    routed = on_route(problem)
+    out = hl.run(routed, plan_h200(routed, backend=backend, k_splits=1, **knobs), None)
+    np.testing.assert_array_equal(out.view(np.uint16), packed.view(np.uint16))

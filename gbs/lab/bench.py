@@ -123,7 +123,7 @@ def _load_h200_stream(plan: bool):
     return prepare
 
 
-def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens: bool = False):
+def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens: bool = False, **constraints):
     """``gbs.plan.plan_h200`` for ``backend`` without a config: ``"auto"`` is what ``gbs.grouped_matmul(problem)``
     runs on an H200 (the wgmma kernel for prefill, the streaming kernel otherwise, each with its measured plan),
     ``"h200_wgmma"`` the wgmma kernel with its plan.
@@ -154,7 +154,7 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
                 last[:] = [problem, relaid.with_a_layout(word_order(layout)) if problem.a_format.packed else relaid]
             problem = last[1]
         device = to_device(problem)
-        launcher = h200_launch.prepare(device, plan_h200(problem, None, backend))
+        launcher = h200_launch.prepare(device, plan_h200(problem, None, backend, **constraints))
         if not relay_tokens:
             return launcher
         from numba import cuda
@@ -214,8 +214,9 @@ def launch_knobs(launcher) -> str:
 # ``gbs.grouped_matmul`` runs once the FP4 weights are re-laid for the H200 and FP4 tokens come in that
 # order; ``gbs_auto_h200_tiled``: the same with the weights tiled box by box, ``E2M1H200TiledOrder``;
 # ``gbs_auto_h200_fused``: each box followed by its scales, ``E2M1H200FusedOrder``, the recommended one;
-# ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call; ``gbs_fp8_route``:
-# MXFP4 x MXFP4 in ``E2M1E4M3Order``, the wgmma kernel's E4M3 consumer, ``h200_wgmma._make_fp8_consumer``); a loader raises
+# ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call;
+# ``gbs_auto_e4m3_order``: "auto" on operands in the FP8 route's word order (the bf16 consumers); ``gbs_fp8_route``:
+# MXFP4 x MXFP4 in ``E2M1E4M3Order`` on the wgmma kernel's E4M3 consumer, ``plan_h200(fp8=True)``); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
@@ -226,7 +227,8 @@ BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_
                    "h200_stream": functools.partial(_load_h200_stream, True),
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
                    "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma"),
-                   "gbs_fp8_route": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3)}
+                   "gbs_auto_e4m3_order": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3),
+                   "gbs_fp8_route": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3, fp8=True)}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 

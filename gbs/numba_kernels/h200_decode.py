@@ -43,7 +43,7 @@ import numpy as np
 from numba import cuda
 
 from gbs.formats import SF_ATOM_COLS, UE8M0_BIAS
-from gbs.layouts import LAYOUT_E2M1_H200, E2M1H200Order, UE4M3H200Scales, word_order
+from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, E2M1H200Order, UE4M3H200Scales, word_order
 from gbs.ptx_inline.arith import e4m3x4_to_bf16x2, min_u16x2, min_u16x2_host, prmt_b32
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32
 
@@ -105,6 +105,23 @@ def e2m1_h200_pair_bits(word, j):
         return np.uint32((word << np.uint32(H200_ORDER_SHIFT_STEP * j)) & np.uint32(H200_ORDER_MASK))
     spread = (word >> np.uint32(H200_ORDER_PRESHIFT)) & np.uint32(H200_ORDER_SPREAD_MASK)
     return np.uint32((spread * np.uint32(H200_ORDER_MULTIPLIER)) & np.uint32(H200_ORDER_MASK))
+
+
+E4M3_ORDER_MAGNITUDES = 0x00070007   # E2M1E4M3Order: elements j and j + 4's magnitude bits, once shifted by 4 j
+
+
+def e2m1_e4m3_pair_bits(word, j):
+    """``e2m1_pair_bits`` of the original word, from a word in ``E2M1E4M3Order`` (the FP8 route's layout, read by the
+    bf16 route too): the magnitudes sit where ``pack_fp4`` put them; element j's sign at bit 8 j + 7 goes to bf16 bit
+    15 and element j + 4's at bit 8 j + 3 to bit 31 (shifts by constants once ``j`` is unrolled)."""
+    word = np.uint32(word)
+    magnitudes = ((word >> np.uint32(4 * j)) & np.uint32(E4M3_ORDER_MAGNITUDES)) << np.uint32(6)
+    if j < 1:
+        sign_lo = word << np.uint32(8 - 8 * j)
+    else:
+        sign_lo = word >> np.uint32(8 * j - 8)
+    sign_hi = word << np.uint32(28 - 8 * j)
+    return np.uint32(magnitudes | (sign_lo & np.uint32(0x8000)) | (sign_hi & np.uint32(0x80000000)))
 
 
 def fp8_pair_bits(word0, word1, j, e5m2, stride4):
@@ -263,7 +280,8 @@ def make_side_reader(side, pairing: str):
     if ue4m3_coded and exponent_offset != UE4M3H200Scales.LOG2_MULTIPLIER:
         raise AssertionError("UE4M3H200Scales codes hold s * 2**118: the E2M1 x UE4M3 exponent offset")
     ue4m3_convert = e4m3x4_to_bf16x2(exponent_offset) if ue4m3 and not ue4m3_coded else None
-    e2m1_bits = inline_device(e2m1_h200_pair_bits if word_order(side.layout) == LAYOUT_E2M1_H200 else e2m1_pair_bits)
+    e2m1_bits = inline_device({LAYOUT_E2M1_H200: e2m1_h200_pair_bits, LAYOUT_E2M1_E4M3: e2m1_e4m3_pair_bits}.get(
+        word_order(side.layout), e2m1_pair_bits))
     fp8_bits = inline_device(fp8_pair_bits)
     ue8m0_pair_bits = inline_device(_ue8m0_pair_scale_bits(min_u16x2))
     pair_selector = inline_device(byte_pair_selector)

@@ -60,7 +60,7 @@ from numba.cuda import types
 
 from gbs import schedule
 from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, get_format
-from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_PACKED, E2M1H200FusedOrder, E2M1H200TiledOrder, fused_scales, tiled_weights
+from gbs.layouts import LAYOUT_PACKED, E2M1H200FusedOrder, E2M1H200TiledOrder, fused_scales, tiled_weights
 from gbs.numba_kernels import h200_trace
 from gbs.numba_kernels.h200_decode import GROUP_ELEMENTS, QUAD, ROTATION_RUN, SCALE_LOG2_PREBIAS, inline_device
 from gbs.problem import PROBLEM_FORMATS, check_layout
@@ -343,9 +343,6 @@ class StreamSpec:
         schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
         check_layout(self.b_layout, get_format(self.b_format), "b")
         check_layout(self.a_layout, get_format(self.a_format), "a")
-        if LAYOUT_E2M1_E4M3 in (self.a_layout, self.b_layout) and not self.warpgroup_consumers:
-            raise ValueError(f"layout {LAYOUT_E2M1_E4M3!r} (the FP8 route's) is read by the wgmma kernel's E4M3 "
-                             "consumer only; the streaming kernel decodes 'packed' or 'e2m1_h200*' operands")
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")

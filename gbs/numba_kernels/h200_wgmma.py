@@ -71,8 +71,8 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   (``red.global.add.f32``), bumps the tile's counter, and the last run reads every sum back with plain L2
   loads before it stores the bf16 outputs and zeroes the words (evidence: swapped-split-k).
 
-* The FP8 route (``WgmmaSpec.fp8_route``: MXFP4 x MXFP4 in ``gbs.layouts.E2M1E4M3Order``, 128 x 128 tiles,
-  ``_make_fp8_consumer``): each block's UE8M0 exponent folded into its FP4 -> E4M3 decode (``fp8_decode``) relative
+* The FP8 route (``WgmmaSpec.fp8``: MXFP4 x MXFP4 in ``gbs.layouts.E2M1E4M3Order``, 128 x 128 tiles,
+  ``_make_fp8_consumer``; the bf16 consumer reads that layout too): each block's UE8M0 exponent folded into its FP4 -> E4M3 decode (``fp8_decode``) relative
   to a base per token row and per 128-row weight tile and 128-K chunk, 4 x ``wgmma m64n128k32 .e4m3`` per chunk into
   a chunk accumulator, promoted into the fp32 total with one FFMA per accumulator. Exact up to the tensor core's
   14-bit chunk sums (``gbs.fp8_route``); slower than the bf16 route so far (evidence: fp8-route-gpu;
@@ -201,6 +201,7 @@ class WgmmaSpec:
     tile_tokens: int = TILE_TOKENS[0]
     ab_swapped: bool = False
     split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
+    fp8: bool = False       # the FP8 route's E4M3 consumer (``_make_fp8_consumer``), else the bf16 one
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
@@ -224,7 +225,10 @@ class WgmmaSpec:
             raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
                              "ab_swapped must be True")
         self.ring   # format pair, layout and stage checks
-        if LAYOUT_E2M1_E4M3 in (self.a_layout, self.b_layout):
+        if not isinstance(self.fp8, (bool, np.bool_)):
+            raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
+        object.__setattr__(self, "fp8", bool(self.fp8))
+        if self.fp8:
             if (self.a_layout, self.b_layout) != (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_E4M3):
                 raise ValueError(f"the FP8 route reads both operands in {LAYOUT_E2M1_E4M3!r}; got a_layout="
                                  f"{self.a_layout!r}, b_layout={self.b_layout!r}")
@@ -259,8 +263,8 @@ class WgmmaSpec:
 
     @property
     def fp8_route(self) -> bool:
-        """MXFP4 x MXFP4 in ``E2M1E4M3Order`` (``LAYOUT_E2M1_E4M3``): the E4M3 consumer (``_make_fp8_consumer``)."""
-        return self.a_layout == LAYOUT_E2M1_E4M3
+        """The E4M3 consumer (``_make_fp8_consumer``; MXFP4 x MXFP4 in ``LAYOUT_E2M1_E4M3``)."""
+        return self.fp8
 
     @property
     def m_tiles(self) -> int:
