@@ -261,7 +261,7 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
             return None, [Rule("route", f"bf16, not the FP8 route asked for: {found['token_blocks']} token and "
                                         f"{found['weight_blocks']} weight blocks lie below the window of their chunk's "
                                         f"base, {found['factors']} promotion factors leave fp32 (the bf16 route is "
-                                        "exact for them)", "fp8-route-gpu")]
+                                        "exact for them)", "route-layout-gpu")]
         window = [Rule("window", "every live block folds into its chunk's window (checked on the host)")]
     else:
         window = [Rule("window", "not checked (a device problem): blocks below the window give NaN outputs")]
