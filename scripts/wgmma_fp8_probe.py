@@ -47,7 +47,8 @@ PRECISION_B_WORDS = PRECISION_N * ROW_BYTES // 4
 SMEM_WORDS = (A_ROWS + B_ROWS) * ROW_BYTES // 4
 ITERS = 1024
 E4M3_ONE = 0x38
-VARIANTS = ("bf16", "e4m3", "e4m3_promote_serial", "e4m3_promote_overlap", "e4m3_promote_overlap_2ops")
+VARIANTS = ("bf16", "e4m3", "e4m3_promote_serial", "e4m3_promote_overlap", "e4m3_promote_overlap_2ops",
+            "e4m3_promote_k32_overlap")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +184,7 @@ def make_throughput_kernel(variant: str):
     steps = BF16_STEPS if bf16 else CHUNK_STEPS
     zero = hp.wgmma_zero_accumulators(MMA_BN)
     promoting = variant.startswith("e4m3_promote")
+    per_k32 = "k32" in variant
     overlap = "overlap" in variant
     two_ops = variant.endswith("2ops")
 
@@ -193,6 +195,15 @@ def make_throughput_kernel(variant: str):
             desc_a = hp.wgmma_smem_descriptor_device(a_addr + (kb % CHUNK_STEPS) * 32, 16, SW128_ATOM, "128B")
             desc_b = hp.wgmma_smem_descriptor_device(b_addr + (kb % CHUNK_STEPS) * 32, 16, SW128_ATOM, "128B")
             acc = mma(acc, desc_a, desc_b, np.uint32(0 if (fresh and kb == 0) else 1))
+        hp.wgmma_commit_group()
+        return acc
+
+    @cuda.jit(device=True, forceinline=True)
+    def step_mma(acc, a_addr, b_addr, kb):   # one k32 step into a fresh chunk
+        hp.wgmma_fence()
+        desc_a = hp.wgmma_smem_descriptor_device(a_addr + kb * 32, 16, SW128_ATOM, "128B")
+        desc_b = hp.wgmma_smem_descriptor_device(b_addr + kb * 32, 16, SW128_ATOM, "128B")
+        acc = mma(acc, desc_a, desc_b, np.uint32(0))
         hp.wgmma_commit_group()
         return acc
 
@@ -223,6 +234,14 @@ def make_throughput_kernel(variant: str):
                 hp.wgmma_wait_group_1()
                 total = chunk_mmas(total, a_addr, b_addr, False)
                 hp.wgmma_wait_group_1()
+            elif per_k32:   # 2 x 128 K as 8 single-step chunks; step s + 1 runs while step s is promoted
+                for kb in range(CHUNK_STEPS):
+                    chunk1 = step_mma(chunk1, a_addr, b_addr, kb)
+                    hp.wgmma_wait_group_1()
+                    total = promote_into(total, chunk0, factor)
+                    chunk0 = step_mma(chunk0, a_addr, b_addr, kb)
+                    hp.wgmma_wait_group_1()
+                    total = promote_into(total, chunk1, factor)
             elif not overlap:
                 chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True)
                 hp.wgmma_wait_group_0()

@@ -54,7 +54,8 @@ def test_probe_kernels_assemble_for_sm90a_with_what_they_time(probe):
 
     f32, u64 = types.Array(types.float32, 1, "C"), types.Array(types.uint64, 1, "C")
     want = {"bf16": ("HGMMA.64x128x16.F32.BF16", 16, 0), "e4m3": ("QGMMA.64x128x32.F32.E4M3.E4M3", 8, 0),
-            "e4m3_promote_serial": ("QGMMA.64x128x32.F32.E4M3.E4M3", 8, 128)}
+            "e4m3_promote_serial": ("QGMMA.64x128x32.F32.E4M3.E4M3", 8, 128),
+            "e4m3_promote_k32_overlap": ("QGMMA.64x128x32.F32.E4M3.E4M3", 2, 128)}   # a loop of 2 steps per body
     for variant, (opcode, mmas, ffmas) in want.items():   # two 128-K chunks per unrolled loop body
         cubin = offline.compile_cubin(probe.make_throughput_kernel(variant), (f32, u64, types.int64), offline.SM90A,
                                       launch_bounds=(256, 1))
