@@ -383,21 +383,31 @@ def _live_blocks(data: np.ndarray, blocks: int) -> np.ndarray:
 
 
 def kernel_window_violations(problem: GroupedProblem) -> dict[str, int]:
-    """What the H200 FP8 route (``h200_wgmma``'s E4M3 consumer) cannot compute exactly for an MXFP4 x MXFP4
-    ``problem``, with the kernel's bases (per token row and chunk, per 128-row weight tile and chunk, over the finite
-    scales: ``fp8_decode``): ``token_blocks`` / ``weight_blocks``, live blocks below the window (the kernel makes
-    their outputs NaN); ``factors``, (slot, chunk) pairs whose promotion factor 2^(base_a + base_b) may leave
-    ``FP32_FACTOR_LOG2`` (checked on the extremes of the live chunks: a sufficient test). All 0: the route is exact
-    up to the accumulation (``HOPPER_CHUNK_ERROR``)."""
+    """What the H200 FP8 route (``h200_wgmma``'s E4M3 consumers) cannot compute exactly for an MXFP4 x MXFP4 or W4A8
+    ``problem``, with the kernel's bases (per 128-row weight tile and chunk, per MXFP4 token row and chunk, over the
+    finite scales: ``fp8_decode``): ``token_blocks`` / ``weight_blocks``, live blocks below the window (the kernel
+    makes their outputs NaN; MXFP8 tokens are not folded: none); ``factors``, (slot, chunk) pairs whose promotion
+    factor 2^(token exponent + weight base) may leave ``FP32_FACTOR_LOG2`` (checked on the extremes of the live
+    blocks: a sufficient test). All 0: the route is exact up to the accumulation (``HOPPER_CHUNK_ERROR``)."""
     from .formats import unswizzle_scales
 
     p = problem
-    if (p.a_format.name, p.b_format.name) != ("mxfp4", "mxfp4"):
-        raise ValueError(f"the FP8 route takes MXFP4 x MXFP4, got {p.a_format.name} x {p.b_format.name}")
+    if (p.a_format.name, p.b_format.name) not in (("mxfp4", "mxfp4"), ("mxfp8", "mxfp4")):
+        raise ValueError(f"the FP8 route takes MXFP4 or MXFP8 tokens x MXFP4 weights, got {p.a_format.name} x "
+                         f"{p.b_format.name}")
     blocks = p.a_format.scale_cols(p.k)
     a = p.a_operand()
-    a_top = _chunk_tops(a.scales)                                            # (T, chunks)
-    a_live = _live_blocks(a.data, blocks)
+    if p.a_format.packed:
+        a_live = _live_blocks(a.data, blocks)
+        a_top = _chunk_tops(a.scales)                                        # (T, chunks)
+        a_exponent = np.repeat(a_top - UE8M0_BIAS - FOLD_WINDOW[1], 4, axis=1)[:, :blocks]   # the row's base
+    else:   # MXFP8: the block's own scale multiplies at promotion
+        codes = np.ascontiguousarray(a.data).view(np.uint8)
+        pad = blocks * MX_BLOCK - codes.shape[1]
+        nonzero = np.concatenate([(codes & 0x7F) != 0, np.zeros((codes.shape[0], pad), bool)], axis=1)
+        a_live = nonzero.reshape(codes.shape[0], blocks, MX_BLOCK).any(axis=2)
+        a_exponent = a.scales.astype(np.int64) - UE8M0_BIAS
+    a_live &= a.scales != UE8M0_NAN_BYTE
     b_scales = unswizzle_scales(p.b_scales)                                  # (E, bands * 128, cols padded)
     e, rows, cols = b_scales.shape
     b_top = _chunk_tops(b_scales).reshape(e, rows // KERNEL_WEIGHT_BASE_ROWS, KERNEL_WEIGHT_BASE_ROWS, -1).max(2)
@@ -407,27 +417,31 @@ def kernel_window_violations(problem: GroupedProblem) -> dict[str, int]:
         d = scales.astype(np.int64) - np.repeat(top, 4, axis=-1)[..., :scales.shape[-1]] + FOLD_WINDOW[1]
         return live & (scales != UE8M0_NAN_BYTE) & (d < FOLD_WINDOW[0])
 
-    token_blocks = int(outside(a.scales, a_top, a_live).sum())
+    token_blocks = int(outside(a.scales, a_top, a_live).sum()) if p.a_format.packed else 0
     b_row_top = np.repeat(b_top, KERNEL_WEIGHT_BASE_ROWS, axis=1)[:, :p.n]
     weight_blocks = int(outside(b_scales[:, :p.n, :blocks], b_row_top, b_live).sum())
-    chunk_live = lambda live: _chunk_tops(np.where(live, 1, 0).astype(np.uint8)) > 0
-    a_base, b_base = a_top - UE8M0_BIAS - FOLD_WINDOW[1], b_top - UE8M0_BIAS - FOLD_WINDOW[1]
-    b_chunk_live = chunk_live(b_live)                                         # (E, N, chunks)
+    b_base = b_top - UE8M0_BIAS - FOLD_WINDOW[1]                              # (E, tiles, chunks)
+    chunks = b_base.shape[-1]
+    big = np.iinfo(np.int64).max
+
+    def per_chunk(values, live, reduce, fill):   # (rows, blocks) -> (chunks,) over live blocks
+        v = np.where(live, values, fill)
+        v = np.concatenate([v, np.full((v.shape[0], chunks * 4 - v.shape[1]), fill)], axis=1)
+        return reduce(reduce(v.reshape(v.shape[0], chunks, 4), axis=2), axis=0)
+
     factors = 0
     for g in p.active_slots():
         ex, lo, hi = int(p.expert_ids[g]), int(p.a_offsets[g]), int(p.a_offsets[g + 1])
-        a_ok = chunk_live(a_live[lo:hi])
-        tile_live = np.zeros(b_base[ex].shape, bool)
-        n_live = b_chunk_live[ex]
-        pad = tile_live.shape[0] * KERNEL_WEIGHT_BASE_ROWS - p.n
-        tile_live[:] = np.concatenate([n_live, np.zeros((pad, n_live.shape[1]), bool)]).reshape(
-            tile_live.shape[0], KERNEL_WEIGHT_BASE_ROWS, -1).any(axis=1)
-        big = np.iinfo(np.int64).max
-        a_min = np.where(a_ok, a_base[lo:hi], big).min(axis=0)
-        a_max = np.where(a_ok, a_base[lo:hi], -big).max(axis=0)
+        n_live = np.concatenate([b_live[ex], np.zeros((b_base.shape[1] * KERNEL_WEIGHT_BASE_ROWS - p.n, blocks),
+                                                      bool)])
+        tile_live = n_live.reshape(b_base.shape[1], KERNEL_WEIGHT_BASE_ROWS, blocks).any(axis=1)
+        tile_live = np.concatenate([tile_live, np.zeros((tile_live.shape[0], chunks * 4 - blocks), bool)], axis=1)
+        tile_live = tile_live.reshape(tile_live.shape[0], chunks, 4).any(axis=2)      # (tiles, chunks)
+        a_min = per_chunk(a_exponent[lo:hi], a_live[lo:hi], np.min, big)
+        a_max = per_chunk(a_exponent[lo:hi], a_live[lo:hi], np.max, -big)
         b_min = np.where(tile_live, b_base[ex], big).min(axis=0)
         b_max = np.where(tile_live, b_base[ex], -big).max(axis=0)
-        both = a_ok.any(axis=0) & tile_live.any(axis=0)
+        both = (a_min < big) & tile_live.any(axis=0)
         low = np.where(both, a_min + b_min, 0) < FP32_FACTOR_LOG2[0]
         high = np.where(both, a_max + b_max, 0) > FP32_FACTOR_LOG2[1]
         factors += int((low | high).sum())

@@ -37,7 +37,7 @@ from .formats import get_format
 from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
-from .numba_kernels.h200_wgmma import FP8_MMA_BN, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
+from .numba_kernels.h200_wgmma import FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
 from .problem import GroupedProblem, layout_of, problem_format_name
 from .schedule import check_num_ctas
 
@@ -249,10 +249,13 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
     evidence fp8-route-gpu) for ``problem``: its knobs and rules, or None and the rule that falls back to the bf16
     route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
     operands exactly). Device problems are not checked on the host: such blocks give NaN outputs."""
-    if (layout_of(problem, "a"), layout_of(problem, "b")) != (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_E4M3):
-        raise ValueError(f"fp8=True (the FP8 route) reads MXFP4 tokens and weights in {LAYOUT_E2M1_E4M3!r} "
-                         f"(GroupedProblem.with_a_layout / with_b_layout); got a_layout={layout_of(problem, 'a')!r}, "
-                         f"b_layout={layout_of(problem, 'b')!r}")
+    tokens_fp4 = problem.a_format.packed
+    want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
+    if _formats(problem) not in FP8_ROUTE_FORMATS or (layout_of(problem, "a"), layout_of(problem, "b")) != want:
+        raise ValueError(f"fp8=True (the FP8 route) reads MXFP4 weights in {LAYOUT_E2M1_E4M3!r} "
+                         f"(GroupedProblem.with_b_layout) with MXFP4 tokens in it too (with_a_layout) or MXFP8 tokens "
+                         f"(W4A8) as they are; got {_formats(problem)[0]} ({layout_of(problem, 'a')!r}) x "
+                         f"{_formats(problem)[1]} ({layout_of(problem, 'b')!r})")
     if isinstance(problem, GroupedProblem):
         from .fp8_route import kernel_window_violations
 
@@ -267,8 +270,9 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
         window = [Rule("window", "not checked (a device problem): blocks below the window give NaN outputs")]
     return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True),
             [Rule("route", f"FP8 (asked for): MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
-                           f"promotion per 128 K; 128 x {FP8_MMA_BN} tiles (chunk and total accumulators)",
-                  "fp8-route-gpu")] + window)
+                           f"promotion per {'128 K' if tokens_fp4 else '32 K (the MXFP8 tokens scales)'}; 128 x "
+                           f"{FP8_MMA_BN} tiles (chunk and total accumulators)",
+                  "fp8-route-gpu" if tokens_fp4 else "fp8-w4a8-promotion")] + window)
 
 
 def prefers_wgmma(problem) -> Rule | None:

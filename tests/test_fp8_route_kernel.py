@@ -42,15 +42,18 @@ GROUP_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, 
 EXPERT_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
 
 
-def gaussian_problem(n: int, k: int, seed: int, group_sizes=GROUP_SIZES, expert_ids=EXPERT_IDS, experts: int = 8):
+def gaussian_problem(n: int, k: int, seed: int, group_sizes=GROUP_SIZES, expert_ids=EXPERT_IDS, experts: int = 8,
+                     fmt: str = "mxfp4"):
     rng = np.random.default_rng(seed)
     tokens = rng.standard_normal((sum(group_sizes), k)).astype(np.float32)
     weights = rng.standard_normal((experts, n, k)).astype(np.float32)
-    return build_problem(tokens, weights, list(group_sizes), list(expert_ids), fmt="mxfp4")
+    return build_problem(tokens, weights, list(group_sizes), list(expert_ids), fmt=fmt)
 
 
 def on_route(problem):
-    return problem.with_a_layout(ROUTE).with_b_layout(ROUTE)
+    """MXFP4 weights (and MXFP4 tokens) in the route's layout; MXFP8 tokens (W4A8) stay as they are."""
+    routed = problem.with_b_layout(ROUTE)
+    return routed.with_a_layout(ROUTE) if problem.a_format.packed else routed
 
 
 def with_scales(problem, a_linear=None, b_linear=None):
@@ -140,7 +143,7 @@ def test_plan_runs_the_route_when_asked_and_the_bf16_route_otherwise():
     assert plan_h200(on_route(problem), backend="h200_stream").kernel == "h200_stream"
     with pytest.raises(ValueError, match="backend 'auto' or 'h200_wgmma'"):
         plan_h200(on_route(problem), backend="h200_stream", fp8=True)
-    with pytest.raises(ValueError, match="reads MXFP4 tokens and weights"):
+    with pytest.raises(ValueError, match="reads MXFP4 weights in"):
         plan_h200(problem.with_a_layout(LAYOUT_E2M1_H200).with_b_layout(ROUTE), fp8=True)
     with pytest.raises(ValueError, match="both operands"):
         hw.WgmmaSpec("mxfp4", "mxfp4", 128, 2, a_layout=LAYOUT_E2M1_H200, b_layout=ROUTE, fp8=True)
@@ -188,17 +191,32 @@ def test_route_build_issues_e4m3_wgmma_without_local_memory_in_the_k_loop():
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
+def _token_steps(a, chunk):
+    """MXFP8 tokens as the route multiplies them (E4M3 bytes as quantized) for ``chunk_sum_bits_needed``."""
+    rows, k = a.data.shape
+    return fr.FoldedOperand(e4m3=np.ascontiguousarray(a.data).view(np.uint8), bases=np.zeros((rows, 1), np.int32),
+                            shifts=np.zeros((rows, k // 32), np.int32), in_window=np.ones((rows, k // 32), bool),
+                            source=a, chunk=chunk)
+
+
+def route_chunk(problem) -> int:
+    """K per promotion: 128 (MXFP4 tokens), 32 (MXFP8 tokens: their scales change every k32 step)."""
+    return fr.PROMOTION_CHUNK if problem.a_format.packed else fr.MX_BLOCK
+
+
 def chunk_exact(problem) -> np.ndarray:
-    """(T, N) bool: every chunk of the output needs at most ``HOPPER_E4M3_SUM_BITS`` significant bits (the kernel's
-    bases; the count does not depend on them)."""
+    """(T, N) bool: every promoted sum of the output (a 128-K chunk, or a k32 step for W4A8) needs at most
+    ``HOPPER_E4M3_SUM_BITS`` significant bits (the kernel's bases; the count does not depend on them)."""
     exact = np.zeros((problem.total_tokens, problem.n), bool)
     a = problem.a_operand()
+    chunk = route_chunk(problem)
     for g in problem.active_slots():
         lo, hi = int(problem.a_offsets[g]), int(problem.a_offsets[g + 1])
         rows = type(a)(a.data[lo:hi], a.scales[lo:hi], a.fmt)
-        fa = fr.fold_operand(rows, base_over="finite")
+        fa = fr.fold_operand(rows, base_over="finite") if a.fmt.packed else _token_steps(rows, chunk)
         fb = fr.fold_operand(problem.b_operand(int(problem.expert_ids[g])), base_over="finite",
                              base_rows=fr.KERNEL_WEIGHT_BASE_ROWS)
+        fb = dataclasses.replace(fb, chunk=chunk)
         exact[lo:hi] = (fr.chunk_sum_bits_needed(fa, fb) <= fr.HOPPER_E4M3_SUM_BITS).all(axis=2)
     return exact
 
@@ -215,8 +233,10 @@ def check_route(problem, out) -> dict:
     nan = np.isnan(r)
     np.testing.assert_array_equal(np.isnan(o), nan, err_msg="NaN where the reference has none, or none where it has")
     scale = float(np.max(np.abs(problem.expert_scales)))
-    bound = ((fr.fp8_route_error_bound(problem.k, chunk_error=fr.HOPPER_CHUNK_ERROR)
-              + 2 * gamma(problem.k + 1, FP64_UNIT)) * t + fr.fp8_route_absolute_slack(problem.k, expert_scale=scale))
+    chunk = route_chunk(problem)
+    chunk_error = fr.HOPPER_CHUNK_ERROR * chunk / fr.PROMOTION_CHUNK   # 33 x 2^-13 per k32 instruction
+    bound = ((fr.fp8_route_error_bound(problem.k, chunk, chunk_error) + 2 * gamma(problem.k + 1, FP64_UNIT)) * t
+             + fr.fp8_route_absolute_slack(problem.k, chunk, expert_scale=scale))
     with np.errstate(invalid="ignore"):
         inside = ((o >= round_to_bf16(e - bound)) & (o <= round_to_bf16(e + bound))) | nan
     assert inside.all(), f"{int((~inside).sum())} outputs outside the route's bound"
@@ -241,6 +261,33 @@ def test_gpu_route_matches_the_reference_on_ragged_groups_and_tails(n, k):
     counts = check_route(problem, _run(problem))
     assert counts["asserted"] > 0.5 * counts["elements"], counts   # Gaussian data: mostly exact chunk sums
     print(counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168)])
+def test_gpu_w4a8_route_matches_the_reference_on_ragged_groups_and_tails(n, k):
+    """W4A8: MXFP8 tokens straight from the ring as wgmma A, MXFP4 weights folded, a promotion per k32 step."""
+    problem = gaussian_problem(n, k, seed=zlib.crc32(f"w4a8/{n}/{k}".encode()), fmt="w4a8")
+    counts = check_route(problem, _run(problem))   # Gaussian E4M3 tokens: few sums exact in fp32 (the bound holds)
+    print(counts)
+
+
+@pytest.mark.gpu
+def test_gpu_w4a8_route_nan_token_blocks_and_weight_window_edges():
+    """A NaN-scale token block (its row NaN), a NaN token element, weight blocks at d = 6 and d = -8 of their tile."""
+    problem = gaussian_problem(256, 1024, seed=11, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3,
+                               fmt="w4a8")
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
+    b[:, :, 0::4] = 132
+    b[:, 5, 2::4] = 132 - 14
+    a[10, 9] = 0xFF
+    edge = with_scales(problem, a_linear=a, b_linear=b)
+    tokens = edge.a.copy()
+    tokens.view(np.uint8)[40, 77] = 0x7F   # an E4M3 NaN element
+    edge = dataclasses.replace(edge, a=tokens)
+    assert fr.kernel_window_violations(edge) == dict(token_blocks=0, weight_blocks=0, factors=0)
+    print(check_route(edge, _run(edge)))
 
 
 @pytest.mark.gpu

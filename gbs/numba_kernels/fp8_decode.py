@@ -86,6 +86,25 @@ def power_of_two_bits(e):
     return 0
 
 
+F32_NAN_BITS = 0x7FC00000
+
+
+def make_token_factor_bits(power_bits):
+    """``token_factor_bits`` over ``power_bits`` (``power_of_two_bits``, or its device function in kernels)."""
+    def token_factor_bits(scale_byte, tile_log2):
+        """The fp32 bits of W4A8's promotion factor for one token row and k32 step: its MXFP8 block's scale
+        ``2^(scale_byte - 127)`` times the weight tile's base ``2^tile_log2``; NaN for a NaN scale (0xFF: the
+        block's elements are NaN in the reference)."""
+        if scale_byte == UE8M0_NAN:
+            return F32_NAN_BITS
+        return power_bits(scale_byte - UE8M0_BIAS + tile_log2)
+
+    return token_factor_bits
+
+
+token_factor_bits = make_token_factor_bits(power_of_two_bits)
+
+
 def fold_table_row(scale_byte, max_byte):
     """Row of ``MAGNITUDE_TABLES`` for a block of scale ``scale_byte`` in a chunk whose largest is ``max_byte``."""
     if scale_byte == UE8M0_NAN:
@@ -120,6 +139,7 @@ chunk_max_scale_device = inline_device(chunk_max_scale)
 fold_table_row_device = inline_device(fold_table_row)
 promotion_log2_device = inline_device(promotion_log2)
 power_of_two_bits_device = inline_device(power_of_two_bits)
+token_factor_bits_device = inline_device(make_token_factor_bits(power_of_two_bits_device))
 
 
 def block_element_at(position):

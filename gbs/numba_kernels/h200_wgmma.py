@@ -182,6 +182,7 @@ OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32
 # scratch: 2 x 8 words of the warps' chunk maxima (the weight tile's bases of a slice's two chunks) and the
 # 17 x 8-byte magnitude table (``fp8_decode.MAGNITUDE_TABLES``).
 FP8_CHUNK = 128
+FP8_ROUTE_FORMATS = (("mxfp4", "mxfp4"), ("mxfp8", "mxfp4"))   # (tokens, weights): MXFP4 x MXFP4 and W4A8
 E4M3_ROW_BYTES = 128
 FP8_BUFFERS = 2
 FP8_MMA_BN = 128
@@ -229,9 +230,12 @@ class WgmmaSpec:
             raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
         object.__setattr__(self, "fp8", bool(self.fp8))
         if self.fp8:
-            if (self.a_layout, self.b_layout) != (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_E4M3):
-                raise ValueError(f"the FP8 route reads both operands in {LAYOUT_E2M1_E4M3!r}; got a_layout="
-                                 f"{self.a_layout!r}, b_layout={self.b_layout!r}")
+            tokens_fp4 = self.a_format == "mxfp4"
+            want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
+            if (self.a_format, self.b_format) not in FP8_ROUTE_FORMATS or (self.a_layout, self.b_layout) != want:
+                raise ValueError(f"the FP8 route takes MXFP4 weights in {LAYOUT_E2M1_E4M3!r} with MXFP4 tokens in it "
+                                 f"too (both operands) or MXFP8 tokens as they are; got {self.a_format} "
+                                 f"({self.a_layout!r}) x {self.b_format} ({self.b_layout!r})")
             if (bn, tokens, self.ab_swapped) != (FP8_MMA_BN, TILE_TOKENS[0], False):
                 raise ValueError(f"the FP8 route takes 128-token x {FP8_MMA_BN}-row tiles, not swapped (its chunk and "
                                  f"total accumulators fill the registers); got mma_bn={bn}, tile_tokens={tokens}, "
@@ -434,7 +438,9 @@ def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
     (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
     ring = hr.make_ring(spec.ring)
-    make_consumer = _make_fp8_consumer if spec.fp8_route else _make_bf16_consumer
+    make_consumer = _make_bf16_consumer
+    if spec.fp8_route:
+        make_consumer = _make_fp8_consumer if spec.a_format == "mxfp4" else _make_fp8_tokens_consumer
     return _kernel_frame(spec, ring, make_consumer(spec, ring))
 
 
@@ -966,6 +972,187 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
             chunk_acc = zero_acc()   # the next tile's first promotion adds 0 x 0
             factor_lo = float32(0.0)
             factor_hi = float32(0.0)
+            item += 1
+
+    return _device(consume)
+
+
+def fp8_natural_offset(b_row: int, chunk16: int) -> int:
+    """Byte offset in an E4M3 B buffer (128-byte rows, 128B swizzle) of 16-byte chunk ``chunk16`` (K bytes
+    ``16 chunk16`` .. ``+ 15`` in natural K order: W4A8's tokens come from the ring as they are) of weight row
+    ``b_row``."""
+    return b_row * E4M3_ROW_BYTES + 16 * (chunk16 ^ (b_row & SW128_CHUNK_MASK))
+
+
+def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
+    """W4A8 on the FP8 route: the MXFP8 tokens are the wgmma A operand straight from the ring stage (E4M3 bytes as
+    quantized, K-major with TMA's 128B swizzle: no decode); the MXFP4 weights are decoded to E4M3 in natural K order
+    with their exponents folded relative to a base per 128-row tile and 128-K slice (``fp8_decode``). The tokens'
+    scales change every 32 K, so each k32 step accumulates into a fresh chunk set (two sets in turn) and is promoted,
+    ``total += step * 2^(e_token + base_tile)``, one FFMA per accumulator (evidence: fp8-w4a8-promotion), while the
+    other warpgroup's MMAs run. The raw stage is read by the MMAs, so it is released after the slice's last wait. A
+    device function for ``_kernel_frame``."""
+    ring_spec = spec.ring
+    read_work_record = ring.read_work_record
+    stages, lay = ring_spec.stages, ring_spec.smem
+    stage_bytes = lay.stage_bytes
+    m_side, n_side = ring_spec.m_side, ring_spec.n_side
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
+    atoms = m_side.sf_atoms_per_slice
+    if (m_side.row_bytes, n_side.row_bytes, spec.k_slice) != (E4M3_ROW_BYTES, E4M3_ROW_BYTES // 2, FP8_CHUNK):
+        raise AssertionError("W4A8's FP8 route reads 128-byte E4M3 token rows and 64-byte FP4 weight rows per slice")
+    if m_data_off % SW128_ATOM_BYTES or stage_bytes % SW128_ATOM_BYTES:
+        raise AssertionError("the tokens' stage rows must be 1024-byte aligned: they are a wgmma operand")
+    mma_bn = spec.mma_bn
+    num_acc = mma_bn // 2
+    buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
+    scratch_off = spec.scratch_offset
+    table_off = scratch_off + FP8_MAXIMA_BYTES
+    table_words = fd.MAGNITUDE_TABLES.size
+    magnitude_table = np.ascontiguousarray(fd.MAGNITUDE_TABLES).reshape(-1)
+    n_mask = n_side.swizzle_mask
+    n_row_bytes = n_side.row_bytes
+    mma = hp.wgmma_e4m3_ss(mma_bn)
+    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
+    promote = hp.promote_accumulator_rows
+    sf_offset = _device(scale_byte_offset)
+    swizzle = _device(hd.swizzle_xor)
+    natural_offset = _device(fp8_natural_offset)
+    advance = _device(hp.wgmma_descriptor_advance)
+    chunk_max, table_row = fd.chunk_max_scale_device, fd.fold_table_row_device
+    base_log2, decode, factor_bits = fd.promotion_log2_device, fd.decode_word_device, fd.token_factor_bits_device
+    store_tile = _make_store_tile(num_acc)
+    consumer_threads = CONSUMER_THREADS
+    CONSUMER_BARRIER, MBARRIER_BYTES = hr.CONSUMER_BARRIER, hr.MBARRIER_BYTES
+    UNIT, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES
+    TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
+    ROW_BYTES, STEP_BYTES = E4M3_ROW_BYTES, WGMMA_K_E4M3
+    if FP8_CHUNK // WGMMA_K_E4M3 != 4:
+        raise AssertionError("the consumer writes out 4 k32 steps per slice")
+
+    def mma_step(acc, a_desc, b_desc, s):
+        """k32 step ``s`` of the slice into a fresh chunk set, committed as its own group."""
+        hp.wgmma_fence()
+        acc = mma(acc, advance(a_desc, (STEP_BYTES * s) // UNIT), advance(b_desc, (STEP_BYTES * s) // UNIT),
+                  np.uint32(0))
+        hp.wgmma_commit_group()
+        return acc
+
+    def step_factors(a_scales_lo, a_scales_hi, s, tile_log2):
+        """The promotion factors of step ``s`` for rows m_row and m_row + 8."""
+        return (f32_from_bits(np.uint32(factor_bits(np.int32((a_scales_lo >> (8 * s)) & 0xFF), tile_log2))),
+                f32_from_bits(np.uint32(factor_bits(np.int32((a_scales_hi >> (8 * s)) & 0xFF), tile_log2))))
+
+    mma_step, step_factors = _device(mma_step), _device(step_factors)
+
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
+        lane = cm.laneid()
+        base = np.uint32(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        thread = np.uint32(cw * 32 + lane)
+        if thread < table_words:
+            st_shared_u32(base + table_off + 4 * thread, magnitude_table[thread])
+        g = lane >> 2
+        q = lane & 3
+        warpgroup = cw // WARPGROUP_WARPS_
+        m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
+        # the warpgroup's 64 token rows of a stage, as wgmma's A operand (descriptor units of 16 bytes)
+        a_units = np.uint32((m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES) // UNIT)
+        # B side: weight row b_row, MX blocks 2 half and 2 half + 1 of the slice
+        b_row = thread >> 1
+        half = thread & 1
+        b_xor = np.uint32(swizzle(b_row, n_row_bytes, n_mask))
+        b_row_addr = np.uint32(n_data_off + b_row * n_row_bytes)
+        buffers = np.uint32(base + buffers_off)
+        maxima = np.uint32(base + scratch_off)
+        table = np.uint32(base + table_off)
+        desc_a0 = hp.wgmma_smem_descriptor_device(base, SW128_LEADING_BYTES_, SW128_ATOM_BYTES_, "128B")
+        desc_b0 = hp.wgmma_smem_descriptor_device(buffers, SW128_LEADING_BYTES_, SW128_ATOM_BYTES_, "128B")
+        acc_out = cuda.local.array(num_acc, float32)
+        total = zero_acc()
+        chunk = zero_acc()
+        cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)   # the table is in
+        buffer = np.uint32(0)
+        stage = np.int64(0)
+        phase = np.int64(0)
+        item = np.int64(0)
+        while item < max_tiles:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
+                break
+            m_sf_row0 = (t0 - group_start) % SF_ATOM_ROWS
+            n_sf_row0 = r0 % SF_ATOM_ROWS
+            for _ in range(k_slices):
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                # 1. the weight tile's base: the largest finite scale byte of its 128 rows in this slice
+                w_scales = ld_shared_u32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + b_row), 0, atoms))
+                warp_top = cm.warp_max_u32(chunk_max(w_scales))
+                if lane == 0:
+                    st_shared_u32(maxima + 32 * buffer + 4 * cw, warp_top)
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
+                t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima + 32 * buffer)
+                t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 32 * buffer + 16)
+                tile_top = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                # 2. the weights: E4M3 in natural K order into the free buffer (a block's 4 words -> 32 bytes)
+                b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                st_b = np.uint32(st + b_row_addr)
+                for j in range(2):
+                    block = 2 * half + j
+                    row = table_row(np.int32((w_scales >> (8 * block)) & 0xFF), np.int32(tile_top))
+                    tab_lo, tab_hi = ld_shared_v2_u32(table + 8 * row)
+                    w0, w1, w2, w3 = ld_shared_v4_u32(st_b + ((16 * block) ^ b_xor))
+                    l0, h0 = decode(w0, tab_lo, tab_hi)
+                    l1, h1 = decode(w1, tab_lo, tab_hi)
+                    l2, h2 = decode(w2, tab_lo, tab_hi)
+                    l3, h3 = decode(w3, tab_lo, tab_hi)
+                    st_shared_v4_u32(b_addr + natural_offset(b_row, 2 * block), l0, h0, l1, h1)
+                    st_shared_v4_u32(b_addr + natural_offset(b_row, 2 * block + 1), l2, h2, l3, h3)
+                cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                # the token rows' block scales of the slice (rows m_row, m_row + 8)
+                a_scales_lo = ld_shared_u32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row), 0, atoms))
+                a_scales_hi = ld_shared_u32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8), 0, atoms))
+                tile_log2 = np.int32(base_log2(np.int32(tile_top)))
+                cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)   # the buffer is complete
+                a_desc = advance(desc_a0, np.uint32(stage * (stage_bytes // UNIT)) + a_units)
+                b_desc = advance(desc_b0, buffer * (buffer_bytes // UNIT))
+                # the 4 k32 steps written out, each into the fresh chunk set and promoted once it is done (two
+                # sets in turn spill: 3 x 64 accumulators over the consumers' registers); the other warpgroup's
+                # MMAs run meanwhile
+                chunk = mma_step(chunk, a_desc, b_desc, 0)
+                factor_lo, factor_hi = step_factors(a_scales_lo, a_scales_hi, 0, tile_log2)
+                hp.wgmma_wait_group_0()
+                chunk = hp.wgmma_fence_accumulators(chunk)
+                total = promote(total, chunk, factor_lo, factor_hi)
+                chunk = mma_step(chunk, a_desc, b_desc, 1)
+                factor_lo, factor_hi = step_factors(a_scales_lo, a_scales_hi, 1, tile_log2)
+                hp.wgmma_wait_group_0()
+                chunk = hp.wgmma_fence_accumulators(chunk)
+                total = promote(total, chunk, factor_lo, factor_hi)
+                chunk = mma_step(chunk, a_desc, b_desc, 2)
+                factor_lo, factor_hi = step_factors(a_scales_lo, a_scales_hi, 2, tile_log2)
+                hp.wgmma_wait_group_0()
+                chunk = hp.wgmma_fence_accumulators(chunk)
+                total = promote(total, chunk, factor_lo, factor_hi)
+                chunk = mma_step(chunk, a_desc, b_desc, 3)
+                factor_lo, factor_hi = step_factors(a_scales_lo, a_scales_hi, 3, tile_log2)
+                hp.wgmma_wait_group_0()
+                chunk = hp.wgmma_fence_accumulators(chunk)
+                total = promote(total, chunk, factor_lo, factor_hi)
+                # every MMA that read the raw stage (this warpgroup's) is done
+                cuda.syncwarp()
+                if lane == 0:
+                    mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+                buffer ^= np.uint32(1)
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+            hp.accumulators_to_array(total, acc_out)
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+            total = zero_acc()
             item += 1
 
     return _device(consume)
