@@ -163,6 +163,10 @@ def run_cases(args: set, results: list) -> int:
                           lambda: h200_launch.run(route, plan_h200(route, fp8=True), None)))
             cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_E4M3, "bf16 route"), route,
                           lambda: wgmma(route, 128, tile_tokens=256)))
+        if fmt == "w4a8" and "h200_wgmma" in kernels:   # W4A8 on the FP8 route: tokens as the wgmma A operand
+            w4a8_route = p.with_b_layout(LAYOUT_E2M1_E4M3)
+            cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3, "fp8"), w4a8_route,
+                          lambda: h200_launch.run(w4a8_route, plan_h200(w4a8_route, fp8=True), None)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:
