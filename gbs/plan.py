@@ -272,7 +272,7 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
             [Rule("route", f"FP8 (asked for): MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
                            f"promotion per {'128 K' if tokens_fp4 else '32 K (the MXFP8 tokens scales)'}; 128 x "
                            f"{FP8_MMA_BN} tiles (chunk and total accumulators)",
-                  "fp8-route-gpu" if tokens_fp4 else "fp8-w4a8-promotion")] + window)
+                  "fp8-route-gpu" if tokens_fp4 else "w4a8-fp8-route-gpu")] + window)
 
 
 def prefers_wgmma(problem) -> Rule | None:

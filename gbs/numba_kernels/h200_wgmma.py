@@ -74,9 +74,11 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
 * The FP8 route (``WgmmaSpec.fp8``: MXFP4 x MXFP4 in ``gbs.layouts.E2M1E4M3Order``, 128 x 128 tiles,
   ``_make_fp8_consumer``; the bf16 consumer reads that layout too): each block's UE8M0 exponent folded into its FP4 -> E4M3 decode (``fp8_decode``) relative
   to a base per token row and per 128-row weight tile and 128-K chunk, 4 x ``wgmma m64n128k32 .e4m3`` per chunk into
-  a chunk accumulator, promoted into the fp32 total with one FFMA per accumulator. Exact up to the tensor core's
-  14-bit chunk sums (``gbs.fp8_route``); slower than the bf16 route so far (evidence: fp8-route-gpu;
-  ``docs/design/h200_port.md``, "The FP8 route: the kernel, and what it measured").
+  a chunk accumulator, promoted into the fp32 total with one FFMA per accumulator; W4A8 (``WgmmaSpec.fp8`` with
+  MXFP8 tokens, ``_make_fp8_tokens_consumer``): the tokens straight from the ring stage as the E4M3 A operand, a
+  promotion per k32 step. Exact up to the tensor core's 14-bit sums (``gbs.fp8_route``); both slower than the bf16
+  route so far (evidence: fp8-route-gpu, w4a8-fp8-route-gpu; ``docs/design/h200_port.md``, "The FP8 route: the
+  kernel, and what it measured"). ``gbs.plan`` runs them only when asked (``fp8=True``).
 
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
