@@ -28,9 +28,7 @@ import argparse
 import sys
 
 import numpy as np
-from llvmlite import ir
 from numba import cuda
-from numba.cuda.extending import intrinsic
 
 from gbs.formats import quantize
 from gbs.fp8_route import fold_operand, fp8_route_accumulate
@@ -55,22 +53,6 @@ decode_word = fd.decode_word_device
 chunk_max = fd.chunk_max_scale_device
 table_row = fd.fold_table_row_device
 promotion_log2 = fd.promotion_log2_device
-
-
-@intrinsic
-def promote_two_rows(typingctx, total, chunk, factor_lo, factor_hi):
-    """``fma(chunk[i], factor, total[i])`` with ``factor_lo`` for the accumulators of row g (``(i >> 1) & 1 == 0``,
-    ``hopper.wgmma_accumulator_position``) and ``factor_hi`` for row g + 8: one FFMA per accumulator."""
-    def codegen(context, builder, sig, args):
-        t, c, f_lo, f_hi = args
-        out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
-        for i in range(sig.return_type.count):
-            factor = f_hi if (i >> 1) & 1 else f_lo
-            out = builder.insert_value(out, builder.fma(builder.extract_value(c, i), factor,
-                                                        builder.extract_value(t, i)), i)
-        return out
-
-    return total(total, chunk, factor_lo, factor_hi), codegen
 
 
 def make_a_registers(decode, table_row):
@@ -166,7 +148,7 @@ def make_kernel(variant: str):
                 tile_log2 = promotion_log2(top)
                 f_lo = cuda.libdevice.ldexpf(np.float32(1.0), np.int32(promotion_log2(top_lo) + tile_log2))
                 f_hi = cuda.libdevice.ldexpf(np.float32(1.0), np.int32(promotion_log2(top_hi) + tile_log2))
-                total = promote_two_rows(total, chunk_acc, f_lo, f_hi)
+                total = hp.promote_accumulator_rows(total, chunk_acc, f_lo, f_hi)
         elapsed = cm.read_clock64() - start
         if not promote:
             total = chunk_acc

@@ -790,6 +790,25 @@ def fp8_k_of(chunk_position: int) -> int:
     return 32 * block + 8 * step + 4 * high + i
 
 
+def _make_fp8_helpers(spec: WgmmaSpec):
+    """Device functions both FP8 consumers use: ``fill_table(table, thread)`` (the 17 x 8-byte magnitude table into
+    shared memory, one word per consumer thread) and ``tile_top(slot)`` (the largest of the 8 consumer warps' chunk
+    maxima at ``slot``: the weight tile's base byte)."""
+    table_words = fd.MAGNITUDE_TABLES.size
+    magnitude_table = np.ascontiguousarray(fd.MAGNITUDE_TABLES).reshape(-1)
+
+    def fill_table(table, thread):
+        if thread < table_words:
+            st_shared_u32(table + 4 * thread, magnitude_table[thread])
+
+    def tile_top(slot):
+        t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(slot)
+        t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(slot + 16)
+        return max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+
+    return _device(fill_table), _device(tile_top)
+
+
 def _make_fp8_consumer(spec: WgmmaSpec, ring):
     """The FP8 route's consumer (``docs/design/h200_port.md``, "The FP8 route"): MXFP4 x MXFP4 in ``E2M1E4M3Order``,
     each block's UE8M0 exponent folded into its FP4 -> E4M3 decode (``fp8_decode``) relative to a base per token
@@ -811,8 +830,7 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
     buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
     scratch_off = spec.scratch_offset
     table_off = scratch_off + FP8_MAXIMA_BYTES
-    table_words = fd.MAGNITUDE_TABLES.size
-    magnitude_table = np.ascontiguousarray(fd.MAGNITUDE_TABLES).reshape(-1)
+    fill_table, tile_top = _make_fp8_helpers(spec)
     m_mask, n_mask = m_side.swizzle_mask, n_side.swizzle_mask
     mma = hp.wgmma_e4m3_rs(mma_bn)
     zero_acc = hp.wgmma_zero_accumulators(mma_bn)
@@ -840,8 +858,7 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
         base = np.uint32(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
         thread = np.uint32(cw * 32 + lane)
-        if thread < table_words:
-            st_shared_u32(base + table_off + 4 * thread, magnitude_table[thread])
+        fill_table(np.uint32(base + table_off), thread)
         g = lane >> 2
         q = lane & 3
         # A side: token rows m_row and m_row + 8 (warpgroup cw // 4, warp cw % 4); lane q reads block q of each chunk
@@ -892,20 +909,15 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
                     st_shared_u32(maxima + 4 * cw, warp_top0)
                     st_shared_u32(maxima + 32 + 4 * cw, warp_top1)
                 cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima)
-                t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 16)
-                tile_top0 = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
-                t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima + 32)
-                t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 48)
-                tile_top1 = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                tile_top0, tile_top1 = tile_top(maxima), tile_top(maxima + 32)
                 for chunk in range(2):   # unrolled: the chunk picks the A set
                     a_set = A_SET_WORDS * chunk
                     w_scales = w_scales1 if chunk else w_scales0
-                    tile_top = tile_top1 if chunk else tile_top0
+                    top = tile_top1 if chunk else tile_top0
                     # 2. the weights: E4M3 rows of the chunk into the free buffer
                     b_addr = np.uint32(buffers + buffer * buffer_bytes)
                     for block in range(4):
-                        row = table_row(np.int32((w_scales >> (8 * block)) & 0xFF), np.int32(tile_top))
+                        row = table_row(np.int32((w_scales >> (8 * block)) & 0xFF), np.int32(top))
                         tab_lo, tab_hi = ld_shared_v2_u32(table + 8 * row)
                         w0, w1 = ld_shared_v2_u32(st_b + weight_source(chunk, pair, block, b_xor))
                         low[block], high[block] = decode(w0, tab_lo, tab_hi)
@@ -938,7 +950,7 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
                     a_frag[a_set + 9], a_frag[a_set + 11] = decode(h2, tab_lo_h, tab_hi_h)
                     a_frag[a_set + 12], a_frag[a_set + 14] = decode(g3, tab_lo_g, tab_hi_g)
                     a_frag[a_set + 13], a_frag[a_set + 15] = decode(h3, tab_lo_h, tab_hi_h)
-                    tile_log2 = base_log2(np.int32(tile_top))
+                    tile_log2 = base_log2(np.int32(top))
                     next_lo = f32_from_bits(np.uint32(power_bits(np.int32(base_log2(top_lo) + tile_log2))))
                     next_hi = f32_from_bits(np.uint32(power_bits(np.int32(base_log2(top_hi) + tile_log2))))
                     # 4. the previous chunk's MMAs (this warpgroup's) are done: promote it
@@ -1010,8 +1022,7 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
     buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
     scratch_off = spec.scratch_offset
     table_off = scratch_off + FP8_MAXIMA_BYTES
-    table_words = fd.MAGNITUDE_TABLES.size
-    magnitude_table = np.ascontiguousarray(fd.MAGNITUDE_TABLES).reshape(-1)
+    fill_table, tile_top = _make_fp8_helpers(spec)
     n_mask = n_side.swizzle_mask
     n_row_bytes = n_side.row_bytes
     mma = hp.wgmma_e4m3_ss(mma_bn)
@@ -1053,8 +1064,7 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
         base = np.uint32(cm.shared_address(dyn))
         bar0 = np.int64(cm.shared_address(bars))
         thread = np.uint32(cw * 32 + lane)
-        if thread < table_words:
-            st_shared_u32(base + table_off + 4 * thread, magnitude_table[thread])
+        fill_table(np.uint32(base + table_off), thread)
         g = lane >> 2
         q = lane & 3
         warpgroup = cw // WARPGROUP_WARPS_
@@ -1095,15 +1105,13 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
                 if lane == 0:
                     st_shared_u32(maxima + 32 * buffer + 4 * cw, warp_top)
                 cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
-                t_a0, t_a1, t_a2, t_a3 = ld_shared_v4_u32(maxima + 32 * buffer)
-                t_b0, t_b1, t_b2, t_b3 = ld_shared_v4_u32(maxima + 32 * buffer + 16)
-                tile_top = max(max(max(t_a0, t_a1), max(t_a2, t_a3)), max(max(t_b0, t_b1), max(t_b2, t_b3)))
+                top = tile_top(maxima + 32 * buffer)
                 # 2. the weights: E4M3 in natural K order into the free buffer (a block's 4 words -> 32 bytes)
                 b_addr = np.uint32(buffers + buffer * buffer_bytes)
                 st_b = np.uint32(st + b_row_addr)
                 for j in range(2):
                     block = 2 * half + j
-                    row = table_row(np.int32((w_scales >> (8 * block)) & 0xFF), np.int32(tile_top))
+                    row = table_row(np.int32((w_scales >> (8 * block)) & 0xFF), np.int32(top))
                     tab_lo, tab_hi = ld_shared_v2_u32(table + 8 * row)
                     w0, w1, w2, w3 = ld_shared_v4_u32(st_b + ((16 * block) ^ b_xor))
                     l0, h0 = decode(w0, tab_lo, tab_hi)
@@ -1116,7 +1124,7 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
                 # the token rows' block scales of the slice (rows m_row, m_row + 8)
                 a_scales_lo = ld_shared_u32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row), 0, atoms))
                 a_scales_hi = ld_shared_u32(st + m_sf_off + sf_offset(np.uint32(m_sf_row0 + m_row + 8), 0, atoms))
-                tile_log2 = np.int32(base_log2(np.int32(tile_top)))
+                tile_log2 = np.int32(base_log2(np.int32(top)))
                 cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)   # the buffer is complete
                 a_desc = advance(desc_a0, np.uint32(stage * (stage_bytes // UNIT)) + a_units)
                 b_desc = advance(desc_b0, buffer * (buffer_bytes // UNIT))
