@@ -89,10 +89,13 @@ def _print_h200_plans(fmt: str) -> None:
 def cmd_plan(args) -> int:
     from .plan import ProblemMeta, plan_h200
 
-    meta = ProblemMeta.of(args.format, args.n, args.k, args.experts, args.tokens_per_expert, relaid=not args.packed)
+    meta = ProblemMeta.of(args.format, args.n, args.k, args.experts, args.tokens_per_expert, relaid=not args.packed,
+                          fp8_route=args.fp8)
     tile = {name: getattr(args, name) for name in ("mma_bn", "stages") if getattr(args, name) is not None}
     if args.swapped is not None:
         tile["ab_swapped"] = args.swapped == "yes"
+    if args.fp8:
+        tile["fp8"] = True
     plan = plan_h200(meta, backend=args.backend, **tile)
     print(plan.explain() if args.explain else plan.describe())
     return 0
@@ -238,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mma-bn", type=int, help="constrain the MMA N tile")
     p.add_argument("--stages", type=int, help="constrain the ring depth (-1: the deepest that fits)")
     p.add_argument("--packed", action="store_true", help="operands as quantized, not re-laid for the H200")
+    p.add_argument("--fp8", action="store_true", help="the FP8 route (MXFP4 or W4A8, operands in its layout): "
+                                                     "asked for, never what auto picks")
     p.add_argument("--explain", action="store_true", help="each rule that fired and the evidence behind it")
     p.set_defaults(func=cmd_plan)
 

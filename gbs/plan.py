@@ -143,15 +143,20 @@ class ProblemMeta:
     b_layout: str = LAYOUT_PACKED
 
     @classmethod
-    def of(cls, fmt: str, n: int, k: int, experts: int, tokens_per_expert: int, *, relaid: bool = True):
+    def of(cls, fmt: str, n: int, k: int, experts: int, tokens_per_expert: int, *, relaid: bool = True,
+           fp8_route: bool = False):
         """``experts`` groups of ``tokens_per_expert`` tokens in format ``fmt`` (``gbs.problem.PROBLEM_FORMATS``);
-        ``relaid``: FP4 weights in ``h200_weight_layout``'s layout and FP4 tokens in the H200 word order."""
+        ``relaid``: FP4 weights in ``h200_weight_layout``'s layout and FP4 tokens in the H200 word order;
+        ``fp8_route``: MXFP4 operands in the FP8 route's layout instead (``LAYOUT_E2M1_E4M3``; plan with
+        ``fp8=True``)."""
         from .problem import resolve_formats
 
         a_format, b_format = resolve_formats(fmt)
         total = experts * tokens_per_expert
         layouts = {}
-        if relaid:
+        if fp8_route:
+            layouts = dict(b_layout=LAYOUT_E2M1_E4M3, a_layout=LAYOUT_E2M1_E4M3 if a_format.packed else LAYOUT_PACKED)
+        elif relaid:
             layouts = dict(b_layout=h200_weight_layout(b_format),
                            a_layout=LAYOUT_E2M1_H200 if a_format.packed else LAYOUT_PACKED)
         return cls(a_format, b_format, n, k, experts, total, total, **layouts)
@@ -267,10 +272,12 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
                                         "exact for them)", "route-layout-gpu")]
         window = [Rule("window", "every live block folds into its chunk's window (checked on the host)")]
     else:
-        window = [Rule("window", "not checked (a device problem): blocks below the window give NaN outputs")]
+        window = [Rule("window", "not checked (no host arrays: a device problem or shape metadata): blocks below "
+                                 "the window give NaN outputs")]
+    interval = "128 K" if tokens_fp4 else "32 K (the MXFP8 tokens' scales)"
     return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True),
             [Rule("route", f"FP8 (asked for): MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
-                           f"promotion per {'128 K' if tokens_fp4 else '32 K (the MXFP8 tokens scales)'}; 128 x "
+                           f"promotion per {interval}; 128 x "
                            f"{FP8_MMA_BN} tiles (chunk and total accumulators)",
                   "fp8-route-gpu" if tokens_fp4 else "w4a8-fp8-route-gpu")] + window)
 

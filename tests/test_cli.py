@@ -54,3 +54,16 @@ def test_demo_runs_and_verifies_on_the_cpu():
     # the H200 plans of the same shapes, from host metadata (no GPU here)
     assert "kimi_up            32  h200_wgmma swapped bn32, 8 stages; 4 split-K runs of 7 slices; 132 CTAs" in res.stdout
     assert "deepseek_up         4  h200_stream swapped bn8" in res.stdout
+
+
+def test_plan_fp8_prints_the_route_when_asked_and_refuses_nvfp4(capsys):
+    assert main(["plan", "--format", "mxfp4", "--n", "4096", "--k", "7168", "--experts", "8",
+                 "--tokens-per-expert", "1024", "--fp8", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 route" in out and "evidence fp8-route-gpu" in out and "window: not checked" in out
+    assert main(["plan", "--format", "w4a8", "--n", "4096", "--k", "7168", "--experts", "8",
+                 "--tokens-per-expert", "1024", "--fp8", "--explain"]) == 0
+    assert "promotion per 32 K" in capsys.readouterr().out
+    res = run_cli("plan", "--format", "nvfp4", "--n", "4096", "--k", "7168", "--experts", "8",
+                  "--tokens-per-expert", "1024", "--fp8")
+    assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -127,6 +127,39 @@ def test_bf16_decode_of_the_route_layout_is_the_packed_decode():
             assert hd.e2m1_e4m3_pair_bits(routed, j) == hd.e2m1_pair_bits(word, j), (hex(word), j)
 
 
+def test_w4a8_factors_scale_buffer_order_and_spec():
+    """W4A8's promotion factor is 2^(token exponent + tile base) in fp32 (subnormal, 0, +Inf at the ends) and NaN
+    for a NaN token scale; the weights land in natural K order (16-byte chunk c of row r at c ^ (r % 8)); the spec
+    takes MXFP8 tokens as quantized with the weights in the route's layout, nothing else."""
+    as_float = lambda bits: float(np.array([bits], np.uint32).view(np.float32)[0])
+    assert as_float(fd.token_factor_bits(127, 0)) == 1.0
+    assert as_float(fd.token_factor_bits(130, -5)) == 2.0 ** -2
+    assert as_float(fd.token_factor_bits(0, -20)) == 2.0 ** -147          # subnormal, exact
+    assert as_float(fd.token_factor_bits(0, -30)) == 0.0
+    assert np.isnan(as_float(fd.token_factor_bits(0xFF, 0)))
+    assert [hw.fp8_natural_offset(9, c) for c in range(3)] == [9 * 128 + 16, 9 * 128, 9 * 128 + 48]
+    hw.WgmmaSpec("mxfp8", "mxfp4", 128, 2, b_layout=ROUTE, fp8=True)
+    with pytest.raises(ValueError, match="MXFP8 tokens as they are"):
+        hw.WgmmaSpec("mxfp8", "mxfp8", 128, 2, fp8=True)
+    with pytest.raises(ValueError, match="MXFP8 tokens as they are"):
+        hw.WgmmaSpec("mxfp8", "mxfp4", 128, 2, fp8=True)   # weights not in the route's layout
+
+
+def test_w4a8_factors_out_of_fp32_are_counted():
+    """Tokens scaled 2^90 with weight bases near 2^40: 2^(e_token + base) passes 2^127 -> counted (the plan then
+    takes the bf16 route); as quantized, none."""
+    problem = gaussian_problem(128, 256, seed=4, group_sizes=(20,), expert_ids=(0,), experts=1, fmt="w4a8")
+    assert fr.kernel_window_violations(problem) == dict(token_blocks=0, weight_blocks=0, factors=0)
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 8).copy()
+    a[:] = 127 + 90
+    b[:] = 127 + 50
+    big = with_scales(problem, a_linear=a, b_linear=b)
+    assert fr.kernel_window_violations(big)["factors"] > 0
+    plan = plan_h200(on_route(big), fp8=True)   # 20 tokens: the bf16 route's own pick, the streaming kernel
+    assert not getattr(plan.spec, "fp8", False) and "promotion factors leave fp32" in plan.explain()
+
+
 def test_plan_runs_the_route_when_asked_and_the_bf16_route_otherwise():
     """``fp8=True`` plans the E4M3 consumer (128 x 128 tiles, the window checked on the host); without it the same
     operands take ``"auto"``'s bf16 route (the bf16 consumers read ``E2M1E4M3Order`` too: the route is not faster,
