@@ -446,14 +446,3 @@ def kernel_window_violations(problem: GroupedProblem) -> dict[str, int]:
         high = np.where(both, a_max + b_max, 0) > FP32_FACTOR_LOG2[1]
         factors += int((low | high).sum())
     return dict(token_blocks=token_blocks, weight_blocks=weight_blocks, factors=factors)
-
-
-def check_kernel_window(problem: GroupedProblem) -> None:
-    """ValueError, with the counts, where ``kernel_window_violations`` finds anything."""
-    found = kernel_window_violations(problem)
-    if any(found.values()):
-        raise ValueError(f"the FP8 route cannot compute this problem exactly: {found['token_blocks']} token and "
-                         f"{found['weight_blocks']} weight blocks lie more than 14 binades below their chunk's "
-                         f"largest (the window [-8, 6] with a base per token row / 128-row weight tile), "
-                         f"{found['factors']} promotion factors leave fp32; run it on the bf16 route (re-lay the "
-                         f"operands with gbs.plan.h200_weight_layout and 'e2m1_h200')")

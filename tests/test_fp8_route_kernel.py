@@ -166,7 +166,7 @@ def test_plan_runs_the_route_when_asked_and_the_bf16_route_otherwise():
     evidence fp8-route-gpu); what the route cannot take is refused."""
     problem = gaussian_problem(320, 2880, seed=1)
     plan = plan_h200(on_route(problem), fp8=True)
-    assert plan.kernel == "h200_wgmma" and plan.spec.fp8_route
+    assert plan.kernel == "h200_wgmma" and plan.spec.fp8
     assert (plan.spec.mma_bn, plan.spec.tile_tokens, plan.spec.ab_swapped) == (hw.FP8_MMA_BN, 128, False)
     names = [r.name for r in plan.rules]
     assert {"route", "window", "K tail"} <= set(names)

@@ -178,7 +178,7 @@ SW128_ATOM_BYTES = 1024       # 8 rows x 128 B: the descriptor's stride byte off
 SW128_LEADING_BYTES = 16      # unused by K-major 128B swizzle; encoded as 16 B
 SW128_CHUNK_MASK = 7
 OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32) need 4-byte aligned rows
-# The FP8 route (``fp8_route``): one 128-K chunk per sub-step (the promotion interval), E4M3 B buffers of one
+# The FP8 route (``WgmmaSpec.fp8``): one 128-K chunk per sub-step (the promotion interval), E4M3 B buffers of one
 # 128-byte row per weight row; two buffers (each sub-step waits for its warpgroup's previous MMAs before the
 # promotion, so buffer u % 2 is free again once every thread passed sub-step u + 1's barrier), and after them the
 # scratch: 2 x 8 words of the warps' chunk maxima (the weight tile's bases of a slice's two chunks) and the
@@ -268,11 +268,6 @@ class WgmmaSpec:
         return self.ring.k_slice
 
     @property
-    def fp8_route(self) -> bool:
-        """The E4M3 consumer (``_make_fp8_consumer``; MXFP4 x MXFP4 in ``LAYOUT_E2M1_E4M3``)."""
-        return self.fp8
-
-    @property
     def m_tiles(self) -> int:
         """m64 accumulator tiles per consumer warpgroup: 1, or 2 with 256-token tiles."""
         return self.tile_tokens // (CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP)
@@ -281,7 +276,7 @@ class WgmmaSpec:
     def sub_k(self) -> int:
         """kappa (K elements) per sub-step: half a raw K slice (128 for FP4 x FP4, else 64), or 64
         with ``mma_bn`` 256 or 256-token tiles."""
-        if self.fp8_route:
+        if self.fp8:
             return FP8_CHUNK
         return WIDE_SUB_K if self.mma_bn == 256 or self.m_tiles > 1 else self.k_slice // 2
 
@@ -337,13 +332,13 @@ class WgmmaSpec:
 
     @property
     def buffer_bytes(self) -> int:
-        if self.fp8_route:
+        if self.fp8:
             return self.mma_bn * E4M3_ROW_BYTES
         return self.column_blocks * self.mma_bn * BF16_ROW_BYTES
 
     @property
     def buffers(self) -> int:
-        return FP8_BUFFERS if self.fp8_route else BF16_BUFFERS
+        return FP8_BUFFERS if self.fp8 else BF16_BUFFERS
 
     @property
     def buffers_offset(self) -> int:
@@ -358,7 +353,7 @@ class WgmmaSpec:
     @property
     def smem(self) -> "WgmmaSmem":
         """The ring, then the B buffers (``BF16_BUFFERS`` bf16, or ``FP8_BUFFERS`` E4M3 and the scratch)."""
-        scratch = FP8_SCRATCH_BYTES if self.fp8_route else 0
+        scratch = FP8_SCRATCH_BYTES if self.fp8 else 0
         return WgmmaSmem(self.scratch_offset + scratch, self.ring.smem.static_bytes)
 
 
@@ -441,7 +436,7 @@ def make_kernel_function(spec: WgmmaSpec):
     (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
     ring = hr.make_ring(spec.ring)
     make_consumer = _make_bf16_consumer
-    if spec.fp8_route:
+    if spec.fp8:
         make_consumer = _make_fp8_consumer if spec.a_format == "mxfp4" else _make_fp8_tokens_consumer
     return _kernel_frame(spec, ring, make_consumer(spec, ring))
 
