@@ -181,29 +181,24 @@ def make_throughput_kernel(variant: str):
         raise ValueError(f"variant must be one of {VARIANTS}")
     bf16 = variant == "bf16"
     mma = hp.wgmma_bf16_ss(MMA_BN) if bf16 else hp.wgmma_e4m3_ss(MMA_BN)
-    steps = BF16_STEPS if bf16 else CHUNK_STEPS
+    per_k32 = "k32" in variant
+    # wgmma steps per promoted chunk, and chunks per 128 K: W4A8's scheme promotes every single k32 step
+    steps = BF16_STEPS if bf16 else 1 if per_k32 else CHUNK_STEPS
+    chunks = CHUNK_STEPS if per_k32 else 1
     zero = hp.wgmma_zero_accumulators(MMA_BN)
     promoting = variant.startswith("e4m3_promote")
-    per_k32 = "k32" in variant
     overlap = "overlap" in variant
     two_ops = variant.endswith("2ops")
 
     @cuda.jit(device=True, forceinline=True)
-    def chunk_mmas(acc, a_addr, b_addr, fresh):
+    def chunk_mmas(acc, a_addr, b_addr, fresh, first):
+        """``steps`` wgmma steps from step ``first`` of the 128 K in shared memory, committed as one group."""
         hp.wgmma_fence()
         for kb in range(steps):
-            desc_a = hp.wgmma_smem_descriptor_device(a_addr + (kb % CHUNK_STEPS) * 32, 16, SW128_ATOM, "128B")
-            desc_b = hp.wgmma_smem_descriptor_device(b_addr + (kb % CHUNK_STEPS) * 32, 16, SW128_ATOM, "128B")
+            column = ((first + kb) % CHUNK_STEPS) * 32
+            desc_a = hp.wgmma_smem_descriptor_device(a_addr + column, 16, SW128_ATOM, "128B")
+            desc_b = hp.wgmma_smem_descriptor_device(b_addr + column, 16, SW128_ATOM, "128B")
             acc = mma(acc, desc_a, desc_b, np.uint32(0 if (fresh and kb == 0) else 1))
-        hp.wgmma_commit_group()
-        return acc
-
-    @cuda.jit(device=True, forceinline=True)
-    def step_mma(acc, a_addr, b_addr, kb):   # one k32 step into a fresh chunk
-        hp.wgmma_fence()
-        desc_a = hp.wgmma_smem_descriptor_device(a_addr + kb * 32, 16, SW128_ATOM, "128B")
-        desc_b = hp.wgmma_smem_descriptor_device(b_addr + kb * 32, 16, SW128_ATOM, "128B")
-        acc = mma(acc, desc_a, desc_b, np.uint32(0))
         hp.wgmma_commit_group()
         return acc
 
@@ -230,32 +225,25 @@ def make_throughput_kernel(variant: str):
         start = cm.read_clock64()
         for i in range(iters // 2):
             if not promoting:
-                total = chunk_mmas(total, a_addr, b_addr, False)
+                total = chunk_mmas(total, a_addr, b_addr, False, 0)
                 hp.wgmma_wait_group_1()
-                total = chunk_mmas(total, a_addr, b_addr, False)
+                total = chunk_mmas(total, a_addr, b_addr, False, 0)
                 hp.wgmma_wait_group_1()
-            elif per_k32:   # 2 x 128 K as 8 single-step chunks; step s + 1 runs while step s is promoted
-                for kb in range(CHUNK_STEPS):
-                    chunk1 = step_mma(chunk1, a_addr, b_addr, kb)
+            elif not overlap:
+                chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True, 0)
+                hp.wgmma_wait_group_0()
+                total = promote_into(total, chunk0, factor)
+                chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True, 0)
+                hp.wgmma_wait_group_0()
+                total = promote_into(total, chunk0, factor)
+            else:   # chunk i + 1 runs while chunk i is promoted (per k32: 8 single-step chunks per 2 x 128 K)
+                for c in range(chunks):
+                    chunk1 = chunk_mmas(chunk1, a_addr, b_addr, True, c)
                     hp.wgmma_wait_group_1()
                     total = promote_into(total, chunk0, factor)
-                    chunk0 = step_mma(chunk0, a_addr, b_addr, kb)
+                    chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True, c)
                     hp.wgmma_wait_group_1()
                     total = promote_into(total, chunk1, factor)
-            elif not overlap:
-                chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True)
-                hp.wgmma_wait_group_0()
-                total = promote_into(total, chunk0, factor)
-                chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True)
-                hp.wgmma_wait_group_0()
-                total = promote_into(total, chunk0, factor)
-            else:   # chunk i + 1 runs while chunk i is promoted
-                chunk1 = chunk_mmas(chunk1, a_addr, b_addr, True)
-                hp.wgmma_wait_group_1()
-                total = promote_into(total, chunk0, factor)
-                chunk0 = chunk_mmas(chunk0, a_addr, b_addr, True)
-                hp.wgmma_wait_group_1()
-                total = promote_into(total, chunk1, factor)
             factor = factor * np.float32(1.0000001)
         hp.wgmma_wait_group_0()
         total = hp.wgmma_fence_accumulators(total)
