@@ -10,7 +10,8 @@ from .lab.sweep import add_ablate_parser
 from .backends import BACKENDS
 from .lab.bench import add_bench_parser
 from .lab.report import add_report_parser
-from .problem import PROBLEM_FORMATS, problem_from_inputs, random_inputs, resolve_formats
+from .formats import get_format
+from .problem import PROBLEM_FORMATS, problem_format_name, problem_from_inputs, random_inputs, resolve_formats
 
 # The demo's shapes (workloads.md): DeepSeek-V3 up / down projections and Kimi K2.5's TP-8 up-projection.
 DEMO_DISPATCH_SHAPES = {"deepseek_up": (4096, 7168), "deepseek_down": (7168, 2048), "kimi_up": (512, 7168)}
@@ -29,10 +30,24 @@ def _config_row(name, avg_m, cfg):
 
 
 def dispatch_for_format(fmt: str, *, n: int, k: int, num_active_experts: int, estimated_total_m: int):
-    a_format, b_format = resolve_formats(fmt)
+    """The SM100 decision for problem format ``fmt``: its pair's, or that of the pair ``dsp.route_formats`` names."""
+    a_format, b_format = dsp.route_formats(*(f.name for f in resolve_formats(fmt)))
     return dsp.grouped_matmul_block_scaled_sm100_dispatch(
-        a_format=a_format.name, b_format=b_format.name, n=n, k=k,
+        a_format=a_format, b_format=b_format, n=n, k=k,
         num_active_experts=num_active_experts, estimated_total_m=estimated_total_m)
+
+
+def route_note(fmt: str) -> str:
+    """Says whose decision format ``fmt`` takes when the SM100 tables have no row for it; "" when they have."""
+    a_format, b_format = resolve_formats(fmt)
+    pair = (a_format.name, b_format.name)
+    route = dsp.route_formats(*pair)
+    if route == pair:
+        return ""
+    why = "upstream's routing has no E5M2 entry" if a_format.scaled else "tcgen05 has no bf16 x FP4 kind"
+    return (f"{fmt} ({pair[0]} x {pair[1]}) has no SM100 route ({why}): this is "
+            f"{problem_format_name(*map(get_format, route))}'s decision ({route[0]} x {route[1]}), which gbs's "
+            "kernels take for it")
 
 
 def cmd_dispatch(args) -> int:
@@ -53,6 +68,8 @@ def cmd_dispatch(args) -> int:
     else:
         cfg = dispatch_for_format(args.format, n=args.n, k=args.k, num_active_experts=num_active,
                                   estimated_total_m=total)
+    if not args.override and (note := route_note(args.format)):
+        print(f"Note: {note}.")
     print(cfg.explain())
     print(f"mma_shape={cfg.mma_shape} cluster_shape={cfg.cluster_shape} "
           f"accum_stages={cfg.num_accum_pipeline_stages} num_sf_k_tiles={cfg.num_sf_k_tiles}")
@@ -136,8 +153,8 @@ def _demo(args, backend: str, models: tuple, simt_run) -> int:
 
     formats = sorted(PROBLEM_FORMATS) if args.format == "all" else [args.format]
     for fmt in formats:
-        if fmt == "mxfp8_e5m2":
-            print("\n(mxfp8_e5m2: upstream's SM100 routing has no E5M2 entry; gbs kernels use the mxfp8 decision)")
+        if note := route_note(fmt):
+            print(f"\n({note})")
             continue
         _print_regime_table(fmt)
         _print_h200_plans(fmt)

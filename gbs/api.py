@@ -14,7 +14,8 @@
 Backends, best first where the hardware allows:
 
 * ``"sm100"``: the tcgen05 kernel (Blackwell B200/GB200, compute capability 10.0; assembled and
-  emulated in CI, never run here: no such GPU exists in this project's machines);
+  emulated in CI, never run here: no such GPU exists in this project's machines; no W4A16: tcgen05 has
+  no bf16 x FP4 kind);
 * ``"h200_wgmma"``: the H200 prefill kernel (``gbs.numba_kernels.h200_wgmma``: weights decoded to bf16 in
   shared memory, tokens into registers, ``wgmma``; or swapped, weights into registers, tokens into shared memory);
 * ``"h200_stream"``: the H200 streaming kernel (``gbs.numba_kernels.h200_stream``: TMA ring, software block
@@ -38,23 +39,25 @@ default the poison sentinel of ``gbs.reference.poison_output``. Device problems:
 from __future__ import annotations
 
 from .backends import H200_BACKENDS, select_backend
-from .dispatch import KernelConfig, dispatch_for, route_format_name
+from .dispatch import KernelConfig, dispatch_for, route_formats
 from .problem import GroupedProblem
 from .reference import reference_grouped_matmul
 
 
 def resolve_config(problem, config: KernelConfig | None = None):
     """The knobs the SIMT and SM100 kernels run ``problem`` with: ``config`` (a ``KernelConfig`` decided for the
-    problem's formats) or the dispatch's decision; for problems decided on another format's route (E5M2) only its
-    tile (``schedule.TileConfig``, auto stages). TypeError / ValueError saying what is wrong."""
+    problem's formats) or the dispatch's decision; for problems decided on another pair's route (E5M2, W4A16:
+    ``gbs.dispatch.route_formats``) only its tile (``schedule.TileConfig``, auto stages). TypeError / ValueError
+    saying what is wrong."""
     config = dispatch_for(problem) if config is None else config
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig from gbs.dispatch, got {type(config).__name__}")
-    problem_route = tuple(route_format_name(f.name) for f in (problem.a_format, problem.b_format))
-    if (config.a_format, config.b_format) != problem_route:
+    formats = (problem.a_format.name, problem.b_format.name)
+    route = route_formats(*formats)
+    if (config.a_format, config.b_format) != route:
         raise ValueError(f"config was decided for {config.a_format} x {config.b_format}, "
-                         f"the problem is {problem.a_format.name} x {problem.b_format.name}")
-    if problem.a_format.name != route_format_name(problem.a_format.name):   # decided on another route: the tile only
+                         f"the problem is {formats[0]} x {formats[1]}")
+    if route != formats:   # decided on another pair's route: the tile only
         from .schedule import TileConfig
 
         return TileConfig.of(config)

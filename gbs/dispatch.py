@@ -220,7 +220,8 @@ def _format_pair(a_format: str | BlockFormat, b_format: str | BlockFormat) -> tu
     if pair not in SUPPORTED_FORMAT_PAIRS:
         raise ValueError(
             f"unsupported operand formats A={pair[0]} x B={pair[1]}; supported (A x B) pairs: "
-            f"{supported} (mixed scale types and E5M2 have no SM100 route)")
+            f"{supported} (mixed scale types, E5M2 and bf16 tokens have no SM100 route; dispatch_for maps E5M2 "
+            "and W4A16 problems to the pair that decides for them, ROUTE_AS)")
     return pair
 
 
@@ -638,21 +639,29 @@ def grouped_matmul_block_scaled_sm100_dispatch(*, a_format, b_format, n, k, num_
                         stages_reason=reason, regime=REGIME_DEFAULT, rule=RULE_DEFAULT)
 
 
-# Upstream's SM100 routing has no E5M2 entry (an error there). Tiles, stages and scales do not depend on the FP8
-# flavour, so gbs's own kernels take the E4M3 route's decision for E5M2.
-ROUTE_AS = {"mxfp8_e5m2": "mxfp8"}
+# (A, B) format pairs the SM100 routing has no entry for -> the pair whose decision gbs's own kernels take.
+ROUTE_AS = {
+    # Upstream's routing has no E5M2 entry (an error there). Tiles, stages and scales do not depend on the FP8
+    # flavour, so E5M2 takes E4M3's decision.
+    ("mxfp8_e5m2", "mxfp8_e5m2"): ("mxfp8", "mxfp8"),
+    # W4A16: tcgen05 has no bf16 x FP4 kind, so the tables have no bf16-token row. W4A16 takes W4A8's decision:
+    # the same FP4 weights, read in the same 128-element K slices (NVFP4 weights too: the tile is what it decides).
+    ("bf16", "mxfp4"): ("mxfp8", "mxfp4"),
+    ("bf16", "nvfp4"): ("mxfp8", "mxfp4"),
+}
 
 
-def route_format_name(name: str) -> str:
-    """The format whose SM100 route decides for ``name`` (E5M2 takes E4M3's)."""
-    return ROUTE_AS.get(name, name)
+def route_formats(a_name: str, b_name: str) -> tuple[str, str]:
+    """The (A, B) format names whose SM100 route decides for ``a_name`` x ``b_name``: the pair itself, or the one
+    ``ROUTE_AS`` maps it to (E5M2 takes E4M3's, W4A16 W4A8's)."""
+    return ROUTE_AS.get((a_name, b_name), (a_name, b_name))
 
 
 def dispatch_for(problem) -> KernelConfig:
     """The SM100 decision for a problem (a ``GroupedProblem``, a device problem, or anything with its host
     metadata: ``a_format``, ``b_format``, ``n``, ``k``, ``num_active_experts``, ``estimated_total_m``); MXFP8 E5M2
-    problems take the MXFP8 (E4M3) decision."""
+    and W4A16 problems take the decision of the pair ``route_formats`` names (MXFP8 E4M3's, W4A8's)."""
+    a_format, b_format = route_formats(problem.a_format.name, problem.b_format.name)
     return grouped_matmul_block_scaled_sm100_dispatch(
-        a_format=route_format_name(problem.a_format.name), b_format=route_format_name(problem.b_format.name),
-        n=problem.n, k=problem.k, num_active_experts=problem.num_active_experts,
-        estimated_total_m=problem.estimated_total_m)
+        a_format=a_format, b_format=b_format, n=problem.n, k=problem.k,
+        num_active_experts=problem.num_active_experts, estimated_total_m=problem.estimated_total_m)

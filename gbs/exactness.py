@@ -17,6 +17,11 @@ exact in float64, which the reference rounds to fp32 the same way) and once to b
 accumulators of the H200 kernels hold the products pre-scaled by ``2**-32`` at most (``h200_decode``'s pre-bias),
 and split-K adds partials with ``red.global.add.f32``, which flushes subnormals: so also ``q - 32 >= -126``.
 
+W4A16 (bf16 tokens, no block scales, x MXFP4 / NVFP4 weights) is checked the same way: the H200 kernels take the
+tokens as they are and decode the weights to bf16 exactly (value x scale x ``2**-d``), so every product of 8 x 8
+significant bits is exact in fp32 and accumulates in fp32, as on the other formats' bf16 route; the SIMT kernel
+sums the weights' blocks of products and multiplies by their scales (the tokens' "scale" is 1).
+
 Rows of skipped slots must still hold the poison sentinel, every written row must be written. Used by the demo
 (kernel models on the CPU, or the GPU's kernel), the GPU tests and the benchmark's output checks.
 """
@@ -53,7 +58,7 @@ class Exactness:
     roundings_kind: str = "simt"
 
     def roundings(self, problem: GroupedProblem) -> int:
-        block, k = problem.a_format.block_size, problem.k
+        block, k = problem.b_format.block_size, problem.k   # the weights' blocks: scaled tokens share them
         if self.roundings_kind == "simt":
             # block-sum adds, x a-scale, x b-scale, the adds over K's blocks, x expert scale
             return block + 2 + -(-k // block) + 1
@@ -179,7 +184,7 @@ def check_output(problem: GroupedProblem, out: np.ndarray, model: str, fmt: str 
     """Check ``out`` (poisoned before the run) against the reference with ``model``'s exactness
     (``EXACTNESS``); the mismatches are listed in the result (``raise_on_mismatch`` raises them)."""
     spec = EXACTNESS[model]
-    fmt = fmt or problem.a_format.name
+    fmt = fmt or problem.format_name
     if ref is None:
         ref = reference_grouped_matmul(problem)
     exact_v, magnitude, exact_sum = exact_values(problem) if exact is None else exact
@@ -212,13 +217,16 @@ def check_output(problem: GroupedProblem, out: np.ndarray, model: str, fmt: str 
     # gamma_{K+1} (float64) of the true value, and so is the emulator's float64 accumulator.
     bound = (gamma(n, spec.unit) + 2 * gamma(problem.k + 1, FP64_UNIT)) * t + n * FP32_TINY * max(
         1.0, float(np.max(np.abs(problem.expert_scales))))
-    lo, hi = round_to_bf16(e - bound), round_to_bf16(e + bound)
     with np.errstate(invalid="ignore"):
-        inside = (o >= lo) & (o <= hi)
-    identical = out.view(np.uint16)[rows] == ref_bits
+        lo, hi = round_to_bf16(e - bound), round_to_bf16(e + bound)
+        # a NaN / Inf operand (a NaN block, a NaN or Inf bf16 token): the output is NaN where the exact value is, and
+        # the same Inf where it is one
+        nonfinite = ~np.isfinite(e)
+        inside = np.where(nonfinite, (np.isnan(e) & np.isnan(o)) | (np.isinf(e) & (o == e)), (o >= lo) & (o <= hi))
+    identical = (out.view(np.uint16)[rows] == ref_bits) | (np.isnan(o) & np.isnan(r))
     result.elements = int(o.size)
     result.bit_identical = int(identical.sum())
-    result.ambiguous = int(np.sum(lo != hi))
+    result.ambiguous = int(np.sum((lo != hi) & ~nonfinite))
     result.outside = int(np.sum(~inside))
     with np.errstate(invalid="ignore"):
         row_error = np.max(np.abs(o - r), axis=1) / np.maximum(np.max(np.abs(r), axis=1), np.finfo(float).tiny)

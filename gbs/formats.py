@@ -1,6 +1,6 @@
 """Block-scaled formats: encodings, quantize / dequantize, FP4 packing, the 128x4 scale layout.
 
-Formats (``FORMATS``), all scaled in blocks along the last axis (K):
+Formats (``FORMATS``), scaled in blocks along the last axis (K), and plain bf16 (tokens of W4A16, no scales):
 
 =============  =========  =====  ======  ==========================================
 name           elements   block  scale   notes
@@ -9,11 +9,13 @@ name           elements   block  scale   notes
 ``mxfp4``      E2M1       32     UE8M0
 ``mxfp8``      E4M3       32     UE8M0   OCP "fn" E4M3, max 448
 ``mxfp8_e5m2`` E5M2       32     UE8M0
+``bf16``       BF16       --     none    unscaled (``scaled`` is False, ``block_size`` 0): tokens as they are
 =============  =========  =====  ======  ==========================================
 
 Conventions (``../shared/spec/formats.md``):
 
-* Elements round to nearest even and saturate to the finite maximum (``cvt.rn.satfinite``).
+* Elements round to nearest even and saturate to the finite maximum (``cvt.rn.satfinite``); bf16 too
+  (finite float32 values past bf16's maximum give it, not Inf).
 * UE8M0 exponents: ``"rceil"`` (default, never clips: ``e = ceil(log2(amax / max_elem))``) or
   ``"floor"`` (OCP MX v1.0: ``e = floor(log2(amax)) - emax_elem``, can clip the block maximum),
   computed exactly from the float bits, clamped to [-127, 127]; an all-zero block gets 0x00.
@@ -25,6 +27,7 @@ NaN / Inf policy (``nonfinite=``):
 * ``"propagate"`` (default, what hardware converters do): a block holding a NaN or an Inf gets a
   NaN scale (UE8M0 0xFF, UE4M3 0x7F) and its element codes are zero, so the whole block
   dequantizes to NaN and any product with it is NaN. NVFP4's global amax ignores such blocks.
+  bf16 has no blocks: NaN and Inf stay bf16 NaN and Inf, element by element.
 * ``"raise"``: a ``ValueError`` naming the first non-finite element.
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ _ELEMENTS = {
     "e2m1": (E2M1, 4, 6.0, 2),
     "e4m3": (E4M3, 8, 448.0, 8),
     "e5m2": (E5M2, 8, 57344.0, 15),
+    "bf16": (BF16, 16, 3.3895313892515355e38, 127),
 }
 E4M3_NAN_BYTE = 0x7F   # S.1111.111 with S = 0: the UE4M3 NaN
 UE8M0_NAN_BYTE = 0xFF
@@ -56,12 +60,13 @@ NONFINITE_POLICIES = ("propagate", "raise")
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """One block-scaled recipe: element encoding, block length along K, scale encoding."""
+    """One block-scaled recipe: element encoding, block length along K, scale encoding (or an unscaled
+    format: bf16, ``scale_dtype`` "none" and ``block_size`` 0, so that an unguarded division by it fails)."""
 
     name: str
-    element: str       # "e2m1" | "e4m3" | "e5m2"
-    block_size: int    # elements along K sharing one scale
-    scale_dtype: str   # "ue4m3" | "ue8m0"
+    element: str       # "e2m1" | "e4m3" | "e5m2" | "bf16"
+    block_size: int    # elements along K sharing one scale; 0 when not scaled
+    scale_dtype: str   # "ue4m3" | "ue8m0" | "none"
 
     @property
     def element_dtype(self) -> np.dtype:
@@ -85,6 +90,11 @@ class BlockFormat:
         return self.element_bits == 4
 
     @property
+    def scaled(self) -> bool:
+        """Has block scales (every format but bf16)."""
+        return self.scale_dtype != "none"
+
+    @property
     def has_global_scale(self) -> bool:
         return self.scale_dtype == "ue4m3"
 
@@ -93,8 +103,8 @@ class BlockFormat:
         return k * self.element_bits // 8
 
     def scale_cols(self, k: int) -> int:
-        """Scale columns (blocks) of one K-long row."""
-        return k // self.block_size
+        """Scale columns (blocks) of one K-long row; 0 when not scaled."""
+        return k // self.block_size if self.scaled else 0
 
 
 FORMATS: dict[str, BlockFormat] = {
@@ -104,6 +114,7 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("mxfp4", "e2m1", 32, "ue8m0"),
         BlockFormat("mxfp8", "e4m3", 32, "ue8m0"),
         BlockFormat("mxfp8_e5m2", "e5m2", 32, "ue8m0"),
+        BlockFormat("bf16", "bf16", 0, "none"),
     )
 }
 
@@ -133,7 +144,7 @@ def _check_float_input(x, fmt: BlockFormat) -> np.ndarray:
         raise TypeError(f"quantize takes a float32 array, got dtype {x.dtype}")
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"quantize needs at least one element along the last axis (K), got shape {x.shape}")
-    if x.shape[-1] % fmt.block_size:
+    if fmt.scaled and x.shape[-1] % fmt.block_size:
         raise ValueError(f"K = {x.shape[-1]} is not a multiple of the {fmt.name} block size {fmt.block_size}")
     return x.astype(np.float32, copy=False)
 
@@ -142,14 +153,21 @@ def _raise_on_nonfinite(x: np.ndarray) -> None:
     bad = np.argwhere(~np.isfinite(x))
     if bad.size:
         raise ValueError(f"non-finite value {x[tuple(bad[0])]} at index {tuple(int(i) for i in bad[0])} "
-                         "(nonfinite='raise'; use nonfinite='propagate' to encode NaN scales)")
+                         "(nonfinite='raise'; nonfinite='propagate' encodes it: a NaN block scale, bf16's NaN "
+                         "or Inf)")
 
 
 # ----------------------------------------------------------------------------------------------
 # Element and scale encodings
 # ----------------------------------------------------------------------------------------------
+def _code_dtype(element: str) -> np.dtype:
+    """The unsigned integers raw codes of ``element`` are held in: uint8, uint16 for bf16."""
+    return np.dtype(np.uint16) if _ELEMENTS[element][1] == 16 else np.dtype(np.uint8)
+
+
 def encode_elements(x: np.ndarray, element: str) -> np.ndarray:
-    """Round float32 values to the element encoding (RNE, saturating); returns raw codes as uint8.
+    """Round float32 values to the element encoding (RNE, saturating); returns raw codes as uint8
+    (uint16 for bf16).
 
     E2M1 codes are 4-bit (0..15, bit 3 = sign), unpacked. NaN inputs are not expected here (the
     block's scale carries NaN); ml_dtypes would map NaN to -0.0 for E2M1.
@@ -157,14 +175,17 @@ def encode_elements(x: np.ndarray, element: str) -> np.ndarray:
     dtype, _, max_value, _ = _ELEMENTS[element]
     # E4M3/E5M2 casts in ml_dtypes do not saturate (480 -> NaN): clip first. E2M1's cast does.
     clipped = np.clip(x, -max_value, max_value).astype(np.float32)
-    codes = clipped.astype(dtype).view(np.uint8)
+    codes = clipped.astype(dtype).view(_code_dtype(element))
     return codes & np.uint8(0x0F) if element == "e2m1" else codes
 
 
 def decode_elements(codes: np.ndarray, element: str) -> np.ndarray:
-    """float32 values of raw element codes (E2M1 codes in the low nibble, upper bits ignored)."""
+    """float32 values of raw element codes (uint16 for bf16; E2M1 codes in the low nibble, upper bits ignored)."""
     dtype = _ELEMENTS[element][0]
-    codes = np.asarray(codes, dtype=np.uint8)
+    codes = np.asarray(codes)
+    if element == "bf16" and codes.dtype.itemsize == 1:
+        raise TypeError("bf16 codes are 16-bit: view bf16 data as uint16, not as bytes")
+    codes = codes.astype(_code_dtype(element), copy=False)
     if element == "e2m1":
         codes = codes & np.uint8(0x0F)   # a byte with bits above 3 set reads a wrong sign otherwise
     return codes.view(dtype).astype(np.float32)
@@ -211,6 +232,8 @@ def decode_ue4m3(scale_bytes: np.ndarray) -> np.ndarray:
 def decode_scales(scale_bytes: np.ndarray, fmt: str | BlockFormat) -> np.ndarray:
     """float32 values of a format's scale bytes."""
     fmt = get_format(fmt)
+    if not fmt.scaled:
+        raise ValueError(f"{fmt.name} has no block scales to decode")
     return decode_ue4m3(scale_bytes) if fmt.scale_dtype == "ue4m3" else decode_ue8m0(scale_bytes)
 
 
@@ -243,10 +266,10 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
 class BlockScaled:
     """A block-scaled tensor quantized along its last axis (K).
 
-    ``data``: element codes, (..., K/2) uint8 for FP4 (packed), (..., K) E4M3/E5M2 otherwise.
-    ``scales``: the linear scale bytes, (..., K/block) uint8 (UE8M0 or UE4M3 bytes).
+    ``data``: element codes, (..., K/2) uint8 for FP4 (packed), (..., K) E4M3/E5M2/bf16 otherwise.
+    ``scales``: the linear scale bytes, (..., K/block) uint8 (UE8M0 or UE4M3 bytes); (..., 0) for bf16.
     ``global_scale``: NVFP4 only: the float32 encode scale ``S_enc = 448*6/amax`` of the tensor,
-    shape () for 2-D input and (E,) (one per expert) for 3-D input; ``None`` for MX formats.
+    shape () for 2-D input and (E,) (one per expert) for 3-D input; ``None`` for MX formats and bf16.
     """
 
     data: np.ndarray
@@ -256,19 +279,19 @@ class BlockScaled:
 
     @property
     def k(self) -> int:
-        return self.data.shape[-1] * 8 // self.fmt.element_bits
+        return self.data.shape[-1] * 2 if self.fmt.packed else self.data.shape[-1]
 
     @property
     def global_decode_scale(self) -> np.ndarray:
-        """``1 / S_enc`` (float32); 1.0 for MX formats. The grouped matmul folds this into
+        """``1 / S_enc`` (float32); 1.0 for MX formats and bf16. The grouped matmul folds this into
         ``expert_scales``."""
         if self.global_scale is None:
             return np.float32(1.0)
         return (1.0 / self.global_scale.astype(np.float64)).astype(np.float32)
 
     def element_codes(self) -> np.ndarray:
-        """Unpacked element codes as uint8, shape (..., K)."""
-        return unpack_fp4(self.data) if self.fmt.packed else self.data.view(np.uint8)
+        """Unpacked element codes as uint8 (uint16 for bf16), shape (..., K)."""
+        return unpack_fp4(self.data) if self.fmt.packed else self.data.view(_code_dtype(self.fmt.element))
 
 
 def _nvfp4_global_scale(absx: np.ndarray, block_finite: np.ndarray, per_expert: bool) -> np.ndarray:
@@ -286,10 +309,10 @@ def _nvfp4_global_scale(absx: np.ndarray, block_finite: np.ndarray, per_expert: 
 def quantize(x, fmt: str | BlockFormat, scale_mode: str = "rceil", *, nonfinite: str = "propagate") -> BlockScaled:
     """Quantize a float32 array along its last axis (K) to a block-scaled format.
 
-    ``fmt``: "nvfp4", "mxfp4", "mxfp8" (E4M3) or "mxfp8_e5m2". ``scale_mode`` ("rceil" or
-    "floor") picks the UE8M0 exponent rule of the MX formats (NVFP4's UE4M3 scales are rounded to
-    nearest and ignore it). For NVFP4 a 3-D array (experts, N, K) gets one global scale per expert.
-    See the module docstring for the NaN / Inf policy.
+    ``fmt``: "nvfp4", "mxfp4", "mxfp8" (E4M3), "mxfp8_e5m2" or "bf16" (the values rounded to bf16, no
+    scales). ``scale_mode`` ("rceil" or "floor") picks the UE8M0 exponent rule of the MX formats (NVFP4's
+    UE4M3 scales are rounded to nearest and ignore it, bf16 has none). For NVFP4 a 3-D array (experts, N, K)
+    gets one global scale per expert. See the module docstring for the NaN / Inf policy.
     """
     fmt = get_format(fmt)
     _check_scale_mode(scale_mode)
@@ -298,6 +321,10 @@ def quantize(x, fmt: str | BlockFormat, scale_mode: str = "rceil", *, nonfinite:
     x = _check_float_input(x, fmt)
     if nonfinite == "raise":
         _raise_on_nonfinite(x)
+    if not fmt.scaled:   # bf16: RNE, finite values saturating, NaN and Inf kept as they are
+        finite = np.clip(x, -fmt.element_max, fmt.element_max).astype(np.float32)
+        data = np.where(np.isfinite(x), finite, x).astype(fmt.element_dtype)
+        return BlockScaled(data=data, scales=np.zeros(x.shape[:-1] + (0,), np.uint8), fmt=fmt)
 
     blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // fmt.block_size, fmt.block_size))
     block_finite = np.all(np.isfinite(blocks), axis=-1)
@@ -329,12 +356,16 @@ def quantize(x, fmt: str | BlockFormat, scale_mode: str = "rceil", *, nonfinite:
 def dequantize(q: BlockScaled, *, apply_global_scale: bool = True) -> np.ndarray:
     """float32 values of a ``BlockScaled`` tensor.
 
-    ``element * block_scale`` is exact in float32 for every encodable pair. For NVFP4 with
-    ``apply_global_scale`` the result is then divided by ``S_enc`` (one float32 rounding), as the
-    recipe's ``q * fp32(s_block) / S_enc``; the grouped matmul instead keeps the exact product and
-    applies the global scales to the accumulator (``expert_scales``).
+    ``element * block_scale`` is exact in float32 for every encodable pair; bf16 values are returned
+    as they are. For NVFP4 with ``apply_global_scale`` the result is then divided by ``S_enc`` (one
+    float32 rounding), as the recipe's ``q * fp32(s_block) / S_enc``; the grouped matmul instead keeps
+    the exact product and applies the global scales to the accumulator (``expert_scales``).
     """
     fmt = q.fmt
+    if not fmt.scaled:
+        if q.scales.shape[-1]:
+            raise ValueError(f"{fmt.name} has no block scales, got scales of shape {q.scales.shape}")
+        return q.data.astype(np.float32)
     codes = q.element_codes()
     if codes.shape[-1] != q.scales.shape[-1] * fmt.block_size:
         raise ValueError(f"data holds K = {codes.shape[-1]} elements but scales cover "

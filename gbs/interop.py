@@ -19,7 +19,8 @@ the caller passes their arrays):
 
 Host (numpy, CPU torch) arrays are refused: host problems are ``GroupedProblem``s, and nothing here
 copies silently. Element types: ``a``, ``b``, ``a_scales``, ``b_scales``: any 1-byte type (uint8,
-int8, FP8, packed FP4, E8M0: the raw bytes; the problem's formats say how to read them);
+int8, FP8, packed FP4, E8M0: the raw bytes; the problem's formats say how to read them; W4A16's bf16
+tokens too, as their bytes: ``(total_tokens, 2K)``, e.g. ``tokens.view(torch.uint8)``);
 ``a_offsets``, ``a_scale_offsets``, ``expert_ids``: 4-byte integers (int32 or uint32, read as the
 kernels' uint32 / uint32 / int32); ``expert_scales``: float32. Every array must be C-contiguous and
 16-byte aligned (the TMA's rule: allocations of torch / CuPy / Numba always are, offset views may not
@@ -73,7 +74,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .problem import GroupedProblem, ProblemShape, is_int, check_layout, problem_format_name, resolve_formats
+from .problem import (GroupedProblem, ProblemShape, is_int, check_layout, operand_shape, problem_format_name,
+                      resolve_formats)
 from .formats import BlockFormat, get_format
 from .layouts import LAYOUT_PACKED, stored_shape, weight_bytes_layout
 
@@ -395,7 +397,7 @@ class DeviceGroupedProblem(ProblemShape):
             raise ValueError(f"num_active_experts must be >= 1, got {self.num_active_experts}")
         if self.estimated_total_m < 0:
             raise ValueError(f"estimated_total_m must be >= 0, got {self.estimated_total_m}")
-        for fmt in (self.a_format, self.b_format):
+        for fmt in (f for f in (self.a_format, self.b_format) if f.scaled):
             if self.k % fmt.block_size:
                 raise ValueError(f"K = {self.k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
         from .numba_kernels import launch
@@ -441,8 +443,10 @@ class DeviceGroupedProblem(ProblemShape):
         # fused weights stand in as their weight bytes alone: the scale copy's check would read every byte
         b_layout = weight_bytes_layout(self.b_layout)
         b_shape = (self.num_experts, self.n, self.b_format.row_bytes(self.k))
+        a_shape = operand_shape(self.a_format, (self.total_tokens,), self.k)   # bf16: K elements of the 2K bytes
         GroupedProblem(
-            a_format=self.a_format, b_format=self.b_format, a=stand_in("a", _host_operand_dtype(self.a_format)),
+            a_format=self.a_format, b_format=self.b_format,
+            a=stand_in("a", _host_operand_dtype(self.a_format), a_shape),
             b=stand_in("b", _host_operand_dtype(self.b_format), b_shape),
             a_scales=stand_in("a_scales", np.uint8), b_scales=stand_in("b_scales", np.uint8),
             a_offsets=np.asarray(a_offsets), a_scale_offsets=np.asarray(a_scale_offsets),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dispatch import AUTO_STAGES, KernelConfig, dispatch_for, require_int, route_format_name
+from .dispatch import AUTO_STAGES, KernelConfig, dispatch_for, require_int, route_formats
 from .formats import get_format
 from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
@@ -63,6 +63,10 @@ FP8_TOKENS_SWAPPED_FORMATS = ("mxfp8", "mxfp8_e5m2", "w4a8")
 FP8_TOKENS_SWAPPED_MIN_RUNS = 2
 WGMMA_MMA_BN_FP4 = 128
 WGMMA_MMA_BN_FP8 = 256
+# W4A16 (bf16 tokens): the wgmma kernel's bf16-token consumer at every size (the streaming kernel reads block-scaled
+# tokens only); its tile as measured (evidence: w4a16-tiles)
+W4A16_MMA_BN = 128
+W4A16_TILE_TOKENS = 128
 TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96, ("nvfp4", "nvfp4"): 0.93}
 
 # The layout FP4 weights are re-laid into for the H200 kernels (evidence: fused-weight-layout).
@@ -322,6 +326,10 @@ def wgmma_knobs(problem) -> tuple[dict, list[Rule]]:
     if bn is not None:
         return (dict(mma_bn=bn, ab_swapped=True),
                 [Rule("tile", f"swapped bn{bn}: FP8 tokens on few tiles, in split-K runs", "fp8-swapped-tiles")])
+    if not get_format(problem.a_format).scaled:
+        return (dict(mma_bn=W4A16_MMA_BN, ab_swapped=False, tile_tokens=W4A16_TILE_TOKENS),
+                [Rule("tile", f"bf16 tokens: {W4A16_TILE_TOKENS} tokens x bn{W4A16_MMA_BN}, not swapped (the tokens are "
+                              "wgmma's A operand in shared memory)", "w4a16-tiles")])
     both_fp4 = _both_fp4(problem)
     mma_bn = WGMMA_MMA_BN_FP4 if both_fp4 else WGMMA_MMA_BN_FP8
     rules = [Rule("tile width", f"bn{mma_bn} ({'FP4 x FP4' if both_fp4 else 'an FP8 operand'})", "wgmma-tile-width")]
@@ -452,7 +460,7 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     decision = dispatch_for(problem) if config is None else config
     if not isinstance(decision, KernelConfig):
         raise TypeError(f"config must be a KernelConfig from gbs.dispatch, got {type(decision).__name__}")
-    route = tuple(route_format_name(name) for name in _formats(problem))
+    route = route_formats(*_formats(problem))
     if (decision.a_format, decision.b_format) != route:
         raise ValueError(f"config was decided for {decision.a_format} x {decision.b_format}, the problem is "
                          f"{_formats(problem)[0]} x {_formats(problem)[1]}")
@@ -472,6 +480,15 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         route_knobs, fired = fp8_route_knobs(problem)
         rules += fired
     kernel = "h200_wgmma" if route_knobs is not None else backend
+    if not get_format(problem.a_format).scaled:
+        rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "
+                                   "kind); the decision above is W4A8's (the same FP4 weights and 128-K slices)"))
+        if kernel == "auto":
+            tokens = average_tokens_per_expert(problem)
+            kernel = "h200_stream" if tokens <= SMALL_N_MAX_TOKENS and not chosen else "h200_wgmma"
+            rules.append(Rule("kernel", f"{kernel}: bf16 tokens, {tokens} per expert (the streaming kernel's swapped "
+                                        f"small-N tiles up to {SMALL_N_MAX_TOKENS}, the wgmma kernel's not-swapped "
+                                        "tiles above: the two tiles that read bf16 tokens)", "w4a16-tiles"))
     if backend == "auto" and kernel == "auto":
         wgmma_rule = None if chosen else prefers_wgmma(problem)
         kernel = "h200_wgmma" if wgmma_rule else "h200_stream"

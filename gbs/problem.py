@@ -6,7 +6,8 @@ For each group slot ``g < num_active_experts`` with ``e = expert_ids[g] >= 0``, 
 Slots with ``expert_ids[g] == -1`` are skipped (their rows are not written) and slots with no
 tokens launch no work. ``a`` holds the experts' tokens concatenated without padding; its scales
 are padded per group to 128-row bands (``a_scale_offsets``), so a 128-row scale atom never mixes
-two groups. See ``../shared/spec/formats.md``.
+two groups. W4A16's bf16 tokens have no scales: ``a_scales`` has no columns. See
+``../shared/spec/formats.md``.
 
 ``build_problem`` makes one from float32 activations and weights; ``random_problem`` generates
 realistic ones (top-k routing, ragged loads, empty groups, ``-1`` slots) from a seed.
@@ -24,13 +25,16 @@ from .layouts import (LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, UE4M3H
                       weight_bytes_layout)
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
-# MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix).
+# MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix). W4A16 = plain bf16 activations (no block
+# scales) x MXFP4 or NVFP4 weights: how Hopper serving runs FP4 MoE checkpoints (no tcgen05 kind).
 PROBLEM_FORMATS: dict[str, tuple[str, str]] = {
     "nvfp4": ("nvfp4", "nvfp4"),
     "mxfp4": ("mxfp4", "mxfp4"),
     "mxfp8": ("mxfp8", "mxfp8"),
     "mxfp8_e5m2": ("mxfp8_e5m2", "mxfp8_e5m2"),
     "w4a8": ("mxfp8", "mxfp4"),
+    "w4a16": ("bf16", "mxfp4"),
+    "w4a16_nvfp4": ("bf16", "nvfp4"),
 }
 
 ROUTINGS = ("uniform", "ragged", "topk")
@@ -90,8 +94,8 @@ def _expect_array(name: str, arr, dtype, shape) -> None:
 
 
 def operand_shape(fmt: BlockFormat, rows: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """Shape of an operand's element array: FP4 packs two elements per byte along K."""
-    return (*rows, fmt.row_bytes(k))
+    """Shape of an operand's element array: FP4 packs two elements per byte along K; FP8 and bf16 hold K."""
+    return (*rows, fmt.row_bytes(k) if fmt.packed else k)
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,9 @@ class GroupedProblem(ProblemShape):
 
     a_format: BlockFormat
     b_format: BlockFormat
-    a: np.ndarray                 # (total_tokens, K/2) uint8 (FP4) or (total_tokens, K) e4m3/e5m2
+    a: np.ndarray                 # (total_tokens, K/2) uint8 (FP4) or (total_tokens, K) e4m3/e5m2/bf16
     b: np.ndarray                 # (num_experts, N, K/2) uint8 or (num_experts, N, K) e4m3/e5m2
-    a_scales: np.ndarray          # (sum_g ceil(n_g/128), ceil(Ca/4), 32, 4, 4) uint8
+    a_scales: np.ndarray          # (sum_g ceil(n_g/128), ceil(Ca/4), 32, 4, 4) uint8; Ca = 0 for bf16 tokens
     b_scales: np.ndarray          # (num_experts, ceil(N/128), ceil(Cb/4), 32, 4, 4) uint8
     a_offsets: np.ndarray         # uint32[num_active_experts + 1]
     a_scale_offsets: np.ndarray   # uint32[num_active_experts]
@@ -207,7 +211,7 @@ class GroupedProblem(ProblemShape):
         _expect(n > 0 and k > 0, f"N and K must be positive, got N={n}, K={k}")
         _expect(g >= 1, f"num_active_experts must be >= 1, got {g}")
         _expect(self.estimated_total_m >= 0, f"estimated_total_m must be >= 0, got {self.estimated_total_m}")
-        for fmt in (self.a_format, self.b_format):
+        for fmt in (f for f in (self.a_format, self.b_format) if f.scaled):
             _expect(k % fmt.block_size == 0,
                     f"K = {k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
         check_layout(self.a_layout, self.a_format, "a")
@@ -274,7 +278,7 @@ OPERAND_ROLES = {"a": "tokens", "b": "weights"}
 def _check_padding_scales(name: str, atoms: np.ndarray, fmt: BlockFormat, layout: str, cols: int) -> None:
     """The atoms' columns past K's last block (a K tail: K not a multiple of 4 blocks) scale the zeros the H200
     kernels read past K: they must not be NaN scales (0 x NaN is NaN). ``swizzle_scales`` writes zeros there."""
-    if cols % 4 == 0:
+    if not fmt.scaled or cols % 4 == 0:
         return
     padding = unswizzle_scales(atoms)[..., cols:]
     if layout != LAYOUT_PACKED and fmt.scale_dtype == "ue4m3":
@@ -357,7 +361,8 @@ def build_problem(activations: np.ndarray, weights, group_sizes, expert_ids, *, 
     (``quantize(w, b_format)``: quantize weights once, reuse them across problems).
 
     NVFP4: ``expert_scales[e] = 1 / (S_enc(activations) * S_enc(weights[e]))``: the two global
-    decode scales the epilogue applies to the accumulator. MX formats: 1.0.
+    decode scales the epilogue applies to the accumulator; W4A16 with NVFP4 weights: the weights' alone
+    (bf16 tokens have none). MX formats: 1.0.
     """
     a_format, b_format = resolve_formats(fmt)
     group_sizes = np.asarray(group_sizes)

@@ -1,8 +1,9 @@
 """The exact reference of the grouped 1D-1D block-scaled matmul, and the acceptance metric.
 
 Reference (``../shared/spec/formats.md``): dequantize exactly (every element x block-scale
-product is exact in float32), multiply per active group in float64, apply the expert scale, round
-once to bf16. Rows of skipped slots (``expert_id == -1``) are left as they were in ``out``.
+product is exact in float32; W4A16's bf16 tokens are taken as they are), multiply per active group
+in float64, apply the expert scale, round once to bf16. Rows of skipped slots (``expert_id == -1``)
+are left as they were in ``out``.
 Tests, benchmarks, the CLI and the notebooks all check kernels with ``reference_grouped_matmul``
 and ``check_acceptance``.
 """

@@ -2,7 +2,7 @@
 """Small cases of every GPU kernel variant, for compute-sanitizer (memcheck / racecheck) on a GPU.
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py
-    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt] [nvfp4 mxfp4 mxfp8 w4a8]
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py [h200_stream h200_wgmma simt] [nvfp4 mxfp4 mxfp8 w4a8 w4a16 w4a16_nvfp4]
     compute-sanitizer --tool racecheck python3 scripts/sanitize_small.py h200_wgmma swapped nvfp4   # swapped tiles only
     compute-sanitizer --tool memcheck  python3 scripts/sanitize_small.py h200_wgmma swapped mxfp8_e5m2   # E5M2 tokens
 
@@ -43,7 +43,11 @@ WGMMA_SWAPPED_MMA_BN = (32, 64)   # swapped tiles (weights on wgmma M): B items 
 TWO_M_GROUP_SIZES = [3, 0, 140, 1, 300]
 FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 NAMED_ONLY_FORMATS = ("mxfp8_e5m2",)   # only when named: the MXFP8 builds with the E5M2 token decode
-ALL_FORMATS = FORMATS + NAMED_ONLY_FORMATS   # in seed order: the default formats keep their seeds
+# bf16 tokens: the builds that read them, the streaming kernel's swapped small-N tiles and the wgmma kernel's
+# not-swapped ones (``bf16_tokens_reader``)
+W4A16_FORMATS = ("w4a16", "w4a16_nvfp4")
+ALL_FORMATS = FORMATS + NAMED_ONLY_FORMATS + W4A16_FORMATS   # in seed order: the default formats keep their seeds
+DEFAULT_FORMATS = FORMATS + W4A16_FORMATS
 KERNELS = ("h200_stream", "h200_wgmma", "simt")
 SWAPPED_ONLY = "swapped"
 
@@ -65,6 +69,17 @@ def wgmma(problem, mma_bn, *, tile_tokens=128, ab_swapped=False, k_splits=None):
     """The wgmma kernel with these knobs (deepest ring; split-K as its plan decides unless given)."""
     return h200_launch.run(problem, plan_h200(problem, backend="h200_wgmma", mma_bn=mma_bn, tile_tokens=tile_tokens,
                                               ab_swapped=ab_swapped, k_splits=k_splits))
+
+
+def bf16_tokens_reader(kernel: str, knobs) -> bool:
+    """Whether a case's build reads bf16 tokens: the streaming kernel's swapped small-N tiles, the wgmma kernel's
+    not-swapped tiles, the SIMT kernel."""
+    if kernel == "h200_stream":
+        swapped, mma_bn = knobs[0][:2]
+        return swapped and mma_bn <= 32
+    if kernel == "h200_wgmma":
+        return "swapped" not in knobs
+    return True
 
 
 def case_id(fmt: str, name: str, knobs) -> str:
@@ -118,7 +133,7 @@ def run_cases(args: set, results: list) -> int:
                          f"(and {SWAPPED_ONLY!r}: the swapped wgmma tiles only)")
     only_swapped = SWAPPED_ONLY in args
     kernels = (args & set(KERNELS)) or set(KERNELS)
-    formats = (args & set(ALL_FORMATS)) or set(FORMATS)
+    formats = (args & set(ALL_FORMATS)) or set(DEFAULT_FORMATS)
     failures = 0
     for seed, fmt in enumerate(ALL_FORMATS):
         if fmt not in formats:
@@ -168,6 +183,13 @@ def run_cases(args: set, results: list) -> int:
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3, "fp8"), w4a8_route,
                           lambda: h200_launch.run(w4a8_route, plan_h200(w4a8_route, fp8=True), None)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
+        if not p.a_format.scaled:   # bf16 tokens: the builds that read them, and both on fused weights
+            cases = [case for case in cases if bf16_tokens_reader(*case[:2])]
+            fused_bf16 = problem_for(fmt, seed, n=TILED_N).with_b_layout(LAYOUT_E2M1_H200_FUSED)
+            cases.append(("h200_stream", ((True, 8, 1, 2), LAYOUT_E2M1_H200_FUSED), fused_bf16,
+                          lambda: stream(fused_bf16, True, 8, 1, 2)))
+            cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_H200_FUSED), fused_bf16,
+                          lambda: wgmma(fused_bf16, 128)))
         for name, knobs, problem, run in [case for case in cases if case[0] in kernels
                                           and (not only_swapped or "swapped" in case[1])]:
             cid = case_id(fmt, name, knobs)

@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gbs.dispatch import AUTO_STAGES
+from gbs.formats import get_format
 from gbs.numba_kernels import h200_launch
 from gbs.numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N
 from gbs.plan import plan_h200
+from gbs.problem import PROBLEM_FORMATS
 
+# The problem formats with block-scaled tokens: what the streaming kernel and the wgmma kernel's decoding consumers
+# read (bf16 tokens, W4A16, have their own consumer: tests/test_w4a16_kernel.py)
+SCALED_TOKEN_FORMATS = tuple(f for f, (a, _) in PROBLEM_FORMATS.items() if get_format(a).scaled)
 
 
 class Stream(NamedTuple):

@@ -37,6 +37,17 @@ def test_dispatch_errors_are_messages_not_tracebacks():
     assert res.returncode == 2 and "multiple" in res.stderr
 
 
+def test_dispatch_of_w4a16_is_w4a8s_and_says_so(capsys):
+    args = ["--n", "4096", "--k", "7168", "--tokens-per-expert", "40,40,40"]
+    for fmt in ("w4a16", "w4a16_nvfp4"):
+        assert main(["dispatch", "--format", fmt, *args]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"Note: {fmt} (bf16 x {'nvfp4' if fmt.endswith('nvfp4') else 'mxfp4'}) has no SM100 "
+                              "route (tcgen05 has no bf16 x FP4 kind): this is w4a8's decision (mxfp8 x mxfp4)")
+        assert main(["dispatch", "--format", "w4a8", *args]) == 0
+        assert out.split("\n", 1)[1] == capsys.readouterr().out   # the rest is W4A8's, word for word
+
+
 def test_demo_runs_and_verifies_on_the_cpu():
     """Without a GPU the demo checks the SIMT kernel (simulator) and the SM100 emulator against the
     exact reference in every format; tests/test_demo.py plants faults in them."""
@@ -45,12 +56,13 @@ def test_demo_runs_and_verifies_on_the_cpu():
     for regime in ("decode", "small_prefill", "large_prefill"):
         assert regime in res.stdout
     assert "No GPU here: kernel models on the CPU against the exact reference (simt, emulator)" in res.stdout
-    for fmt in ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2", "w4a8"):
-        for model in ("simt", "emulator"):
+    for fmt in ("nvfp4", "mxfp4", "mxfp8", "mxfp8_e5m2", "w4a8", "w4a16", "w4a16_nvfp4"):
+        for model in ("simt",) if fmt.startswith("w4a16") else ("simt", "emulator"):   # W4A16: no tcgen05 kind
             line = next(x for x in res.stdout.splitlines() if x.startswith(f"  [{model:<8} {fmt:<10}]"))
             assert ": ok: bit-identical to the reference" in line, line
+    assert not any(x.startswith("  [emulator w4a16") for x in res.stdout.splitlines())
     assert "MISMATCH" not in res.stdout + res.stderr
-    assert res.stdout.strip().endswith("emulator and simt: 10 outputs checked against the exact reference\nverified")
+    assert res.stdout.strip().endswith("emulator and simt: 12 outputs checked against the exact reference\nverified")
     # the H200 plans of the same shapes, from host metadata (no GPU here)
     assert "kimi_up            32  h200_wgmma swapped bn32, 8 stages; 4 split-K runs of 7 slices; 132 CTAs" in res.stdout
     assert "deepseek_up         4  h200_stream swapped bn8" in res.stdout

@@ -326,6 +326,38 @@ def test_routing_rejects_unsupported_pairs(a, b):
                                                    num_active_experts=1, estimated_total_m=1)
 
 
+@pytest.mark.parametrize("pair, route", [
+    (("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp8", "mxfp8")),
+    (("bf16", "mxfp4"), ("mxfp8", "mxfp4")),   # W4A16 takes W4A8's decision
+    (("bf16", "nvfp4"), ("mxfp8", "mxfp4")),
+    (("nvfp4", "nvfp4"), ("nvfp4", "nvfp4")), (("mxfp8", "mxfp4"), ("mxfp8", "mxfp4")),
+])
+def test_route_formats_maps_the_pairs_without_an_sm100_row(pair, route):
+    assert d.route_formats(*pair) == route
+    assert route in d.SUPPORTED_FORMAT_PAIRS
+
+
+@pytest.mark.parametrize("fmt, regime, decided", [("w4a16", DECODE, DECODE), ("w4a16_nvfp4", LARGE, LARGE),
+                                                  ("mxfp8_e5m2", SMALL, "default")])   # MXFP8: no regime table
+def test_dispatch_for_a_routed_problem_is_the_route_pairs_decision(fmt, regime, decided):
+    from types import SimpleNamespace
+
+    from gbs.problem import resolve_formats
+
+    a_format, b_format = resolve_formats(fmt)
+    meta = SimpleNamespace(a_format=a_format, b_format=b_format, n=4096, k=7168, num_active_experts=8,
+                           estimated_total_m=tokens_for(regime, 8))
+    route = d.route_formats(a_format.name, b_format.name)
+    cfg = d.dispatch_for(meta)
+    assert (cfg.a_format, cfg.b_format) == route and cfg.regime == decided
+    assert cfg == grouped_matmul_block_scaled_sm100_dispatch(a_format=route[0], b_format=route[1], n=4096, k=7168,
+                                                            num_active_experts=8,
+                                                            estimated_total_m=tokens_for(regime, 8))
+    with pytest.raises(ValueError, match="bf16 tokens have no SM100 route" if a_format.name == "bf16" else "E5M2"):
+        grouped_matmul_block_scaled_sm100_dispatch(a_format=a_format, b_format=b_format, n=4096, k=7168,
+                                                   num_active_experts=8, estimated_total_m=64)
+
+
 def test_mxfp8_dispatch_rejects_other_weight_formats():
     with pytest.raises(ValueError, match="unsupported operand formats"):
         grouped_matmul_mxfp8_dispatch(n=256, k=256, num_active_experts=1, estimated_total_m=1,

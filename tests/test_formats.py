@@ -6,9 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gbs.formats import (FORMATS, ScaleLayout128x4, decode_elements, decode_ue4m3, decode_ue8m0, dequantize, encode_elements, gather_group_scales, get_format, group_scale_offsets, pack_fp4, pad_group_scales, padded_scale_rows, quantize, scale_offset, swizzle_scales, ue8m0_exponent, unpack_fp4, unswizzle_scales)
+from gbs.formats import (BF16, FORMATS, ScaleLayout128x4, decode_elements, decode_scales, decode_ue4m3, decode_ue8m0, dequantize, encode_elements, gather_group_scales, get_format, group_scale_offsets, pack_fp4, pad_group_scales, padded_scale_rows, quantize, scale_offset, swizzle_scales, ue8m0_exponent, unpack_fp4, unswizzle_scales)
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+SCALED_FORMATS = sorted(name for name, f in FORMATS.items() if f.scaled)   # all but bf16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def test_floor_and_rceil_differ_exactly_where_the_spec_says():
 # ---------------------------------------------------------------------------------------------
 # Quantize / dequantize
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 @pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
 def test_quantize_shapes_dtypes_and_relative_error(fmt, scale_mode):
     rng = np.random.default_rng(1)
@@ -167,7 +168,7 @@ def test_dequantize_quantize_is_a_fixed_point(fmt):
 def test_dequantize_is_exact_element_times_scale():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 64)).astype(np.float32) * 100
-    for fmt in FORMATS:
+    for fmt in SCALED_FORMATS:
         q = quantize(x, fmt)
         f = q.fmt
         codes = q.element_codes().astype(np.int64)
@@ -223,7 +224,7 @@ def test_nvfp4_tiny_amax_saturates_the_global_scale_instead_of_nan():
     assert np.all(d.ravel()[1:] == 0) and d[0, 0] == pytest.approx(x[0, 0], rel=0.25)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_nonfinite_propagate_makes_only_that_block_nan(fmt):
     x = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
     x[0, 3] = np.nan
@@ -269,7 +270,7 @@ def test_quantize_bad_options():
 
 
 @settings(max_examples=60, deadline=None)
-@given(fmt=st.sampled_from(sorted(FORMATS)), mode=st.sampled_from(["rceil", "floor"]),
+@given(fmt=st.sampled_from(SCALED_FORMATS), mode=st.sampled_from(["rceil", "floor"]),
        x=hnp.arrays(np.float32, (3, 64), elements=st.floats(-2.0 ** 100, 2.0 ** 100, width=32, allow_subnormal=True)))
 def test_property_roundtrip_error_is_bounded_by_the_block_scale(fmt, mode, x):
     q = quantize(x, fmt, mode)
@@ -284,6 +285,71 @@ def test_property_roundtrip_error_is_bounded_by_the_block_scale(fmt, mode, x):
         half_ulp = {"e2m1": 1.0, "e4m3": 16.0, "e5m2": 4096.0}[f.element]
         err = np.abs(d - x.astype(np.float64))
         assert np.all(err <= np.repeat(scales, f.block_size, axis=1) * half_ulp * (1 + 1e-9))
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 (W4A16's tokens): no block scales
+# ---------------------------------------------------------------------------------------------
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+
+
+def test_bf16_is_an_unscaled_format():
+    f = get_format("bf16")
+    assert (f.element, f.block_size, f.scale_dtype, f.scaled) == ("bf16", 0, "none", False)
+    assert all(FORMATS[name].scaled for name in SCALED_FORMATS)
+    assert f.element_dtype == BF16 and f.element_bits == 16 and not f.packed and not f.has_global_scale
+    assert f.element_max == BF16_MAX == 3.3895313892515355e38 and f.element_emax == 127
+    assert f.scale_cols(96) == 0 and f.row_bytes(96) == 192
+    with pytest.raises(ValueError, match="bf16 has no block scales to decode"):
+        decode_scales(np.zeros(4, np.uint8), "bf16")
+    with pytest.raises(TypeError, match="bf16 codes are 16-bit"):
+        decode_elements(np.zeros(4, np.uint8), "bf16")
+
+
+def test_bf16_quantize_rounds_to_nearest_even_and_dequantizes_as_is():
+    ulp = 2.0 ** -7   # bf16 at 1.0: 8 significant bits
+    x = np.array([[1 + ulp / 2, 1 + 1.5 * ulp, -(1 + 2.5 * ulp), 1 + ulp / 2 + 2.0 ** -20,   # ties to even, above a tie
+                   3 * 2.0 ** -135, 2.0 ** -134, 0.0, -0.0,                                   # subnormals: RNE too
+                   np.finfo(np.float32).max, -3.39e38, BF16_MAX, 1e-45]], np.float32)       # saturating past the max
+    want = np.array([[1.0, 1 + 2 * ulp, -(1 + 2 * ulp), 1 + ulp, 2.0 ** -133, 0.0, 0.0, -0.0,
+                      BF16_MAX, -BF16_MAX, BF16_MAX, 0.0]])
+    q = quantize(x, "bf16")
+    assert q.data.dtype == BF16 and q.data.shape == x.shape and q.k == 12
+    assert q.scales.shape == (1, 0) and q.scales.dtype == np.uint8 and q.global_scale is None
+    assert q.global_decode_scale == 1.0
+    d = dequantize(q)
+    assert d.dtype == np.float32
+    np.testing.assert_array_equal(d, want)
+    np.testing.assert_array_equal(np.signbit(d), np.signbit(want))
+    np.testing.assert_array_equal(q.element_codes(), q.data.view(np.uint16))
+    np.testing.assert_array_equal(decode_elements(q.element_codes(), "bf16"), d)
+    # any float32 in bf16's range rounds as ml_dtypes' RNE cast, in any shape and any K (no blocks)
+    rng = np.random.default_rng(6)
+    bits = rng.integers(0, 2 ** 32, (3, 5, 30), dtype=np.uint64).astype(np.uint32)
+    y = bits.view(np.float32)
+    y = np.where(np.isfinite(y) & (np.abs(y) <= BF16_MAX), y, np.float32(1.5))
+    np.testing.assert_array_equal(quantize(y, "bf16").data.view(np.uint16), y.astype(BF16).view(np.uint16))
+    np.testing.assert_array_equal(dequantize(quantize(d, "bf16")), d)   # a fixed point
+
+
+def test_bf16_nonfinite_values_stay_element_by_element_or_raise():
+    x = np.random.default_rng(7).standard_normal((2, 40)).astype(np.float32)
+    x[0, 3], x[1, 39], x[1, 0] = np.nan, -np.inf, np.inf
+    d = dequantize(quantize(x, "bf16"))   # nonfinite="propagate": only those elements, no block
+    bad = ~np.isfinite(x)
+    np.testing.assert_array_equal(np.isnan(d), np.isnan(x))
+    assert d[1, 39] == -np.inf and d[1, 0] == np.inf
+    np.testing.assert_array_equal(d[~bad], x[~bad].astype(BF16).astype(np.float32))
+    with pytest.raises(ValueError, match=r"non-finite value nan at index \(0, 3\)"):
+        quantize(x, "bf16", nonfinite="raise")
+    with pytest.raises(TypeError, match="float64"):
+        quantize(x.astype(np.float64), "bf16")
+
+
+def test_bf16_dequantize_refuses_scales():
+    q = quantize(np.ones((2, 32), np.float32), "bf16")
+    with pytest.raises(ValueError, match=r"bf16 has no block scales, got scales of shape \(2, 1\)"):
+        dequantize(q.__class__(q.data, np.zeros((2, 1), np.uint8), q.fmt))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_sanitize_small_runs_the_chosen_kernel_and_format_only(monkeypatch, caps
     assert sanitize.main(["simt", "mxfp8_e5m2"]) == 0
     assert calls == ["mxfp8_e5m2"]
     assert sanitize.main(["simt"]) == 0
-    assert "mxfp8_e5m2" not in calls[1:] and len(calls) == 1 + len(sanitize.FORMATS)   # token formats: W4A8 reads mxfp8
+    assert "mxfp8_e5m2" not in calls[1:] and len(calls) == 1 + len(sanitize.DEFAULT_FORMATS)   # token formats: W4A8 reads mxfp8
 
 
 def test_sanitize_small_checks_256_token_tiles_on_groups_past_128_tokens(monkeypatch, capsys):
@@ -258,8 +258,9 @@ def test_sanitize_small_writes_a_junit_testcase_per_case(monkeypatch, capsys, tm
     assert sanitize.main(["simt", "--junitxml", str(path)]) == 1
     suite = ET.parse(path).getroot()
     cases = {case.get("name"): case for case in suite.iter("testcase")}
-    assert sorted(cases) == sorted(f"{fmt}-simt-(True, 8, 1)" for fmt in sanitize.FORMATS)
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == (str(len(sanitize.FORMATS)), "1", "0")
+    assert sorted(cases) == sorted(f"{fmt}-simt-(True, 8, 1)" for fmt in sanitize.DEFAULT_FORMATS)
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == (str(len(sanitize.DEFAULT_FORMATS)), "1",
+                                                                              "0")
     assert cases["mxfp4-simt-(True, 8, 1)"].find("failure") is not None
     assert cases["nvfp4-simt-(True, 8, 1)"].find("failure") is None
     assert "1 failed" in capsys.readouterr().out

@@ -55,9 +55,10 @@ from gbs.formats import (BF16, SF_ATOM_ROWS, BlockScaled, decode_elements, decod
 from gbs.layouts import (LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED, OPERAND_LAYOUTS, E2M1H200Order, UE4M3H200Scales)
 from gbs.reference import (MAX_REL_TOL, POISON_BITS, RMS_REL_TOL, is_poison, reference_grouped_matmul,
                            relative_errors)
-from h200_knobs import check_kernel, can_implement, max_stages, plan_spec, prepare, run, Stream, Wgmma
+from h200_knobs import (SCALED_TOKEN_FORMATS, Stream, Wgmma, can_implement, check_kernel, max_stages, plan_spec, prepare,
+                        run)
 
-FORMATS = tuple(PROBLEM_FORMATS)
+FORMATS = SCALED_TOKEN_FORMATS
 CONFIGS = {
     "decode": Stream(True, 8, 1),
     "small_prefill": Stream(True, 64, 2),

@@ -27,9 +27,9 @@ from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import offline
 from gbs.formats import SF_ATOM_BYTES, SF_ATOM_ROWS, get_format, scale_byte_offset
 from gbs.reference import POISON_BITS, reference_grouped_matmul
-from h200_knobs import check_kernel, plan_spec, prepare, run, Wgmma
+from h200_knobs import SCALED_TOKEN_FORMATS, Wgmma, check_kernel, plan_spec, prepare, run
 
-FORMATS = tuple(PROBLEM_FORMATS)
+FORMATS = SCALED_TOKEN_FORMATS
 FITTING = [(fmt, bn) for fmt in FORMATS for bn in hw.WGMMA_MMA_BN]
 # (format, mma_bn, ab_swapped): every tile of both orientations
 ORIENTED = [(fmt, bn, False) for fmt, bn in FITTING] + [(fmt, bn, True) for fmt in FORMATS for bn in hw.SWAPPED_MMA_BN]

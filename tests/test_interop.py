@@ -94,8 +94,8 @@ class DLPackOnly:
 
 
 def device_bytes(x: np.ndarray) -> np.ndarray:
-    """FP8 / FP4 operands as the raw bytes a device library holds them in."""
-    return x.view(np.uint8) if x.dtype.itemsize == 1 else x
+    """FP8 / FP4 operands and bf16 tokens as the raw bytes a device problem takes them in."""
+    return x.view(np.uint8) if x.dtype.itemsize == 1 or x.dtype == BF16 else x
 
 
 def fake_arrays(problem, make=FakeCudaArray, **overrides):

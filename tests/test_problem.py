@@ -71,8 +71,8 @@ def test_random_problem_fields(fmt):
     assert p.num_active_experts == len(p.expert_ids) == len(p.a_offsets) - 1
     assert p.estimated_total_m == p.total_tokens
     assert -1 in p.expert_ids and 0 in p.group_sizes
-    if fmt == "nvfp4":
-        assert np.all(p.expert_scales[p.expert_ids[p.expert_ids >= 0]] < 1e-3)   # two global decode scales
+    if p.b_format.has_global_scale:   # NVFP4: two global decode scales; W4A16: the weights' alone (both small)
+        assert np.all(p.expert_scales[p.expert_ids[p.expert_ids >= 0]] < 1e-3)
     else:
         np.testing.assert_array_equal(p.expert_scales, 1.0)
     p2 = small_problem(fmt)
@@ -169,6 +169,92 @@ def test_validation_rejects_unsupported_format_pair():
 
 
 # ---------------------------------------------------------------------------------------------
+# W4A16: bf16 tokens (no scales) x MXFP4 / NVFP4 weights
+# ---------------------------------------------------------------------------------------------
+W4A16_SIZES = [1, 0, 9, 4, 1, 6]         # 1-token groups, an empty group, a -1 slot
+W4A16_IDS = [3, 1, 0, -1, 2, 4]
+
+
+def w4a16_inputs(seed=0, n=40, k=96, experts=5):
+    rng = np.random.default_rng(seed)
+    activations = (rng.standard_normal((sum(W4A16_SIZES), k)) * 3).astype(np.float32)
+    weights = (rng.standard_normal((experts, n, k)) * np.float32(0.05)).astype(np.float32)
+    weights[2] *= np.float32(2.0 ** -12)   # an expert far below the others: its own NVFP4 global scale
+    return activations, weights
+
+
+@pytest.mark.parametrize("fmt, b_name", [("w4a16", "mxfp4"), ("w4a16_nvfp4", "nvfp4")])
+def test_w4a16_problem_holds_bf16_tokens_without_scales(fmt, b_name):
+    activations, weights = w4a16_inputs()
+    p = build_problem(activations, weights, W4A16_SIZES, W4A16_IDS, fmt=fmt)
+    assert p.format_name == fmt and (p.a_format.name, p.b_format.name) == ("bf16", b_name)
+    assert p.a.dtype == BF16 and p.a.shape == (sum(W4A16_SIZES), 96)
+    np.testing.assert_array_equal(p.a.view(np.uint16), activations.astype(BF16).view(np.uint16))
+    bands = sum(-(-n // 128) for n in W4A16_SIZES)
+    assert p.a_scales.shape == (bands, 0, 32, 4, 4) and p.a_scale_offsets.dtype == np.uint32
+    np.testing.assert_array_equal(dequantize(p.a_operand()), activations.astype(BF16).astype(np.float32))
+    assert p.with_a_layout("packed").a_layout == "packed"
+
+
+def test_w4a16_nvfp4_expert_scales_are_the_weights_global_decode_scales():
+    activations, weights = w4a16_inputs(seed=1)
+    p = build_problem(activations, weights, W4A16_SIZES, W4A16_IDS, fmt="w4a16_nvfp4")
+    qw = quantize(weights, "nvfp4")
+    np.testing.assert_array_equal(p.expert_scales, qw.global_decode_scale)   # tokens have no global scale
+    assert p.expert_scales[0] > 1000 * p.expert_scales[2]   # per expert: expert 2 is 2^-12 of the others
+    both = build_problem(activations, weights, W4A16_SIZES, W4A16_IDS, fmt="nvfp4")   # NVFP4 tokens add theirs
+    assert not np.allclose(both.expert_scales, p.expert_scales)
+    np.testing.assert_array_equal(build_problem(activations, weights, W4A16_SIZES, W4A16_IDS,
+                                                fmt="w4a16").expert_scales, 1.0)
+
+
+@pytest.mark.parametrize("fmt, b_name", [("w4a16", "mxfp4"), ("w4a16_nvfp4", "nvfp4")])
+def test_w4a16_reference_is_the_float64_product_of_bf16_tokens_and_decoded_weights(fmt, b_name):
+    activations, weights = w4a16_inputs(seed=2)
+    p = build_problem(activations, weights, W4A16_SIZES, W4A16_IDS, fmt=fmt)
+    tokens = activations.astype(BF16).astype(np.float64)
+    qw = quantize(weights, b_name)
+    decoded = dequantize(qw, apply_global_scale=False).astype(np.float64)   # element x block scale, exact
+    decode_scale = np.broadcast_to(qw.global_decode_scale, (weights.shape[0],)).astype(np.float64)
+    ref = reference_grouped_matmul(p)
+    offsets = np.concatenate([[0], np.cumsum(W4A16_SIZES)])
+    for g, e in enumerate(W4A16_IDS):
+        rows = slice(offsets[g], offsets[g + 1])
+        if e < 0:
+            assert np.all(is_poison(ref[rows]))
+            continue
+        want = (tokens[rows] @ decoded[e].T) * decode_scale[e]
+        np.testing.assert_array_equal(ref[rows].view(np.uint16), want.astype(np.float32).astype(BF16).view(np.uint16))
+    assert check_acceptance(p, ref).passed
+
+
+def _w4a16_mutations(p):
+    yield dict(a=p.a.view(np.uint16)), TypeError, "a must have dtype bfloat16, got uint16"
+    yield dict(a=p.a.view(np.uint8)), TypeError, "a must have dtype bfloat16, got uint8"
+    yield dict(a=p.a[:, :-2]), ValueError, r"a must have shape \(21, 96\)"
+    bands = p.a_scales.shape[0]
+    yield (dict(a_scales=np.zeros((bands, 1, 32, 4, 4), np.uint8)), ValueError,
+           rf"a_scales must have shape \({bands}, 0, 32, 4, 4\), got \({bands}, 1, 32, 4, 4\)")
+    yield dict(k=p.k + 16), ValueError, "K = 112 is not a multiple of the mxfp4 block size 32"
+    yield dict(a_layout="e2m1_h200"), ValueError, "a_layout 'e2m1_h200' re-lays FP4 \\(E2M1\\) tokens; a is bf16"
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_w4a16_validation_errors(case):
+    p = build_problem(*w4a16_inputs(), W4A16_SIZES, W4A16_IDS, fmt="w4a16")
+    change, err, match = list(_w4a16_mutations(p))[case]
+    with pytest.raises(err, match=match):
+        dataclasses.replace(p, **change)
+
+
+def test_w4a16_tokens_take_no_h200_layout():
+    p = build_problem(*w4a16_inputs(), W4A16_SIZES, W4A16_IDS, fmt="w4a16")
+    for layout in ("e2m1_h200", "e2m1_h200_tiled", "e2m1_e4m3"):
+        with pytest.raises(ValueError, match=f"a_layout '{layout}' re-lays FP4 \\(E2M1\\) tokens; a is bf16"):
+            p.with_a_layout(layout)
+
+
+# ---------------------------------------------------------------------------------------------
 # Reference and acceptance
 # ---------------------------------------------------------------------------------------------
 def _naive_reference(p):
@@ -178,7 +264,7 @@ def _naive_reference(p):
     out = np.full((p.total_tokens, p.n), np.nan)
     a_codes = p.a_operand().element_codes()
     a_val = decode_elements(a_codes, p.a_format.element).astype(np.float64)
-    a_sc = decode_scales(unswizzle_scales(p.a_scales), p.a_format).astype(np.float64)
+    a_sc = decode_scales(unswizzle_scales(p.a_scales), p.a_format).astype(np.float64) if p.a_format.scaled else None
     rows = padded_scale_rows(p.a_offsets, p.a_scale_offsets)
     for g in range(p.num_active_experts):
         e = int(p.expert_ids[g])
@@ -188,7 +274,9 @@ def _naive_reference(p):
         b_val = decode_elements(b_codes, p.b_format.element).astype(np.float64)
         b_sc = decode_scales(unswizzle_scales(p.b_scales[e]), p.b_format).astype(np.float64)
         for m in range(int(p.a_offsets[g]), int(p.a_offsets[g + 1])):
-            a_deq = a_val[m] * np.repeat(a_sc[rows[m], :p.k // p.a_format.block_size], p.a_format.block_size)
+            a_deq = a_val[m]   # bf16 tokens: as they are
+            if p.a_format.scaled:
+                a_deq = a_deq * np.repeat(a_sc[rows[m], :p.k // p.a_format.block_size], p.a_format.block_size)
             b_deq = b_val * np.repeat(b_sc[:p.n, :p.k // p.b_format.block_size], p.b_format.block_size, axis=1)
             out[m] = p.expert_scales[e] * (b_deq @ a_deq)
     return out

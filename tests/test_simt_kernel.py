@@ -3,7 +3,8 @@
 Simulator runs: every format x a set of legal configs (swapped / not, cta_group 1 / 2, several
 mma_bn) and the dispatch's own config, on fresh random data with ragged groups, an empty group, a
 -1 slot, a 1-token group and sizes that are not tile multiples, plus a group longer than a
-128-token tile, N > 128 (both CTAs of a pair write), NaN scale bytes, and odd persistent grids.
+128-token tile, N > 128 (both CTAs of a pair write), NaN scale bytes, odd persistent grids, and
+W4A16 (bf16 tokens) checked element by element with ``gbs.exactness``.
 Outputs are poisoned before the launch and judged with ``check_acceptance``; all configs of one
 problem must give identical bits (the kernel sums every output in the same order whatever the
 tile); and the same output must FAIL against a problem whose scales were laid out linearly
@@ -33,7 +34,8 @@ import numpy as np
 import pytest
 
 from gbs import schedule
-from gbs.dispatch import dispatch_for
+from gbs.api import resolve_config
+from gbs.exactness import check_output
 from gbs.dispatch import LEGAL_MMA_BN, grouped_matmul_mxfp8_dispatch
 from gbs.numba_kernels import simt
 from gbs.problem import (
@@ -43,7 +45,7 @@ from gbs.problem import (
     random_problem,
     random_weights,
 )
-from gbs.formats import (BF16, E4M3_NAN_BYTE, UE8M0_NAN_BYTE, decode_elements, decode_ue4m3, decode_ue8m0, scale_offset, unswizzle_scales)
+from gbs.formats import (BF16, E4M3_NAN_BYTE, UE8M0_NAN_BYTE, decode_elements, get_format, decode_ue4m3, decode_ue8m0, scale_offset, unswizzle_scales)
 from gbs.reference import (
     MAX_REL_TOL,
     RMS_REL_TOL,
@@ -155,7 +157,7 @@ class SimRun:
 
     def execute(self):
         problem = self.problem.build()
-        config = dispatch_for(problem) if self.config is None else self.config
+        config = resolve_config(problem) if self.config is None else self.config
         return simt.grouped_matmul_simt(problem, config, out=poison_output(problem.total_tokens, problem.n),
                                         num_ctas=self.num_ctas)
 
@@ -167,6 +169,8 @@ def enumerate_problems():
     yield SimProblem("nvfp4-wide-n", "nvfp4", 12, 160, 64, (6, 5, 2), (1, 6, -1))
     yield SimProblem("mxfp8-nan-a-scale", "mxfp8", 13, 40, 64, (4, 6, 2), (2, -1, 5), nan_scale="a")
     yield SimProblem("nvfp4-nan-b-scale", "nvfp4", 14, 40, 64, (4, 6, 2), (2, -1, 5), nan_scale="b")
+    # K 96: a partial 64-element K chunk; N 72: a partial weight tile
+    yield SimProblem("w4a16_nvfp4-tails", "w4a16_nvfp4", 15, 72, 96, (1, 0, 12, 3, 1), (6, 2, 0, -1, 3))
 
 
 PROBLEMS = list(enumerate_problems())
@@ -182,6 +186,9 @@ def enumerate_runs():
         elif p.name == "mxfp4-long-group":
             yield SimRun(p, T(False, 8, 1))     # two 128-token blocks, the second ragged
             yield SimRun(p, T(True, 64, 2), num_ctas=2)    # a single pair walks every tile
+        elif p.name == "w4a16_nvfp4-tails":
+            yield SimRun(p, T(False, 8, 1))
+            yield SimRun(p, T(True, 64, 2), num_ctas=2)
         elif p.name == "nvfp4-wide-n":
             yield SimRun(p, T(True, 64, 2), num_ctas=10)   # rank 1 writes rows 128..159; idle pairs
             yield SimRun(p, T(True, 16, 1), num_ctas=1)
@@ -311,8 +318,11 @@ def with_linear_scale_layout(problem, operand: str):
     return dataclasses.replace(problem, **{name: np.ascontiguousarray(linear).reshape(swizzled.shape)})
 
 
-@pytest.mark.parametrize("problem", [p for p in PROBLEMS if p.name.endswith("-ragged")], ids=lambda p: p.name)
-@pytest.mark.parametrize("operand", ["a", "b"])
+SCALED_OPERANDS = [(p, operand) for operand in ("a", "b") for p in PROBLEMS if p.name.endswith("-ragged")
+                   and get_format(PROBLEM_FORMATS[p.fmt]["ab".index(operand)]).scaled]   # bf16 tokens have none
+
+
+@pytest.mark.parametrize("problem, operand", SCALED_OPERANDS, ids=[f"{o}-{p.name}" for p, o in SCALED_OPERANDS])
 def test_a_wrong_scale_layout_is_detected(simulated, problem, operand):
     run = next(r for r in RUNS if r.problem == problem)
     out = output_of(simulated, run)
@@ -322,6 +332,17 @@ def test_a_wrong_scale_layout_is_detected(simulated, problem, operand):
     assert not wrong.passed, f"the kernel's output also matches linearly laid-out {operand} scales: {wrong}"
 
 
+@pytest.mark.parametrize("run", [r for r in RUNS if r.problem.fmt.startswith("w4a16")], ids=lambda r: r.run_id)
+def test_w4a16_is_within_the_simt_exactness(simulated, run):
+    """bf16 tokens x FP4 weights: every output within the SIMT kernel's bound, bit-identical where the
+    accumulation is exact (``gbs.exactness``)."""
+    problem = run.problem.build()
+    assert problem.a_format.name == "bf16"
+    check = check_output(problem, output_of(simulated, run), "simt")
+    assert check.passed, "\n".join(check.mismatches)
+    assert check.bit_identical > 0.9 * check.elements
+
+
 # ----------------------------------------------------------------------------------------------
 # Host-side helpers (the device-capable functions run as plain Python here)
 # ----------------------------------------------------------------------------------------------
@@ -329,10 +350,11 @@ def test_a_wrong_scale_layout_is_detected(simulated, problem, operand):
     ("e2m1", simt.decode_e2m1, np.arange(16)),
     ("e4m3", simt.decode_e4m3, np.arange(256)),
     ("e5m2", simt.decode_e5m2, np.arange(256)),
+    ("bf16", simt.decode_bf16, np.arange(2 ** 16)),
 ])
 def test_element_decoders_match_ml_dtypes(element, decode, codes):
     got = np.array([decode(int(c)) for c in codes], np.float32)
-    want = decode_elements(codes.astype(np.uint8), element)
+    want = decode_elements(codes.astype(np.uint16 if element == "bf16" else np.uint8), element)
     np.testing.assert_array_equal(got, want)   # NaN == NaN here; signed zeros and Inf compared too
     np.testing.assert_array_equal(np.signbit(got[~np.isnan(got)]), np.signbit(want[~np.isnan(want)]))
 
@@ -346,6 +368,7 @@ def test_scale_decoders_match_quant():
     np.testing.assert_array_equal(np.array([simt.decode_e4m3(int(c)) for c in positive], np.float32),
                                   decode_ue4m3(positive.astype(np.uint8)))
     assert np.isnan(simt.decode_e4m3(E4M3_NAN_BYTE))
+    assert simt.decode_no_scale(0) == np.float32(1.0)   # bf16 tokens
 
 
 def test_bf16_rounding_matches_ml_dtypes():
@@ -380,7 +403,7 @@ def test_sub_tiles_fit_the_threads_and_shared_memory(threads):
 
 
 @pytest.mark.parametrize("fmt, knobs", [("nvfp4", (True, 8, 1)), ("w4a8", (False, 128, 1)),
-                                        ("mxfp8_e5m2", (True, 128, 2))])
+                                        ("mxfp8_e5m2", (True, 128, 2)), ("w4a16_nvfp4", (True, 64, 2))])
 def test_kernel_compiles_for_sm90a_without_local_memory(fmt, knobs):
     from numba import config as numba_config
     from numba.cuda import types
@@ -471,8 +494,7 @@ def test_can_implement_accepts_every_format_and_legal_config():
         problem = tiny_problem(fmt)
         for config in SIM_CONFIGS:
             assert simt.can_implement(problem, config) == (True, "")
-        if fmt != "mxfp8_e5m2":
-            assert simt.can_implement(problem, dispatch_for(problem)) == (True, "")
+        assert simt.can_implement(problem, resolve_config(problem)) == (True, "")
 
 
 @pytest.mark.usefixtures("no_launch")
@@ -496,9 +518,8 @@ GPU_ALTERNATIVE_CONFIGS = (T(True, 8, 1), T(True, 128, 2), T(False, 64, 1))
 
 
 def gpu_configs(problem):
-    """The dispatch's config (where the formats have a route) and the alternatives, distinct knobs."""
-    configs = [] if problem.format_name == "mxfp8_e5m2" else [dispatch_for(problem)]
-    configs += GPU_ALTERNATIVE_CONFIGS
+    """The dispatch's config (E5M2, W4A16: their route's tile) and the alternatives, distinct knobs."""
+    configs = [resolve_config(problem), *GPU_ALTERNATIVE_CONFIGS]
     seen, distinct = set(), []
     for config in configs:
         knobs = schedule.TileConfig.of(config)

@@ -56,6 +56,9 @@ def synthetic_problem(fmt: str, *, n: int, k: int, group_sizes, expert_ids, num_
     def codes(fmt_, shape):
         if fmt_.packed:
             return random_bytes(0, 256, shape)
+        if not fmt_.scaled:   # bf16 tokens: normal values (their bits would be NaN / Inf / huge for 1 in 256)
+            block = rng.standard_normal(min(int(np.prod(shape)), SYNTHETIC_RANDOM_BYTES)).astype(fmt_.element_dtype)
+            return np.resize(block, shape)
         fix = clear_e4m3_nans if fmt_.element_dtype == E4M3 else clear_e5m2_nans
         return random_bytes(0, 256, shape, fix).view(fmt_.element_dtype)
 

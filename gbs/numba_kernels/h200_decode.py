@@ -227,6 +227,20 @@ def scale_word_column(q, blocks_per_thread):
     return (q * blocks_per_thread) // SF_ATOM_COLS * SF_ATOM_COLS
 
 
+PRMT_LOW_HALVES, PRMT_HIGH_HALVES = 0x5410, 0x7632   # prmt: the low (high) bf16 of a, then that of b
+
+
+def bf16_stride4_pairs_of(prmt):
+    """``pairs(w0, w1, w2, w3)``: 8 bf16 elements (element 2 i + h in half h of word i) as the FP4 decode pairs them,
+    registers j = (j, j + 4), j = 0..3 (``e2m1_pair_bits``): how bf16 tokens (W4A16) meet FP4 weights in an MMA;
+    ``prmt``: ``prmt_b32`` (device) or ``prmt_b32_host``."""
+    def pairs(w0, w1, w2, w3):
+        return (prmt(w0, w2, np.uint32(PRMT_LOW_HALVES)), prmt(w0, w2, np.uint32(PRMT_HIGH_HALVES)),
+                prmt(w1, w3, np.uint32(PRMT_LOW_HALVES)), prmt(w1, w3, np.uint32(PRMT_HIGH_HALVES)))
+
+    return pairs
+
+
 def scale_byte_index(q, blocks_per_thread, block):
     """Byte of that word holding the scale of the lane's ``block``-th block."""
     return (q * blocks_per_thread) % SF_ATOM_COLS + block
@@ -263,12 +277,15 @@ def swizzled_offset(row, col, row_bytes, mask):
 def make_side_reader(side, pairing: str):
     """Device functions for one MMA side (``side``: an ``h200_ring.OperandSide``, which imports this module): ``load_group(address) -> (w0, w1)`` (w1 unused for FP4),
     ``decode(w0, w1, j)`` (unscaled bf16x2 bits of register j of the group), ``load_scales(address,
-    q) -> (s0, s1)`` (per row and K slice: UE4M3 -> the two packed bf16x2 pairs of 4 blocks; UE8M0 ->
+    q) -> (s0, s1)`` (per row and K slice: UE4M3 -> the two packed bf16x2 pairs of the word's 4 blocks, or of lane
+    q's 2 blocks first where it has 2; UE8M0 ->
     the bf16x2 scale of each of the thread's 1 or 2 blocks), ``scale_selector(gl)`` and
     ``group_scale(s0, s1, selector, run)``: the scale of local group ``gl`` (visited at step ``gi``, in
     rotation run ``run = gi // ROTATION_RUN``),
     picked by ``selector = scale_selector(gl)`` for UE4M3 (which is affine in the group's rotation run:
     ``scale_selector_run_step``) and by the run for UE8M0 (a block is one run)."""
+    if not side.fmt.scaled:   # bf16 tokens: their consumers read them as they are (no decode, no scales)
+        return None, None, None, inline_device(_no_scale_selector), None
     element = side.element
     stride4 = pairing == "stride4"
     e5m2 = element == "e5m2"
@@ -307,17 +324,22 @@ def make_side_reader(side, pairing: str):
         def decode(w0, w1, j):
             return fp8_bits(w0, w1, j, e5m2, stride4)
 
+    # UE4M3 with 2 blocks per lane (NVFP4 weights in a 128-K slice, W4A16): the lane's blocks are bytes 2 (q % 2) and
+    # 2 (q % 2) + 1 of its scale word; they are moved to bytes 0 and 1, so the selectors are those of 4 blocks
+    lane_pair_shift = 16 if ue4m3 and blocks == 2 else 0
+    if ue4m3 and blocks not in (2, 4):
+        raise AssertionError("UE4M3 scales: 2 or 4 blocks per lane (a 128- or 256-K slice)")
     if ue4m3_coded:
         @inline_device
         def load_scales(address, q):
             # codes 0, 1 and 2, 3 into the 16-bit lanes, then one shift-add makes both bf16
-            word = ld_shared_u32(address)
+            word = ld_shared_u32(address) >> np.uint32(lane_pair_shift * (q & 1))
             return (code_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(0))),
                     code_pair_bits(prmt_b32(word, np.uint32(0), pair_selector(2))))
     elif ue4m3:
         @inline_device
         def load_scales(address, q):
-            return ue4m3_convert(ld_shared_u32(address))
+            return ue4m3_convert(ld_shared_u32(address) >> np.uint32(lane_pair_shift * (q & 1)))
 
     if ue4m3:
         @inline_device
@@ -360,6 +382,10 @@ def make_side_reader(side, pairing: str):
             return s1
 
     return load_group, decode, load_scales, scale_selector, group_scale
+
+
+def _no_scale_selector(gl):
+    return np.uint32(0)
 
 
 def scale_selector_run_step(side) -> int:

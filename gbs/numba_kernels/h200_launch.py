@@ -198,10 +198,12 @@ def tensor_map_args(ring, shapes: dict, addresses: dict) -> list[TensorMapArgs]:
     else:
         weights = TensorMapArgs("b", addresses["b"], (b[2], b[1], b[0]), (b[2], b[1] * b[2]),
                                 (w_bytes, w_rows, w_experts), hr.TMA_SWIZZLE[w_bytes])
+    # bf16 tokens have no scales (``a_scales`` holds no bytes): the weights' map stands in, never read
+    token_scales = scale_map("a_scales", shapes["a_scales"][0]) if get_format(ring.a_format).scaled else weight_scales
     return [
         TensorMapArgs("a", addresses["a"], (a[1], a[0]), (a[1],), (tok_bytes, tok_rows), hr.TMA_SWIZZLE[tok_bytes]),
         weights,
-        scale_map("a_scales", shapes["a_scales"][0]),
+        token_scales,
         weight_scales,
     ]
 

@@ -39,6 +39,9 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
   writes into the peer); the producers wait with cluster-scope acquire. Both CTAs of a pair take the same
   (static) items, so they run the same number of stages; a cluster barrier follows the mbarrier init and
   precedes exit.
+* bf16 tokens (W4A16, the wgmma kernel only): a token row's 128-element K slice is 256 bytes, two 128-byte TMA
+  boxes (the 128B swizzle's widest) stored one after the other (``StreamSpec.token_region_bytes`` apart), each a
+  wgmma K-major operand of 64 K elements; no token scale atoms (``a_scales`` holds none).
 * The start-up trace (``StreamSpec.trace``, ``h200_trace``) stamps the producer's events here, one hook call
   per event, which compile to nothing in untraced builds.
 
@@ -195,7 +198,7 @@ class OperandSide:
     role: str           # "tokens" or "weights"
     format: str         # a name of gbs.formats.FORMATS
     rows: int           # rows staged per stage in each CTA
-    row_bytes: int      # bytes of one row's K slice (128, or 64 for FP4 in a 128-element slice)
+    row_bytes: int      # bytes of one row's K slice (128, 64 for FP4 in a 128-element slice, 256 for bf16 tokens)
     k_slice: int        # K elements per stage
     scale_bands: int    # 128-row scale bands staged per stage
     layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.formats.OPERAND_LAYOUTS``: weights or tokens)
@@ -213,12 +216,24 @@ class OperandSide:
         return self.fmt.packed
 
     @property
+    def box_bytes(self) -> int:
+        """Bytes of a row one TMA box holds (the 128B swizzle's widest): the whole K slice, or half of a bf16
+        token row's 256 bytes."""
+        return min(self.row_bytes, K_SLICE_BYTES)
+
+    @property
+    def boxes(self) -> int:
+        """TMA boxes per K slice: 1, or 2 for bf16 tokens, stored one after the other (``rows x box_bytes`` each:
+        each a wgmma K-major operand of 64 K elements)."""
+        return self.row_bytes // self.box_bytes
+
+    @property
     def swizzle(self) -> str:
-        return TMA_SWIZZLE[self.row_bytes]
+        return TMA_SWIZZLE[self.box_bytes]
 
     @property
     def swizzle_mask(self) -> int:
-        return SWIZZLE_MASK[self.row_bytes]
+        return SWIZZLE_MASK[self.box_bytes]
 
     @property
     def data_bytes(self) -> int:
@@ -226,7 +241,9 @@ class OperandSide:
 
     @property
     def sf_atoms_per_slice(self) -> int:
-        """512-byte scale atoms (4 scale columns each) one 128-row band needs per K slice."""
+        """512-byte scale atoms (4 scale columns each) one 128-row band needs per K slice (none for bf16 tokens)."""
+        if not self.fmt.scaled:
+            return 0
         return self.k_slice // (self.fmt.block_size * SF_ATOM_COLS)
 
     @property
@@ -249,11 +266,12 @@ class OperandSide:
 
     @property
     def blocks_per_thread(self) -> int:
-        return self.k_slice // QUAD // self.fmt.block_size
+        return self.k_slice // QUAD // self.fmt.block_size if self.fmt.scaled else 0
 
     @property
     def log2_prebias(self) -> int:
-        return SCALE_LOG2_PREBIAS[self.fmt.scale_dtype]
+        """The scale pre-bias d (``h200_decode``); 0 for bf16 tokens, read as they are."""
+        return SCALE_LOG2_PREBIAS[self.fmt.scale_dtype] if self.fmt.scaled else 0
 
 
 @dataclass(frozen=True)
@@ -347,6 +365,10 @@ class StreamSpec:
                 or self.stages < 1:
             raise ValueError(f"stages must be a positive int, got {self.stages!r}")
         require_small_n_warps(self.small_n_warps)
+        if not get_format(self.a_format).scaled and not (self.warpgroup_consumers or self.predecoded_tokens):
+            raise ValueError(f"{self.a_format} tokens: the streaming kernel reads them in its swapped small-N tiles "
+                             f"only (ab_swapped, mma_bn <= {SMALL_N_MAX_MMA_BN}: each stage's tokens copied once into B "
+                             "fragments), the wgmma kernel in its not-swapped tiles")
         if self.m_rows not in RING_M_ROWS:
             raise ValueError(f"m_rows must be one of {RING_M_ROWS}, got {self.m_rows!r}")
         if self.m_rows != TILE_M_ROWS and (self.ab_swapped or self.cta_group != 1 or self.small_n):
@@ -389,10 +411,10 @@ class StreamSpec:
         return self.cta_group == 1
 
     def _side(self, role: str, rows: int, scale_bands: int) -> OperandSide:
-        fmt = self.a_format if role == "tokens" else self.b_format
+        fmt = get_format(self.a_format if role == "tokens" else self.b_format)
         layout = self.a_layout if role == "tokens" else self.b_layout
-        return OperandSide(role, get_format(fmt).name, rows, get_format(fmt).row_bytes(self.k_slice),
-                           self.k_slice, scale_bands, layout)
+        return OperandSide(role, fmt.name, rows, fmt.row_bytes(self.k_slice), self.k_slice,
+                           scale_bands if fmt.scaled else 0, layout)
 
     @property
     def m_side(self) -> OperandSide:
@@ -516,10 +538,16 @@ class StreamSpec:
     # -- TMA boxes (innermost first) -------------------------------------------------------------
     @property
     def token_box(self) -> tuple[int, int]:
-        """(bytes, rows) each CTA loads of the token slice: half the token tile per CTA of a pair."""
+        """(bytes, rows) of each box a CTA loads of the token slice (``token_side.boxes`` per slice, 2 for bf16
+        tokens): half the token tile per CTA of a pair."""
         side = self.token_side
         rows = self.mma_bn // self.cta_group if self.ab_swapped else self.m_rows
-        return side.row_bytes, rows
+        return side.box_bytes, rows
+
+    @property
+    def token_region_bytes(self) -> int:
+        """Stage bytes from one token box column (64 bf16 K elements) to the next: all the tile's token rows."""
+        return self.token_side.data_bytes // self.token_side.boxes
 
     @property
     def weight_box(self) -> tuple[int, int, int]:
@@ -558,7 +586,12 @@ class StreamSpec:
     @property
     def scale_box(self) -> tuple[int, int, int]:
         """One 128-row band's atoms of a K slice, as (128 B, 4 rows per atom, 1 band)."""
-        return SCALE_MAP_ROW_BYTES, ATOM_MAP_ROWS * self.m_side.sf_atoms_per_slice, 1
+        return SCALE_MAP_ROW_BYTES, ATOM_MAP_ROWS * self.weight_side.sf_atoms_per_slice, 1
+
+    @property
+    def scale_band_bytes(self) -> int:
+        """Bytes of one 128-row band's atoms per K slice (the weights'; scaled tokens have as many)."""
+        return self.weight_side.sf_atoms_per_slice * SF_ATOM_BYTES
 
 
 def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
@@ -574,14 +607,15 @@ def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
     tok_sf = lay.m_scales if tokens_m else lay.n_scales
     w_data = lay.n_data if tokens_m else lay.m_data
     w_sf = lay.n_scales if tokens_m else lay.m_scales
-    band_bytes = spec.m_side.sf_atoms_per_slice * SF_ATOM_BYTES
+    band_bytes = spec.scale_band_bytes
     parts = spec.tiled_weight_loads if spec.tiled_weights else 1
     part_bytes = math.prod(spec.weight_box) // parts
     loads = [("weights", w_data + p * part_bytes, part_bytes, False) for p in range(parts)]
     loads += [("weight scales", w_sf + b * band_bytes, band_bytes, False)
               for b in range(spec.weight_side.scale_bands)]
     box_bytes = math.prod(spec.token_box)
-    loads += [("tokens", tok_data + r * box_bytes, box_bytes, cg > 1) for r in range(cg)]
+    loads += [("tokens", tok_data + p * spec.token_region_bytes + r * box_bytes, box_bytes, cg > 1)
+              for p in range(spec.token_side.boxes) for r in range(cg)]
     loads += [("token scales", tok_sf + b * band_bytes, band_bytes, cg > 1)
               for b in range(spec.token_side.scale_bands)]
     return loads
@@ -674,7 +708,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     tok_box_rows = spec.token_box[1]
     tok_box_bytes = math.prod(spec.token_box)
     sf_rows_per_slice = spec.scale_box[1]
-    sf_band_bytes = spec.m_side.sf_atoms_per_slice * SF_ATOM_BYTES
+    sf_band_bytes = spec.scale_band_bytes
+    tok_boxes, tok_box_bytes_k, tok_region_bytes = spec.token_side.boxes, spec.token_box[0], spec.token_region_bytes
     tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
     empty_count = spec.consumer_warps * cta_group
     token_band_of = inline_device(token_scale_band)
@@ -881,17 +916,20 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                             cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row,
                                            w_band + b, full)
                     if cta_group > 1:   # each CTA loads its half of the tokens for both
-                        cp.tma_load_2d_multicast(dst + tok_data_off + rank * tok_box_bytes, map_tokens,
-                                                 s * tok_slice_bytes, t0 + rank * tok_box_rows, full,
-                                                 MULTICAST_PAIR)
+                        for p in range(tok_boxes):
+                            cp.tma_load_2d_multicast(dst + tok_data_off + p * tok_region_bytes + rank * tok_box_bytes,
+                                                     map_tokens, s * tok_slice_bytes + p * tok_box_bytes_k,
+                                                     t0 + rank * tok_box_rows, full, MULTICAST_PAIR)
                         if tok_bands > 1:
                             cp.tma_load_3d_multicast(dst + tok_sf_off + rank * sf_band_bytes, map_token_sf, 0,
                                                      sf_row, token_band + rank, full, MULTICAST_PAIR)
-                        elif rank == 0:
+                        elif tok_bands == 1 and rank == 0:
                             cp.tma_load_3d_multicast(dst + tok_sf_off, map_token_sf, 0, sf_row, token_band, full,
                                                      MULTICAST_PAIR)
                     else:
-                        cp.tma_load_2d(dst + tok_data_off, map_tokens, s * tok_slice_bytes, t0, full)
+                        for p in range(tok_boxes):   # bf16 tokens: two 128-byte boxes, one region each
+                            cp.tma_load_2d(dst + tok_data_off + p * tok_region_bytes, map_tokens,
+                                           s * tok_slice_bytes + p * tok_box_bytes_k, t0, full)
                         for b in range(tok_bands):
                             cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
                                            token_band + b, full)

@@ -69,7 +69,8 @@ import numpy as np
 from numba import cuda, float32
 
 from gbs.formats import SF_ATOM_COLS, SF_ATOM_ROWS, SF_LANE_BYTES
-from gbs.numba_kernels.h200_decode import (NEG_ZERO_BF16X2, QUAD, ROTATION_RUN, group_column, inline_device,
+from gbs.numba_kernels.h200_decode import (NEG_ZERO_BF16X2, QUAD, ROTATION_RUN, bf16_stride4_pairs_of, group_column,
+                                           inline_device,
                                            make_side_reader, rotated_group, scale_selector_run_step,
                                            scale_word_column, swizzle_xor)
 from gbs.numba_kernels.h200_ring import (CONSUMER_BARRIER, CONSUMER_WAIT, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES,
@@ -81,7 +82,7 @@ from gbs.ptx_inline import cluster as cl
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
-from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2
+from gbs.ptx_inline.arith import f32_to_bf16_bits, fma_bf16x2, prmt_b32
 from gbs.ptx_inline.shared import ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_v4_u32
 
 # ----------------------------------------------------------------------------------------------
@@ -180,6 +181,11 @@ def make_kernel_function(spec: StreamSpec):
     token_item = inline_device(token_decode_item)
     sf_row_step = inline_device(scale_row_step)
     n_group_words = n_side.group_bytes // 4
+    bf16_tokens = not n_side.fmt.scaled   # W4A16: the swapped small-N tiles copy them into B fragments
+    n_box_bytes, n_region_bytes = n_side.box_bytes, spec.token_region_bytes
+    if bf16_tokens and not predecode:
+        raise AssertionError("bf16 tokens: the swapped small-N tiles' token copy (StreamSpec.predecoded_tokens)")
+    stride4_pairs = inline_device(bf16_stride4_pairs_of(prmt_b32))
     m_load, m_decode, m_load_scales, m_selector, m_group_scale = make_side_reader(m_side, spec.pairing)
     n_load, n_decode, n_load_scales, n_selector, n_group_scale = make_side_reader(n_side, spec.pairing)
     m_sel_step, n_sel_step = scale_selector_run_step(m_side), scale_selector_run_step(n_side)
@@ -332,14 +338,22 @@ def make_kernel_function(spec: StreamSpec):
                             # epilogue never stores (MMA columns are independent): leave them stale
                             if d_row >= t1 - t0:
                                 continue
-                            address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
-                                                                          word_column(d_q, n_blocks), atoms))
-                            d_s0, d_s1 = n_load_scales(address, d_q)
-                            d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
-                            d_row_addr = np.uint32(st + n_data_off + d_row * n_row_bytes)
+                            if bf16_tokens:   # no scales; quarter d_q's 64 bytes are half of box d_q // 2
+                                d_s0, d_s1 = np.uint32(0), np.uint32(0)
+                                d_xor = np.uint32(swizzle(d_row, n_box_bytes, n_mask))
+                                d_row_addr = np.uint32(st + n_data_off + (d_q >> 1) * n_region_bytes
+                                                       + d_row * n_box_bytes)
+                                d_q_col = d_q & 1
+                            else:
+                                address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
+                                                                              word_column(d_q, n_blocks), atoms))
+                                d_s0, d_s1 = n_load_scales(address, d_q)
+                                d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
+                                d_row_addr = np.uint32(st + n_data_off + d_row * n_row_bytes)
+                                d_q_col = d_q
                             # the item's words: 16-byte loads of whole (swizzled) chunks where it spans them
                             for piece in range(max(1, item_bytes // 16)):
-                                d_addr = d_row_addr + column(d_q, d_first + piece * piece_groups, n_thread_bytes,
+                                d_addr = d_row_addr + column(d_q_col, d_first + piece * piece_groups, n_thread_bytes,
                                                              n_group_bytes, d_xor)
                                 if item_bytes >= 16:
                                     (d_words[4 * piece], d_words[4 * piece + 1], d_words[4 * piece + 2],
@@ -350,14 +364,18 @@ def make_kernel_function(spec: StreamSpec):
                                     d_words[0] = ld_shared_u32(d_addr)
                             for c in range(item_groups):
                                 d_gl = d_first + c
-                                d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl // ROTATION_RUN)
-                                d_w0 = d_words[c * n_group_words]
-                                d_w1 = d_words[c * n_group_words + n_group_words - 1]   # FP8: the group's 2nd word
-                                st_shared_v4_u32(dslot + decoded_offset(d_row, d_q, d_gl, n_groups),
-                                                 fma_bf16x2(n_decode(d_w0, d_w1, 0), d_scale, NEG_ZERO_BF16X2),
-                                                 fma_bf16x2(n_decode(d_w0, d_w1, 1), d_scale, NEG_ZERO_BF16X2),
-                                                 fma_bf16x2(n_decode(d_w0, d_w1, 2), d_scale, NEG_ZERO_BF16X2),
-                                                 fma_bf16x2(n_decode(d_w0, d_w1, 3), d_scale, NEG_ZERO_BF16X2))
+                                if bf16_tokens:   # as they are, paired (j, j + 4) like the weights' decode
+                                    b_0, b_1, b_2, b_3 = stride4_pairs(d_words[4 * c], d_words[4 * c + 1],
+                                                                       d_words[4 * c + 2], d_words[4 * c + 3])
+                                else:
+                                    d_scale = n_group_scale(d_s0, d_s1, n_selector(d_gl), d_gl // ROTATION_RUN)
+                                    d_w0 = d_words[c * n_group_words]
+                                    d_w1 = d_words[c * n_group_words + n_group_words - 1]   # FP8: the 2nd word
+                                    b_0 = fma_bf16x2(n_decode(d_w0, d_w1, 0), d_scale, NEG_ZERO_BF16X2)
+                                    b_1 = fma_bf16x2(n_decode(d_w0, d_w1, 1), d_scale, NEG_ZERO_BF16X2)
+                                    b_2 = fma_bf16x2(n_decode(d_w0, d_w1, 2), d_scale, NEG_ZERO_BF16X2)
+                                    b_3 = fma_bf16x2(n_decode(d_w0, d_w1, 3), d_scale, NEG_ZERO_BF16X2)
+                                st_shared_v4_u32(dslot + decoded_offset(d_row, d_q, d_gl, n_groups), b_0, b_1, b_2, b_3)
                         cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
                     else:
                         for j in range(n_rows):

@@ -113,7 +113,7 @@ import numpy as np
 from numba import cuda, float32
 
 from gbs.dispatch import require_int
-from gbs.formats import SF_ATOM_ROWS
+from gbs.formats import SF_ATOM_ROWS, get_format
 from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_PACKED
 from gbs.numba_kernels import fp8_decode as fd
 from gbs.numba_kernels import h200_decode as hd
@@ -123,7 +123,7 @@ from gbs.numba_kernels.simt import scale_byte_offset
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
-from gbs.ptx_inline.arith import f32_from_bits, f32_to_bf16_bits, fma_bf16x2
+from gbs.ptx_inline.arith import f32_from_bits, f32_to_bf16_bits, fma_bf16x2, prmt_b32
 from gbs.ptx_inline.shared import (ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, st_shared_u32, st_shared_v2_u32,
                                    st_shared_v4_u32)
 
@@ -231,6 +231,9 @@ class WgmmaSpec:
         if not isinstance(self.fp8, (bool, np.bool_)):
             raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
         object.__setattr__(self, "fp8", bool(self.fp8))
+        if self.bf16_tokens and (self.ab_swapped or self.fp8):
+            raise ValueError(f"{self.a_format} tokens (W4A16) are wgmma's A operand straight from the ring stage: "
+                             f"ab_swapped and fp8 must be False, got ab_swapped={self.ab_swapped}, fp8={self.fp8}")
         if self.fp8:
             tokens_fp4 = self.a_format == "mxfp4"
             want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
@@ -250,6 +253,11 @@ class WgmmaSpec:
         return hr.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
                              warpgroup_consumers=True, split_k=self.split_k)
+
+    @property
+    def bf16_tokens(self) -> bool:
+        """Tokens without block scales (W4A16): ``_make_bf16_tokens_consumer``."""
+        return not get_format(self.a_format).scaled
 
     @property
     def cta_group(self) -> int:
@@ -435,7 +443,7 @@ def make_kernel_function(spec: WgmmaSpec):
     """The kernel as a Python function (closure over ``spec``); built fresh on every call: the frame
     (``_kernel_frame``) around the consumer (``_make_bf16_consumer``)."""
     ring = hr.make_ring(spec.ring)
-    make_consumer = _make_bf16_consumer
+    make_consumer = _make_bf16_tokens_consumer if spec.bf16_tokens else _make_bf16_consumer
     if spec.fp8:
         make_consumer = _make_fp8_consumer if spec.a_format == "mxfp4" else _make_fp8_tokens_consumer
     return _kernel_frame(spec, ring, make_consumer(spec, ring))
@@ -756,6 +764,204 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                            expert_scales[expert] * epilogue_scale)
             item += 1
 
+
+    return _device(consume)
+
+
+# W4A16 (``WgmmaSpec.bf16_tokens``): bf16 tokens are wgmma's A operand straight from the ring stage, so the weights are
+# written in natural K order: each consumer thread decodes one quarter (32 K, 16 bytes) of a weight row per sub-step.
+BF16_TOKENS_QUARTER_WORDS = 4                # FP4 words (8 elements each) of a row's 32-K quarter
+
+
+def bf16_tokens_weight_lane(consumer_thread: int) -> tuple[int, int]:
+    """(weight row in the first 128, half of the 64-K sub-step) that a consumer thread decodes with bf16 tokens. The
+    8 lanes of a 16-byte shared access are 8 consecutive rows of one half: their raw quarters (64B swizzle) and their
+    B-buffer chunks (128B swizzle) fall in 8 different 16-byte bank groups."""
+    warp, lane = divmod(consumer_thread, hr.WARP_SIZE)
+    return 16 * warp + 8 * (lane // 16) + lane % 8, (lane // 8) & 1
+
+
+def natural_pairs_of(prmt):
+    """``natural_pairs(r0, r1, r2, r3)``: the bf16x2 registers of 8 consecutive elements, (0, 1), (2, 3), (4, 5),
+    (6, 7), from the FP4 decode's pairs (j, j + 4) in registers j = 0..3 (``h200_decode.e2m1_pair_bits``); ``prmt``:
+    ``prmt_b32`` (device) or ``prmt_b32_host``."""
+    def natural_pairs(r0, r1, r2, r3):
+        return (prmt(r0, r1, np.uint32(hd.PRMT_LOW_HALVES)), prmt(r2, r3, np.uint32(hd.PRMT_LOW_HALVES)),
+                prmt(r0, r1, np.uint32(hd.PRMT_HIGH_HALVES)), prmt(r2, r3, np.uint32(hd.PRMT_HIGH_HALVES)))
+
+    return natural_pairs
+
+
+def _make_bf16_tokens_consumer(spec: WgmmaSpec, ring):
+    """The W4A16 consumer (bf16 tokens x MXFP4 / NVFP4 weights; a device function for ``_kernel_frame``). A slice's
+    128 K of a token row are two 128-byte TMA boxes in the stage (``StreamSpec.token_region_bytes`` apart), each the
+    wgmma A operand of one 64-K sub-step (``wgmma_bf16_ss``): the tokens are not touched by the threads. Per sub-step
+    the 256 threads decode the tile's weights, scaled, to bf16 in natural K order into the free B buffer
+    (``bf16_tokens_weight_lane``, ``natural_pairs``), then ``wait_group 1``, the named barrier, and each warpgroup's 4
+    MMAs (two m64 tiles with 256-token tiles). The MMAs read the raw stage, so a warp releases it once its wait
+    covers the slice's last MMAs: in the next slice's second sub-step, or at the tile's end."""
+    ring_spec = spec.ring
+    read_work_record = ring.read_work_record
+    stages, lay = ring_spec.stages, ring_spec.smem
+    stage_bytes = lay.stage_bytes
+    m_side, n_side = ring_spec.m_side, ring_spec.n_side
+    region_bytes = ring_spec.token_region_bytes
+    if (m_side.boxes, m_side.box_bytes, n_side.row_bytes, spec.subs_per_slice) != (2, BF16_ROW_BYTES, 64, 2):
+        raise AssertionError("W4A16 reads two 128-byte token boxes and 64-byte FP4 weight rows per 128-K slice")
+    if (lay.m_data | stage_bytes | region_bytes) % SW128_ATOM_BYTES:
+        raise AssertionError("the tokens' stage boxes must be 1024-byte aligned: they are a wgmma operand")
+    m_data_off, n_data_off, n_sf_off = lay.m_data, lay.n_data, lay.n_scales
+    atoms = n_side.sf_atoms_per_slice
+    mma_bn = spec.mma_bn
+    num_acc = mma_bn // 2
+    items = mma_bn // (CONSUMER_THREADS // 2)   # 128 rows x 2 halves per pass of the 256 threads
+    buffers_off, buffer_bytes = spec.buffers_offset, spec.buffer_bytes
+    _, n_decode, n_load_scales, n_selector, n_group_scale = hd.make_side_reader(n_side, ring_spec.pairing)
+    n_blocks = n_side.blocks_per_thread
+    ue4m3 = n_side.fmt.scale_dtype == "ue4m3"
+    if BF16_TOKENS_QUARTER_WORDS // n_blocks not in (2, 4):
+        raise AssertionError("a weight quarter (32 K) is one MX block or two NVFP4 blocks")
+    n_row_bytes, n_mask = n_side.row_bytes, n_side.swizzle_mask
+    mma = hp.wgmma_bf16_ss(mma_bn)
+    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
+    sf_offset = _device(scale_byte_offset)
+    swizzle = _device(hd.swizzle_xor)
+    word_column = _device(hd.scale_word_column)
+    chunk_offset = _device(b_buffer_offset)
+    weight_lane = _device(bf16_tokens_weight_lane)
+    advance = _device(hp.wgmma_descriptor_advance)
+    store_tile = _make_store_tile(num_acc)
+    epilogue_scale = np.float32(2.0 ** ring_spec.epilogue_log2)
+    two_m_tiles = spec.m_tiles == 2
+    m_tile_rows = CONSUMER_WARPGROUPS * TOKENS_PER_WARPGROUP
+    consumer_threads = CONSUMER_THREADS
+    w_sc_words = 2 * 2 * items   # (s0, s1) per item and sub-step
+    CONSUMER_BARRIER, MBARRIER_BYTES, NEG_ZERO_BF16X2 = hr.CONSUMER_BARRIER, hr.MBARRIER_BYTES, hd.NEG_ZERO_BF16X2
+    UNIT, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES
+    TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
+    ROW_BYTES, STEP_BYTES, BUFFERS = BF16_ROW_BYTES, 2 * WGMMA_K, BF16_BUFFERS
+    HALF_ROWS = CONSUMER_THREADS // 2
+
+    natural_pairs = _device(natural_pairs_of(prmt_b32))
+
+    def decode_store(word, scale, address):
+        """One FP4 word's 8 elements, scaled, as 16 bytes of bf16 in natural order at ``address``."""
+        c0, c1, c2, c3 = natural_pairs(fma_bf16x2(n_decode(word, 0, 0), scale, NEG_ZERO_BF16X2),
+                                       fma_bf16x2(n_decode(word, 0, 1), scale, NEG_ZERO_BF16X2),
+                                       fma_bf16x2(n_decode(word, 0, 2), scale, NEG_ZERO_BF16X2),
+                                       fma_bf16x2(n_decode(word, 0, 3), scale, NEG_ZERO_BF16X2))
+        st_shared_v4_u32(address, c0, c1, c2, c3)
+
+    decode_store = _device(decode_store)
+
+    def sub_step_mmas(acc, a_desc, b_desc):
+        """The 4 k16 MMAs of a 64-K sub-step, written out (a loop over them was not unrolled everywhere)."""
+        acc = mma(acc, a_desc, b_desc, np.uint32(1))
+        acc = mma(acc, advance(a_desc, STEP_BYTES // UNIT), advance(b_desc, STEP_BYTES // UNIT), np.uint32(1))
+        acc = mma(acc, advance(a_desc, 2 * STEP_BYTES // UNIT), advance(b_desc, 2 * STEP_BYTES // UNIT), np.uint32(1))
+        return mma(acc, advance(a_desc, 3 * STEP_BYTES // UNIT), advance(b_desc, 3 * STEP_BYTES // UNIT),
+                   np.uint32(1))
+
+    sub_step_mmas = _device(sub_step_mmas)
+
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
+        lane = cm.laneid()
+        base = np.uint32(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        g = lane >> 2
+        q = lane & 3
+        warpgroup = cw // WARPGROUP_WARPS_
+        m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
+        # the warpgroup's 64 token rows of the stage's first box (descriptor units of 16 bytes)
+        a_units = np.uint32((m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES) // UNIT)
+        w_row0, half = weight_lane(cw * 32 + lane)
+        buffers = np.uint32(base + buffers_off)
+        desc_a0 = hp.wgmma_smem_descriptor_device(base, SW128_LEADING_BYTES_, SW128_ATOM_BYTES_, "128B")
+        desc_b0 = hp.wgmma_smem_descriptor_device(buffers, SW128_LEADING_BYTES_, SW128_ATOM_BYTES_, "128B")
+        w_sc = cuda.local.array(w_sc_words, np.uint32)
+        acc_out = cuda.local.array(num_acc, float32)
+        acc = zero_acc()
+        if two_m_tiles:
+            acc_hi = zero_acc()
+        buffer = np.uint32(0)
+        stage = np.int64(0)
+        phase = np.int64(0)
+        item = np.int64(0)
+        while item < max_tiles:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
+                break
+            n_sf_row0 = r0 % SF_ATOM_ROWS
+            acc = zero_acc()
+            if two_m_tiles:
+                acc_hi = zero_acc()
+            held = np.int64(-1)   # the stage this warp still has to release (its MMAs may be in flight)
+            for _ in range(k_slices):
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                for it in range(items):
+                    for u in range(2):
+                        quarter = 2 * u + half
+                        address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + w_row0 + HALF_ROWS * it),
+                                                                      word_column(quarter, n_blocks), atoms))
+                        w_sc[4 * it + 2 * u], w_sc[4 * it + 2 * u + 1] = n_load_scales(address, quarter)
+                a_stage = np.uint32(stage * (stage_bytes // UNIT)) + a_units
+                for u in range(2):   # sub-step u: K 64 u .. 64 u + 63 of the slice, the stage's token box u
+                    b_addr = np.uint32(buffers + buffer * buffer_bytes)
+                    for it in range(items):
+                        w_row = w_row0 + HALF_ROWS * it
+                        source = np.uint32(st + n_data_off + w_row * n_row_bytes) + (
+                            np.uint32(16 * (2 * u + half)) ^ np.uint32(swizzle(w_row, n_row_bytes, n_mask)))
+                        w0, w1, w2, w3 = ld_shared_v4_u32(source)
+                        s0, s1 = w_sc[4 * it + 2 * u], w_sc[4 * it + 2 * u + 1]
+                        # NVFP4: words 0, 1 are the quarter's first block, 2, 3 its second; MXFP4: one block
+                        scale_lo = n_group_scale(s0, s1, n_selector(0), 0)
+                        scale_hi = n_group_scale(s0, s1, n_selector(2), 0) if ue4m3 else scale_lo
+                        # word w: K 32 half + 8 w .. + 7 of the sub-step, k16 step 2 half + w // 2, its half w % 2
+                        decode_store(w0, scale_lo, b_addr + chunk_offset(mma_bn, w_row, 2 * half, 0))
+                        decode_store(w1, scale_lo, b_addr + chunk_offset(mma_bn, w_row, 2 * half, 1))
+                        decode_store(w2, scale_hi, b_addr + chunk_offset(mma_bn, w_row, 2 * half + 1, 0))
+                        decode_store(w3, scale_hi, b_addr + chunk_offset(mma_bn, w_row, 2 * half + 1, 1))
+                    cm.fence_proxy_async_shared_cta()   # generic-proxy writes -> wgmma reads
+                    # this warpgroup's MMAs of two sub-steps ago are done: in the second sub-step, every MMA that
+                    # read the previous slice's stage
+                    hp.wgmma_wait_group_1()
+                    if u == 1 and held >= 0:
+                        cuda.syncwarp()
+                        if lane == 0:
+                            mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + held))
+                        held = np.int64(-1)
+                    cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)   # the buffer is complete
+                    hp.wgmma_fence()
+                    a_desc = advance(desc_a0, a_stage + np.uint32(u * (region_bytes // UNIT)))
+                    b_desc = advance(desc_b0, buffer * (buffer_bytes // UNIT))
+                    acc = sub_step_mmas(acc, a_desc, b_desc)
+                    if two_m_tiles:   # the warpgroup's second m64 tile: 128 token rows further
+                        acc_hi = sub_step_mmas(acc_hi, advance(a_desc, (m_tile_rows * ROW_BYTES) // UNIT), b_desc)
+                    hp.wgmma_commit_group()
+                    buffer = np.uint32(buffer + np.uint32(1))
+                    if buffer == np.uint32(BUFFERS):
+                        buffer = np.uint32(0)
+                held = stage
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+            hp.wgmma_wait_group_0()
+            cuda.syncwarp()
+            if lane == 0 and held >= 0:
+                mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + held))
+            acc = hp.wgmma_fence_accumulators(acc)
+            hp.accumulators_to_array(acc, acc_out)
+            out_scale = expert_scales[expert] * epilogue_scale
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, out_scale)
+            if two_m_tiles:
+                acc_hi = hp.wgmma_fence_accumulators(acc_hi)
+                hp.accumulators_to_array(acc_hi, acc_out)
+                store_tile(acc_out, out, n, t0, t1, r0, r1, m_row + m_tile_rows, q, out_scale)
+            item += 1
 
     return _device(consume)
 

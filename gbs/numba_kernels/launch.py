@@ -44,7 +44,7 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_PORTABLE_CLUSTER_SIZE = 8
 TMA_ADDRESS_ALIGN = 16                     # TMA global addresses and row strides: 16-byte multiples
 
-# Field names of a grouped problem and the dtypes kernels read them as (FP8 and packed FP4 travel as
+# Field names of a grouped problem and the dtypes kernels read them as (FP8, packed FP4 and bf16 tokens travel as
 # raw bytes; the output is the bf16 bits as uint16).
 PROBLEM_ARRAY_DTYPES = {
     "a": np.uint8,
@@ -149,6 +149,8 @@ def _as_device_array(name: str, value, stream):
             if value.dtype.itemsize == want.itemsize and (value.dtype.name in _BYTE_VIEWS
                                                           or value.dtype.kind in "iu"):
                 value = value.view(want)
+            elif name == "a" and value.dtype.name == "bfloat16":   # bf16 tokens: their rows' bytes
+                value = np.ascontiguousarray(value).view(want)
             else:
                 raise TypeError(f"{name} must have dtype {want.name}, got {value.dtype}")
         return cuda.to_device(np.ascontiguousarray(value), stream=stream)

@@ -1,15 +1,15 @@
 """The plain SIMT grouped block-scaled matmul: Numba CUDA without inline PTX, every format.
 
-Formats: NVFP4, MXFP4, MXFP8 (E4M3), MXFP8 E5M2, and W4A8 (MXFP8 E4M3 tokens x MXFP4 weights).
-It reads the operands exactly as the tensor-core kernels do: packed FP4 / FP8 bytes (as 32-bit
-words along K), scales in the swizzled 128x4 layout (byte address from the atom formula, token
-scale rows through ``a_scale_offsets``), and decodes E2M1 / E4M3 / E5M2 / UE8M0 / UE4M3 in the
-kernel with integer arithmetic (subnormals included; a NaN scale byte makes its block NaN).
-Block-scale semantics as on tcgen05: the element products of each 16/32-element block are summed
-in fp32, then multiplied by the two block scales and added to the fp32 accumulator. The epilogue
-multiplies by ``expert_scales[e]``, rounds to bf16 (round to nearest even on the fp32 bits, NaN
-stays NaN) and stores the bf16 bits; stores are masked to the group and N, rows of skipped slots
-are never written.
+Formats: NVFP4, MXFP4, MXFP8 (E4M3), MXFP8 E5M2, W4A8 (MXFP8 E4M3 tokens x MXFP4 weights) and W4A16
+(bf16 tokens x MXFP4 or NVFP4 weights). It reads the operands exactly as the tensor-core kernels do:
+packed FP4 / FP8 / bf16 bytes (as 32-bit words along K), scales in the swizzled 128x4 layout (byte
+address from the atom formula, token scale rows through ``a_scale_offsets``), and decodes E2M1 / E4M3 /
+E5M2 / bf16 / UE8M0 / UE4M3 in the kernel with integer arithmetic (subnormals included; a NaN scale
+byte makes its block NaN). Block-scale semantics as on tcgen05: the element products of each
+16/32-element block (the weights' blocks) are summed in fp32, then multiplied by the two block scales
+(bf16 tokens: 1) and added to the fp32 accumulator. The epilogue multiplies by ``expert_scales[e]``,
+rounds to bf16 (round to nearest even on the fp32 bits, NaN stays NaN) and stores the bf16 bits;
+stores are masked to the group and N, rows of skipped slots are never written.
 
 Structure: a persistent grid walks the tiles of ``gbs.schedule`` (tile shape from the config's
 ``ab_swapped`` / ``mma_bn`` / ``cta_group``; a CTA pair per tile, CTA ``r`` writing its weight-row
@@ -57,6 +57,7 @@ SIMULATOR_CTA_PAIRS = 2    # default persistent grid in the simulator (blocks ru
 E2M1_UNIT = np.float32(0.25)        # E2M1 magnitudes are multiples of 2^-2 (after the shift below)
 E4M3_UNIT = np.float32(2.0 ** -10)  # E4M3: (8 + m) << e times 2^-(bias 7 + 3 mantissa bits)
 E5M2_UNIT = np.float32(2.0 ** -17)  # E5M2: (4 + m) << e times 2^-(bias 15 + 2 mantissa bits)
+BF16_UNIT_LOG2 = -134               # bf16: (128 + m) times 2^(e - bias 127 - 7 mantissa bits)
 NAN32 = np.float32(np.nan)
 INF32 = np.float32(np.inf)
 
@@ -114,6 +115,29 @@ def decode_e5m2(code):
     return value
 
 
+def decode_bf16(code):
+    """float32 value of bf16 bits (IEEE: exponent 255 is Inf / NaN)."""
+    code = np.int64(code)
+    exponent = (code >> 7) & 0xFF
+    mantissa = code & 0x7F
+    if exponent == 0xFF:
+        if mantissa != 0:
+            return NAN32
+        value = INF32
+    elif exponent == 0:   # subnormal: m * 2^-133
+        value = np.float32(math.ldexp(np.float32(mantissa), BF16_UNIT_LOG2 + 1))
+    else:                 # (1 + m/128) * 2^(e-127)
+        value = np.float32(math.ldexp(np.float32(128 + mantissa), int(exponent + BF16_UNIT_LOG2)))
+    if code & 0x8000:
+        return -value
+    return value
+
+
+def decode_no_scale(code):
+    """The block scale of an operand without scales (bf16 tokens): 1."""
+    return np.float32(1.0)
+
+
 def decode_ue8m0(code):
     """float32 value of a UE8M0 scale byte: 2^(b - 127); 0x00 = 2^-127; 0xFF = NaN."""
     code = np.int64(code)
@@ -131,8 +155,8 @@ def bf16_bits_rne(bits):
     return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
 
 
-ELEMENT_DECODERS = {"e2m1": decode_e2m1, "e4m3": decode_e4m3, "e5m2": decode_e5m2}
-SCALE_DECODERS = {"ue4m3": decode_e4m3, "ue8m0": decode_ue8m0}
+ELEMENT_DECODERS = {"e2m1": decode_e2m1, "e4m3": decode_e4m3, "e5m2": decode_e5m2, "bf16": decode_bf16}
+SCALE_DECODERS = {"ue4m3": decode_e4m3, "ue8m0": decode_ue8m0, "none": decode_no_scale}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +182,8 @@ class SimtKernelSpec:
 
     @property
     def block_size(self) -> int:
-        return get_format(self.a_format).block_size   # both operands share it (check_can_implement)
+        """The weights' block, which scaled tokens share (``check_can_implement``)."""
+        return get_format(self.b_format).block_size
 
     @property
     def sub_tile(self) -> tuple[int, int]:
@@ -170,12 +195,12 @@ class SimtKernelSpec:
         return sub_tokens, sub_rows
 
 
-def _make_stager(format_name: str, threads: int):
+def _make_stager(format_name: str, threads: int, block_size: int):
     """Device function: decode rows ``[first_row, first_row + num_rows)`` of one operand, K
     elements ``[k0, k0 + num_blocks * block_size)``, into ``values`` and their block scales into
-    ``block_scales`` (scale row = operand row + ``scale_row_shift``)."""
+    ``block_scales`` (scale row = operand row + ``scale_row_shift``; 1 for an operand without scales)."""
     fmt = get_format(format_name)
-    bits, block_size = fmt.element_bits, fmt.block_size
+    bits, scaled = fmt.element_bits, fmt.scaled
     per_word = WORD_BITS // bits
     mask = (1 << bits) - 1
     decode_element = cuda.jit(device=True)(ELEMENT_DECODERS[fmt.element])
@@ -201,8 +226,11 @@ def _make_stager(format_name: str, threads: int):
         for idx in range(tid, num_rows * num_blocks, threads):
             row = idx // num_blocks
             blk = idx - row * num_blocks
-            offset = sf_offset(first_row + row + scale_row_shift, first_col + blk, scale_col_groups)
-            block_scales[row, blk] = decode_scale(scales[offset])
+            if scaled:
+                offset = sf_offset(first_row + row + scale_row_shift, first_col + blk, scale_col_groups)
+                block_scales[row, blk] = decode_scale(scales[offset])
+            else:   # bf16 tokens: their scale array is empty
+                block_scales[row, blk] = decode_scale(0)
 
     return stage
 
@@ -214,10 +242,10 @@ def make_kernel_function(spec: SimtKernelSpec):
     walk = schedule.device_functions()
     locate_tile, cta_output_rows = walk.locate_tile, walk.cta_output_rows
     threads = spec.threads
-    stage_a = _make_stager(spec.a_format, threads)
-    stage_b = _make_stager(spec.b_format, threads)
-    to_bf16 = cuda.jit(device=True)(bf16_bits_rne)
     block = spec.block_size
+    stage_a = _make_stager(spec.a_format, threads, block)
+    stage_b = _make_stager(spec.b_format, threads, block)
+    to_bf16 = cuda.jit(device=True)(bf16_bits_rne)
     blocks_per_chunk = K_CHUNK // block
     tile_tokens, tile_rows, cta_group = spec.tile_tokens, spec.tile_rows, spec.cta_group
     sub_tokens, sub_rows = spec.sub_tile
@@ -315,8 +343,9 @@ def check_can_implement(problem: GroupedProblem, config) -> schedule.TileConfig:
         if got != want:
             raise ValueError(f"config was decided for {side}={got!r} but the problem's {side} is {want!r}")
     a, b = problem.a_format, problem.b_format
-    if a.block_size != b.block_size:
-        raise ValueError(f"operands must share the block size, got {a.block_size} and {b.block_size}")
+    if not b.scaled or (a.scaled and a.block_size != b.block_size):
+        raise ValueError(f"the weights must be block-scaled and scaled tokens share their block size, got "
+                         f"{a.name} ({a.block_size}) x {b.name} ({b.block_size})")
     # The kernel reads 32-bit words along K: K elements must fill whole words (implied by the block
     # sizes of every supported format; checked so that a new format cannot break it silently).
     for fmt in (a, b):

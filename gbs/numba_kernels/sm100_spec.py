@@ -96,6 +96,10 @@ TENSOR_MAP_BYTES = 128
 def mma_kind_for(a_format: str, b_format: str) -> str:
     """The ``tcgen05.mma`` kind of a token format x weight format pair (ValueError otherwise)."""
     a, b = get_format(a_format), get_format(b_format)
+    if not (a.scaled and b.scaled):
+        raise ValueError(f"no tcgen05 kind for {a.name} x {b.name}: the block-scaled kinds take FP4 / FP8 operands "
+                         "with block scales, and there is no bf16 x FP4 kind; W4A16 runs on the H200, SIMT and "
+                         "reference backends")
     if a.block_size != b.block_size or a.scale_dtype != b.scale_dtype:
         raise ValueError(f"operands must share block size and scale type, got {a.name} "
                          f"({a.block_size}, {a.scale_dtype}) and {b.name} ({b.block_size}, {b.scale_dtype})")
