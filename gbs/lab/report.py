@@ -38,7 +38,7 @@ KIND_PEER = "peer"
 STATUS_OK = "ok"
 FORMAT_ORDER = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
 FORMAT_NAMES = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "mxfp8": "MXFP8", "mxfp8_e5m2": "MXFP8 (E5M2)",
-                "w4a8": "W4A8"}
+                "w4a8": "W4A8", "w4a16": "W4A16 (MXFP4)", "w4a16_nvfp4": "W4A16 (NVFP4)"}
 # Headline peers: torch bf16, and torch FP8 (the fastest of the ``torch_fp8*`` methods a CSV holds).
 BF16_PEER = "torch_bf16"
 HUMMING_PEER = "humming"   # the strongest Hopper MoE peer: its own column in the headline where a CSV has it
