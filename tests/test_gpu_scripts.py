@@ -270,3 +270,22 @@ def test_sanitize_small_writes_a_junit_testcase_per_case(monkeypatch, capsys, tm
         sanitize.main(["simt", "nvfp4", f"--junitxml={path}"])
     suite = ET.parse(path).getroot()
     assert suite.get("errors") == "1" and "ZeroDivisionError" in suite.find("testcase/error").get("message")
+
+
+def test_sanitize_small_runs_bf16_tokens_only_on_the_builds_that_read_them(monkeypatch, capsys):
+    """W4A16: the streaming kernel's swapped small-N cases (and one on fused weights), the wgmma kernel's
+    not-swapped ones (and one on fused weights); no swapped wgmma tile, no wide streaming tile."""
+    sanitize = load_script("sanitize_small")
+    from gbs.reference import reference_grouped_matmul
+
+    calls = []
+    monkeypatch.setattr(sanitize.h200_launch, "run",
+                        lambda p, plan: calls.append((plan.kernel, plan.spec.ab_swapped, plan.spec.mma_bn,
+                                                      p.b_layout)) or reference_grouped_matmul(p))
+    assert sanitize.main(["h200_stream", "h200_wgmma", "w4a16"]) == 0
+    stream = [c for c in calls if c[0] == "h200_stream"]
+    wgmma = [c for c in calls if c[0] == "h200_wgmma"]
+    assert stream and all(swapped and bn <= 32 for _, swapped, bn, _ in stream)
+    assert wgmma and not any(swapped for _, swapped, _, _ in wgmma)
+    assert {layout for *_, layout in stream} == {layout for *_, layout in wgmma} == {"packed", "e2m1_h200_fused"}
+    assert capsys.readouterr().out.strip().endswith("0 failed")
