@@ -3,7 +3,8 @@
 tensor cores, fed from registers that every consumer warp decodes itself.
 
 It computes the grouped 1D-1D problem of ``gbs.problem`` (``docs/design/formats.md``) for NVFP4, MXFP4,
-MXFP8 (E4M3), MXFP8 E5M2 and W4A8 (MXFP8 tokens x MXFP4 weights) with every legal knob of ``gbs.dispatch``
+MXFP8 (E4M3), MXFP8 E5M2 and W4A8 (MXFP8 tokens x MXFP4 weights) with every legal knob of ``gbs.dispatch``, and
+W4A16 (bf16 tokens x MXFP4 / NVFP4 weights) in its swapped small-N tiles (the decoded-token slots below),
 implemented for real: ``ab_swapped`` True / False, ``mma_bn`` 8..256, ``cta_group`` 1 / 2 and the stage
 count. One kernel family, specialised at compile time by ``h200_ring.StreamSpec`` (formats, layouts and knobs)
 and cached per spec. It is the decode kernel: there the weight bytes bound the time and each weight is read
@@ -31,7 +32,8 @@ Structure (persistent CTAs; the ring's producer fills the stages and writes the 
   item), into bf16 B fragments (scaled) in one of two shared slots, meet at a named barrier, and then each
   reads a group's fragments with one 16-byte load (token rows past the tile's tokens are skipped: they only
   feed accumulator columns that are never stored); wider token tiles decode their tokens in registers, per
-  warp.
+  warp. bf16 tokens (W4A16, two 128-byte TMA boxes per row and slice, no scales) take these tiles only: their
+  "decode" is the pairing alone (``h200_decode.bf16_stride4_pairs_of``).
 * Split-K (``StreamSpec.split_k``, its own build): with fewer tiles than resident CTAs, each tile's K slices
   are cut into runs taken by different CTAs (the ring's work items); runs add fp32 partial tiles into a
   zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the last run of a

@@ -80,6 +80,11 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   route so far (evidence: fp8-route-gpu, w4a8-fp8-route-gpu; ``docs/design/h200_port.md``, "The FP8 route: the
   kernel, and what it measured"). ``gbs.plan`` runs them only when asked (``fp8=True``).
 
+* W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
+  128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
+  into the B buffer in natural K order (``natural_pairs_of``, ``bf16_tokens_weight_lane``) instead of the K
+  permutation below (evidence: w4a16-gpu, bench-w4a16).
+
 Why the decode does not hide under the MMAs (``scripts/wgmma_overlap_probe.py``): while ``wgmma``
 runs, the SM's other instructions progress at a fraction of their rate, so a sub-step takes about the
 decode's own time plus 54-82 % of the MMA time, whatever the arrangement (A in registers or shared memory,
