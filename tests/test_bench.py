@@ -111,10 +111,10 @@ def test_quick_and_full_selections():
     assert [(c.n, c.k, c.slots, c.tokens_per_expert) for _, c in quick[::2]] == [
         (4096, 7168, 64, 4), (512, 7168, 8, 1), (4096, 7168, 32, 32), (4096, 7168, 8, 1024)]
     full = bench.select_cases(False)
-    assert len(full) == len(cases.BENCH_CASES) * 4
-    assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8"}
+    assert len(full) == len(cases.BENCH_CASES) * 6
+    assert {f for f, _ in full} == {"nvfp4", "mxfp4", "mxfp8", "w4a8", "w4a16", "w4a16_nvfp4"}
     # case-major: the formats of one case are adjacent (format-independent peers are timed once)
-    assert [c.name for _, c in full[:4]] == ["decode_up"] * 4
+    assert [c.name for _, c in full[:6]] == ["decode_up"] * 6
     assert bench.select_methods() == ("simt", "gbs_auto", "gbs_auto_h200_layout", "gbs_auto_h200_tiled",
                                       "gbs_auto_h200_fused",
                                       "gbs_auto_h200_relay", "h200_stream",

@@ -159,4 +159,4 @@ BENCH_CASES: dict[str, BenchCase] = {c.name: c for c in (
 )}
 QUICK_CASES = ("decode_up", "kimi_decode", "small_prefill_up", "large_prefill_up")
 QUICK_FORMATS = ("nvfp4", "mxfp8")
-FULL_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+FULL_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "w4a8", "w4a16", "w4a16_nvfp4")
