@@ -19,8 +19,8 @@ the caller passes their arrays):
 
 Host (numpy, CPU torch) arrays are refused: host problems are ``GroupedProblem``s, and nothing here
 copies silently. Element types: ``a``, ``b``, ``a_scales``, ``b_scales``: any 1-byte type (uint8,
-int8, FP8, packed FP4, E8M0: the raw bytes; the problem's formats say how to read them; W4A16's bf16
-tokens too, as their bytes: ``(total_tokens, 2K)``, e.g. ``tokens.view(torch.uint8)``);
+int8, FP8, packed FP4, E8M0: the raw bytes; the problem's formats say how to read them); W4A16's bf16
+tokens ``a`` as they are (``torch.bfloat16``, or their bits as 2-byte integers: read as their bytes);
 ``a_offsets``, ``a_scale_offsets``, ``expert_ids``: 4-byte integers (int32 or uint32, read as the
 kernels' uint32 / uint32 / int32); ``expert_scales``: float32. Every array must be C-contiguous and
 16-byte aligned (the TMA's rule: allocations of torch / CuPy / Numba always are, offset views may not
@@ -278,11 +278,29 @@ def device_array(obj, dtype, *, name: str = "array", align: int | None = None,
 
 def problem_array(obj, name: str, *, dlpack_stream: int = DLPACK_LEGACY_DEFAULT_STREAM) -> DeviceArray:
     """``device_array`` for the problem field ``name``: read as the kernels read it
-    (``launch.PROBLEM_ARRAY_DTYPES``), aligned for the TMA (``launch.TMA_ADDRESS_ALIGN``)."""
+    (``launch.PROBLEM_ARRAY_DTYPES``), aligned for the TMA (``launch.TMA_ADDRESS_ALIGN``); the tokens ``a`` as their
+    bytes (``token_bytes``)."""
     from .numba_kernels import launch
 
+    if name == "a" and not isinstance(obj, DeviceArray):
+        obj = token_bytes(_layout(obj, name, dlpack_stream))
     return device_array(obj, launch.PROBLEM_ARRAY_DTYPES[name], name=name, align=launch.TMA_ADDRESS_ALIGN,
                         dlpack_stream=dlpack_stream)
+
+
+def token_bytes(layout: _Layout) -> DeviceArray:
+    """The tokens ``a`` as a ``DeviceArray`` of their bytes: 1-byte elements as they are, bf16 tokens (W4A16:
+    ``torch.bfloat16``, or their bits as 2-byte integers) two bytes per element, ``(total_tokens, 2K)``. No copy."""
+    description, one_byte = _ELEMENT_RULES[np.dtype(np.uint8)]
+    _, bf16 = _ELEMENT_RULES[OUTPUT_DTYPE]
+    if not (one_byte(layout) or bf16(layout)):
+        raise TypeError(f"a must hold {description}, or bf16 tokens (W4A16: torch.bfloat16, or their bits as 2-byte "
+                        f"integers); got {layout.source_dtype}")
+    if not layout.contiguous:
+        raise ValueError("a must be C-contiguous on the device (e.g. .contiguous() / cupy.ascontiguousarray)")
+    shape = (*layout.shape[:-1], layout.shape[-1] * layout.itemsize) if layout.shape else layout.shape
+    return DeviceArray(layout.owner, layout.kind, layout.address, shape, np.dtype(np.uint8), layout.source_dtype,
+                       layout.device_id, layout.readonly)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -236,6 +236,24 @@ def test_device_problem_takes_its_sizes_and_the_dispatch_from_host_metadata(fmt,
         .estimated_total_m == 4096
 
 
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a16_nvfp4"])
+def test_bf16_tokens_are_taken_as_they_are_and_read_as_their_bytes(fmt, routing_copies):
+    """W4A16: torch.bfloat16 tokens, or their bits as 2-byte integers, are the device problem's ``a`` without a
+    copy, read as ``(total_tokens, 2K)`` bytes at the caller's address; other 2-byte or 4-byte tokens are refused."""
+    p = ragged(fmt)
+    bits = p.a.view(np.uint16)
+    torch_tokens = FakeTorchTensor(bits, FakeTorchDtype("bfloat16", is_floating_point=True))
+    for tokens in (torch_tokens, FakeCudaArray(bits), FakeCudaArray(bits.view(np.int16))):
+        dp = interop.device_problem(**fake_arrays(p, a=tokens), fmt=fmt, stream=0)   # no torch here: no stream query
+        assert dp.a.shape == (p.total_tokens, 2 * p.k) and dp.a.dtype == np.uint8 and dp.k == p.k
+        assert dp.a.owner is tokens and dp.a.address == (tokens.data_ptr() if tokens is torch_tokens else tokens.address)
+    assert interop.device_problem(**fake_arrays(p, a=torch_tokens), fmt=fmt, stream=0).kind == "torch"
+    for wrong in (FakeTorchTensor(bits, FakeTorchDtype("float16", is_floating_point=True)),
+                  FakeCudaArray(bits.astype(np.float32))):
+        with pytest.raises(TypeError, match="a must hold 1-byte elements .*or bf16 tokens"):
+            interop.device_problem(**fake_arrays(p, a=wrong), fmt=fmt, stream=0)
+
+
 def test_device_problem_carries_the_h200_weight_layout_to_the_kernels(routing_copies):
     """``device_problem(b_layout=..., a_layout=...)`` tags the caller's re-laid weights / tokens; the kernels'
     view and the explicit host copy keep the tags, and FP8 operands refuse them."""
@@ -613,6 +631,22 @@ def test_torch_runs_on_the_current_stream_and_prepare_reruns(kernel_spy):
         out.copy_(lib.poisoned_out(p.total_tokens, p.n))
         prepared()   # a rerun on the same arrays: only the kernel is enqueued
     side.synchronize()
+    assert check_acceptance(p, lib.to_bf16(out)).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a16_nvfp4"])
+def test_torch_bf16_tokens_run_as_they_are(fmt):
+    """W4A16 on torch arrays, the tokens a ``torch.bfloat16`` tensor (no byte view by the caller): ``"auto"`` runs
+    it (the wgmma kernel for these groups) and matches the reference, skipped rows poisoned."""
+    torch = pytest.importorskip("torch")
+    lib = Library("torch")
+    p = gpu_problem(fmt)
+    device = {name: lib.upload(getattr(p, name)) for name in launch.PROBLEM_ARRAY_DTYPES}
+    device["a"] = torch.from_numpy(p.a.view(np.int16)).cuda().view(torch.bfloat16)
+    out = lib.poisoned_out(p.total_tokens, p.n)
+    gbs.grouped_matmul(gbs.device_problem(**device, fmt=fmt), out=out)
+    lib.synchronize()
     assert check_acceptance(p, lib.to_bf16(out)).passed
 
 
