@@ -168,6 +168,9 @@ def test_spec_and_plan_refuse_what_the_consumers_cannot_run():
         plan_h200(problem, backend="h200_stream", ab_swapped=False, mma_bn=128, cta_group=1)
     with pytest.raises(ValueError, match="FP8 route"):
         plan_h200(problem, fp8=True)
+    with pytest.raises(ValueError, match="needs at least 2"):   # one stage would wait on itself
+        plan_h200(problem, backend="h200_wgmma", mma_bn=128, stages=1)
+    assert plan_h200(problem, backend="h200_wgmma", mma_bn=128, stages=2).spec.stages == 2
 
 
 @pytest.mark.parametrize("fmt", W4A16)

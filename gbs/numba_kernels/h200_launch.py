@@ -140,6 +140,10 @@ def check_can_implement(problem, spec) -> None:
         raise ValueError(f"{spec.stages} pipeline stages do not fit the H200: this build's first stage takes "
                          f"{one.total_bytes} B of the {H200_SMEM_PER_SM} B a block may use, so at most {deepest} "
                          f"stages for {spec}")
+    if spec.stages < spec.min_stages:
+        raise ValueError(f"{spec.stages} pipeline stage(s): this build needs at least {spec.min_stages} (bf16 tokens on "
+                         "the wgmma kernel: a stage stays held until the next slice's MMAs, so one stage would wait "
+                         "on itself)")
     if problem.n >= 2 ** 31 or problem.total_tokens >= 2 ** 31:
         raise ValueError("N and the token count must be below 2**31 (TMA coordinates are s32)")
 

@@ -386,6 +386,11 @@ class StreamSpec:
                     f"stage's {items} token-decode items do not split evenly over {WARP_SIZE * self.consumer_warps} "
                     f"consumer threads; use {CONSUMER_WARPS_SMALL_N} warps or a wider mma_bn")
 
+    @property
+    def min_stages(self) -> int:
+        """The fewest ring stages the streaming kernel runs with (its consumers release each stage in its slice)."""
+        return 1
+
     # -- formats and the K slice --------------------------------------------------------------
     @property
     def k_slice(self) -> int:

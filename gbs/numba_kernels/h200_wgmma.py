@@ -260,6 +260,12 @@ class WgmmaSpec:
                              warpgroup_consumers=True, split_k=self.split_k)
 
     @property
+    def min_stages(self) -> int:
+        """The fewest ring stages the build runs with: 2 for bf16 tokens (a warp releases a stage only once its wait
+        covers the slice's MMAs, during the next slice), else 1."""
+        return 2 if self.bf16_tokens else 1
+
+    @property
     def bf16_tokens(self) -> bool:
         """Tokens without block scales (W4A16): ``_make_bf16_tokens_consumer``."""
         return not get_format(self.a_format).scaled
