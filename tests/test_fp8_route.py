@@ -371,3 +371,21 @@ def test_base_rows_share_one_base_per_group_and_chunk():
     assert shared > alone + 100   # the other rows of the group fall 16 below the lifted base
     with pytest.raises(ValueError, match="base_rows"):
         fr.fold_operand(q, base_rows=0)
+
+
+def test_host_chunk_tops_are_the_kernel_s_chunk_maxima():
+    """``fp8_route._chunk_tops`` (vectorized, the plan's window count) and ``fp8_decode.chunk_max_scale`` (the kernel's
+    scalar form on a row's 4-byte scale word) agree on every chunk, NaN bytes and all-NaN chunks included, and on a
+    partial last chunk (the atoms' zero padding)."""
+    from gbs.numba_kernels import fp8_decode as fd
+
+    rng = np.random.default_rng(3)
+    scales = rng.integers(0, 256, (64, 23), dtype=np.uint8)
+    scales[rng.random(scales.shape) < 0.2] = 0xFF
+    scales[0, :4] = 0xFF   # an all-NaN chunk: 0
+    tops = fr._chunk_tops(scales)
+    padded = np.concatenate([scales, np.zeros((64, 1), np.uint8)], axis=1)
+    words = padded.view("<u4")   # byte i of a word = block 4 c + i of chunk c
+    assert tops.shape == words.shape
+    assert [[fd.chunk_max_scale(int(w)) for w in row] for row in words] == tops.tolist()
+    assert tops[0, 0] == 0
