@@ -214,6 +214,24 @@ def test_sass_issues_shared_memory_hgmma_without_local_memory_in_the_k_loop(fmt,
     assert not [i for i in local if hgmma[0] <= i <= hgmma[-1]], "no local memory in the K loop"
 
 
+@pytest.mark.slow   # offline compiles: > 10 s on a 2-core CPU
+@pytest.mark.parametrize("fmt, mma_bn, warps", [("w4a16", 8, 4), ("w4a16_nvfp4", 32, 8)])
+def test_streaming_sass_copies_tokens_with_16_byte_accesses_and_no_local_memory(fmt, mma_bn, warps):
+    """The streaming kernel's W4A16 build: HMMA, the token copy's 16-byte shared loads and stores, PRMT pairing, no
+    local memory anywhere (as the block-scaled small-N builds)."""
+    from gbs.numba_kernels import h200_stream as hs
+
+    a, b = PROBLEM_FORMATS[fmt]
+    spec = hr.StreamSpec(a, b, True, mma_bn, 1, 2, b_layout=LAYOUT_E2M1_H200_FUSED, small_n_warps=warps)
+    cubin = offline.compile_cubin(hs.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
+                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+    instructions = offline.sass_instructions(offline.disassemble(cubin))
+    assert any(ins.startswith("HMMA.16816.F32.BF16") for ins in instructions)
+    assert any(ins.startswith("LDS.128") for ins in instructions) and any(ins.startswith("STS.128") for ins in instructions)
+    assert any(ins.startswith("PRMT") for ins in instructions)
+    assert not [ins for ins in instructions if re.match(r"(LDL|STL)\b", ins)]
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
