@@ -367,8 +367,8 @@ class StreamSpec:
         require_small_n_warps(self.small_n_warps)
         if not get_format(self.a_format).scaled and not (self.warpgroup_consumers or self.predecoded_tokens):
             raise ValueError(f"{self.a_format} tokens: the streaming kernel reads them in its swapped small-N tiles "
-                             f"only (ab_swapped, mma_bn <= {SMALL_N_MAX_MMA_BN}: each stage's tokens copied once into B "
-                             "fragments), the wgmma kernel in its not-swapped tiles")
+                             f"only (ab_swapped, mma_bn <= {SMALL_N_MAX_MMA_BN}: each stage's tokens copied once into "
+                             "B fragments), the wgmma kernel in its not-swapped tiles")
         if self.m_rows not in RING_M_ROWS:
             raise ValueError(f"m_rows must be one of {RING_M_ROWS}, got {self.m_rows!r}")
         if self.m_rows != TILE_M_ROWS and (self.ab_swapped or self.cta_group != 1 or self.small_n):
