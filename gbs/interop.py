@@ -74,8 +74,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .problem import (GroupedProblem, ProblemShape, is_int, check_layout, operand_shape, problem_format_name,
-                      resolve_formats)
+from .problem import (GroupedProblem, ProblemShape, is_int, check_k_blocks, check_layout, operand_shape,
+                      problem_format_name, resolve_formats)
 from .formats import BlockFormat, get_format
 from .layouts import LAYOUT_PACKED, stored_shape, weight_bytes_layout
 
@@ -415,9 +415,7 @@ class DeviceGroupedProblem(ProblemShape):
             raise ValueError(f"num_active_experts must be >= 1, got {self.num_active_experts}")
         if self.estimated_total_m < 0:
             raise ValueError(f"estimated_total_m must be >= 0, got {self.estimated_total_m}")
-        for fmt in (f for f in (self.a_format, self.b_format) if f.scaled):
-            if self.k % fmt.block_size:
-                raise ValueError(f"K = {self.k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
+        check_k_blocks(self.k, self.a_format, self.b_format)
         from .numba_kernels import launch
 
         for name in launch.PROBLEM_ARRAY_DTYPES:

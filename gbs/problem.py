@@ -93,6 +93,13 @@ def _expect_array(name: str, arr, dtype, shape) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {arr.shape}")
 
 
+def check_k_blocks(k: int, *formats: BlockFormat) -> None:
+    """ValueError unless K is a whole number of blocks of every block-scaled format among ``formats``."""
+    for fmt in formats:
+        if fmt.scaled and k % fmt.block_size:
+            raise ValueError(f"K = {k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
+
+
 def operand_shape(fmt: BlockFormat, rows: tuple[int, ...], k: int) -> tuple[int, ...]:
     """Shape of an operand's element array: FP4 packs two elements per byte along K; FP8 and bf16 hold K."""
     return (*rows, fmt.row_bytes(k) if fmt.packed else k)
@@ -211,9 +218,7 @@ class GroupedProblem(ProblemShape):
         _expect(n > 0 and k > 0, f"N and K must be positive, got N={n}, K={k}")
         _expect(g >= 1, f"num_active_experts must be >= 1, got {g}")
         _expect(self.estimated_total_m >= 0, f"estimated_total_m must be >= 0, got {self.estimated_total_m}")
-        for fmt in (f for f in (self.a_format, self.b_format) if f.scaled):
-            _expect(k % fmt.block_size == 0,
-                    f"K = {k} is not a multiple of the {fmt.name} block size {fmt.block_size}")
+        check_k_blocks(k, self.a_format, self.b_format)
         check_layout(self.a_layout, self.a_format, "a")
 
         if not isinstance(self.b, np.ndarray) or self.b.ndim != 3:
