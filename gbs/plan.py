@@ -37,7 +37,8 @@ from .formats import get_format
 from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
-from .numba_kernels.h200_wgmma import FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec
+from .numba_kernels.h200_wgmma import (FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN,
+                                       WgmmaSpec)
 from .problem import GroupedProblem, layout_of, problem_format_name
 from .schedule import check_num_ctas
 
@@ -63,8 +64,8 @@ FP8_TOKENS_SWAPPED_FORMATS = ("mxfp8", "mxfp8_e5m2", "w4a8")
 FP8_TOKENS_SWAPPED_MIN_RUNS = 2
 WGMMA_MMA_BN_FP4 = 128
 WGMMA_MMA_BN_FP8 = 256
-# W4A16 (bf16 tokens): the wgmma kernel's bf16-token consumer at every size (the streaming kernel reads block-scaled
-# tokens only); its tile as measured (evidence: w4a16-tiles)
+# W4A16 (bf16 tokens) above SMALL_N_MAX_TOKENS per expert: the wgmma kernel's bf16-token consumer on this tile, as
+# measured (evidence: w4a16-tiles)
 W4A16_MMA_BN = 128
 W4A16_TILE_TOKENS = 128
 TWO_M_TILES_ROW_COST = {("mxfp4", "mxfp4"): 0.93, ("mxfp8", "mxfp8"): 0.96, ("nvfp4", "nvfp4"): 0.93}

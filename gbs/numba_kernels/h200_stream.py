@@ -72,8 +72,7 @@ from numba import cuda, float32
 
 from gbs.formats import SF_ATOM_COLS, SF_ATOM_ROWS, SF_LANE_BYTES
 from gbs.numba_kernels.h200_decode import (NEG_ZERO_BF16X2, QUAD, ROTATION_RUN, bf16_stride4_pairs_of, group_column,
-                                           inline_device,
-                                           make_side_reader, rotated_group, scale_selector_run_step,
+                                           inline_device, make_side_reader, rotated_group, scale_selector_run_step,
                                            scale_word_column, swizzle_xor)
 from gbs.numba_kernels.h200_ring import (CONSUMER_BARRIER, CONSUMER_WAIT, DYNAMIC_SMEM_ALIGN, MBARRIER_BYTES,
                                          ROUTING_SMEM_SLOTS, TILE_M_ROWS, WARP_SIZE, StreamSpec, make_ring)
@@ -341,7 +340,6 @@ def make_kernel_function(spec: StreamSpec):
                             if d_row >= t1 - t0:
                                 continue
                             if bf16_tokens:   # no scales; quarter d_q's 64 bytes are half of box d_q // 2
-                                d_s0, d_s1 = np.uint32(0), np.uint32(0)
                                 d_xor = np.uint32(swizzle(d_row, n_box_bytes, n_mask))
                                 d_row_addr = np.uint32(st + n_data_off + (d_q >> 1) * n_region_bytes
                                                        + d_row * n_box_bytes)
