@@ -714,7 +714,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     tok_box_bytes = math.prod(spec.token_box)
     sf_rows_per_slice = spec.scale_box[1]
     sf_band_bytes = spec.scale_band_bytes
-    tok_boxes, tok_box_bytes_k, tok_region_bytes = spec.token_side.boxes, spec.token_box[0], spec.token_region_bytes
+    tok_boxes, tok_box_row_bytes, tok_region_bytes = spec.token_side.boxes, spec.token_box[0], spec.token_region_bytes
     tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
     empty_count = spec.consumer_warps * cta_group
     token_band_of = inline_device(token_scale_band)
@@ -923,7 +923,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     if cta_group > 1:   # each CTA loads its half of the tokens for both
                         for p in range(tok_boxes):
                             cp.tma_load_2d_multicast(dst + tok_data_off + p * tok_region_bytes + rank * tok_box_bytes,
-                                                     map_tokens, s * tok_slice_bytes + p * tok_box_bytes_k,
+                                                     map_tokens, s * tok_slice_bytes + p * tok_box_row_bytes,
                                                      t0 + rank * tok_box_rows, full, MULTICAST_PAIR)
                         if tok_bands > 1:
                             cp.tma_load_3d_multicast(dst + tok_sf_off + rank * sf_band_bytes, map_token_sf, 0,
@@ -934,7 +934,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     else:
                         for p in range(tok_boxes):   # bf16 tokens: two 128-byte boxes, one region each
                             cp.tma_load_2d(dst + tok_data_off + p * tok_region_bytes, map_tokens,
-                                           s * tok_slice_bytes + p * tok_box_bytes_k, t0, full)
+                                           s * tok_slice_bytes + p * tok_box_row_bytes, t0, full)
                         for b in range(tok_bands):
                             cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
                                            token_band + b, full)
