@@ -221,10 +221,10 @@ def main(argv=None) -> int:
         series += series_rows(text, timing, env)
         print(f"{text:44} {timing.median_us:9.1f} us  {gbps:7.0f} GB/s  {100 * row['read_ceiling_fraction']:5.1f} %"
               f"  {tflops:6.1f} TFLOP/s  ctas {first.num_ctas} splits {first.k_splits}", flush=True)
+        if args.csv:   # after every point: a call cut at its time limit keeps what it measured
+            write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
         if args.trace and first.kernel == "h200_stream" and first.max_tiles:
             trace_point(args.trace, text, problem, launches[0], copies, args.budget_s)
-    if args.csv:
-        write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
     if args.series:
         write_csv(args.series, series)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
