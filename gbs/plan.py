@@ -536,7 +536,7 @@ def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Pl
     max_tiles = hl.max_tiles_bound(hl.ring_of(spec), problem.total_tokens, problem.num_active_experts, problem.n)
     sm_count = _sm_count()
     if problem.total_tokens == 0:
-        return H200Plan(kernel, spec, 1, _k_slices(problem), 0, max_tiles, None, sm_count,
+        return H200Plan(kernel, spec, 1, hl.k_slices_of(problem.k, spec.k_slice), 0, max_tiles, None, sm_count,
                         tuple(rules) + (Rule("grid", "no tokens: nothing to launch"),))
     if num_ctas is not None:
         num_ctas = check_num_ctas(num_ctas, spec.cta_group)

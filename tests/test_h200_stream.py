@@ -296,6 +296,22 @@ def tma_swizzle_image(tile: np.ndarray, swizzle: str) -> np.ndarray:
     return image
 
 
+def stage_side_image(side, tile: np.ndarray) -> np.ndarray:
+    """A side's K slice as the ring leaves it in a stage: rows wider than a TMA box (``side.boxes`` > 1) arrive as
+    128-byte-wide boxes, each swizzled on its own, stored box after box."""
+    return np.concatenate([tma_swizzle_image(np.ascontiguousarray(tile[:, b * side.box_bytes:(b + 1) * side.box_bytes]),
+                                             side.swizzle) for b in range(side.boxes)])
+
+
+def stage_group_address(side, row, q, gl):
+    """The kernels' address of local group ``gl`` of quad lane ``q`` in row ``row`` of ``stage_side_image``: the
+    quarter's box (its region), then ``group_column`` inside the box's row (h200_stream's token copy)."""
+    quarters_per_box = side.box_bytes // side.thread_bytes
+    xor = hd.swizzle_xor(row, side.box_bytes, side.swizzle_mask)
+    return ((q // quarters_per_box) * side.rows * side.box_bytes + row * side.box_bytes
+            + hd.group_column(q % quarters_per_box, gl, side.thread_bytes, side.group_bytes, xor).astype(np.int64))
+
+
 def prmt(a, b, selector):
     """numpy model of ``prmt.b32`` (default mode): byte i of the result = byte selector[4i:4i+4] & 7
     of the 8 bytes b:a (no sign replication: selectors here never set bit 3)."""
@@ -352,15 +368,15 @@ def test_thread_view_of_a_k_slice_matches_the_dequantized_operand(fmt, config, w
     scale_bytes = rng.integers(lo_byte, hi_byte, (rows, cols), dtype=np.uint8)
     block_scales = decode_scales(scale_bytes, fmt_obj).astype(np.float64)
     expected = values * np.repeat(block_scales, fmt_obj.block_size, axis=1) * 2.0 ** -side.log2_prebias
-    # shared memory as the TMA leaves it: swizzled data box, scale atoms band after band
-    image = tma_swizzle_image(tile, side.swizzle)
+    # shared memory as the TMA leaves it: swizzled data boxes, scale atoms band after band
+    image = stage_side_image(side, tile)
     atoms = side.sf_atoms_per_slice
     scale_image = np.zeros(side.scale_bands * atoms * 512, np.uint8)
     r_idx, c_idx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     scale_image[scale_byte_offset(r_idx, c_idx, atoms)] = scale_bytes
     row = np.arange(rows)
-    xor = hd.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
-    np.testing.assert_array_equal(xor, hd.swizzle_xor(row % 8, side.row_bytes, side.swizzle_mask),
+    xor = hd.swizzle_xor(row, side.box_bytes, side.swizzle_mask)
+    np.testing.assert_array_equal(xor, hd.swizzle_xor(row % 8, side.box_bytes, side.swizzle_mask),
                                   err_msg="rows 8 apart share the swizzle XOR (the kernel computes it once)")
     got = np.full_like(expected, np.nan)
     k_per_thread = spec.k_slice // hd.QUAD
@@ -370,9 +386,11 @@ def test_thread_view_of_a_k_slice_matches_the_dequantized_operand(fmt, config, w
         for gi in range(side.groups):
             gl = int(hd.rotated_group(gi, q))
             col = q * side.thread_bytes + gl * side.group_bytes
+            box, box_col = divmod(col, side.box_bytes)
             # the kernel's formula, against the swizzle written from the address bits
-            address = row * side.row_bytes + hd.group_column(q, gl, side.thread_bytes, side.group_bytes, xor)
-            np.testing.assert_array_equal(address, hd.swizzled_offset(row, col, side.row_bytes, side.swizzle_mask))
+            address = stage_group_address(side, row, q, gl)
+            np.testing.assert_array_equal(address, box * rows * side.box_bytes
+                                          + hd.swizzled_offset(row, box_col, side.box_bytes, side.swizzle_mask))
             words = np.stack([image[a:a + side.group_bytes] for a in address]).view(np.uint32)
             scale_halves = register_halves(thread_scale_bits(side, scale_words, q, gi, gl))
             for j in range(4):
@@ -459,7 +477,7 @@ def test_predecoded_tokens_only_where_they_fit():
 
 
 @pytest.mark.parametrize("warps", hr.SMALL_N_WARP_CHOICES)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))   # bf16 tokens (W4A16) too: their copy is the pairing
 @pytest.mark.parametrize("bn", [8, 16, 32])
 def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, bn, warps):
     """The cooperative token decode: every (token row, quad lane, group) is decoded by exactly one
@@ -477,9 +495,10 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
     assert items % threads == 0 and hd.ROTATION_RUN % item_groups == 0
     assert items // threads >= 1 and (item_groups == hd.ROTATION_RUN or items == threads), \
         "as many groups per item as keep every thread busy"
+    quarters_per_box = side.box_bytes // side.thread_bytes
     seen = collections.Counter()
     for item in range(items):
-        row, q, first = hs.token_decode_item(item, chunks, item_groups)
+        row, q, first = hs.token_decode_item(item, chunks, item_groups, quarters_per_box, side.rows)
         assert first // hd.ROTATION_RUN == (first + item_groups - 1) // hd.ROTATION_RUN
         for c in range(item_groups):
             seen[(row, q, first + c)] += 1
@@ -491,11 +510,9 @@ def test_token_decode_items_cover_the_slice_once_with_conflict_free_loads(fmt, b
             for piece in range(item_bytes // 16):
                 banks = []
                 for item in range(phase_start, phase_start + 8):
-                    row, q, first = hs.token_decode_item(item, chunks, item_groups)
-                    xor = hd.swizzle_xor(row, side.row_bytes, side.swizzle_mask)
-                    col = int(hd.group_column(q, first + piece * 16 // side.group_bytes, side.thread_bytes,
-                                              side.group_bytes, xor))
-                    banks.append((row * side.row_bytes + col) // 16 % 8)
+                    row, q, first = hs.token_decode_item(item, chunks, item_groups, quarters_per_box, side.rows)
+                    address = int(stage_group_address(side, row, q, first + piece * 16 // side.group_bytes))
+                    banks.append(address // 16 % 8)
                 assert len(set(banks)) == 8, (phase_start, piece, banks)
 
 
@@ -537,8 +554,8 @@ def test_eight_small_n_warps_are_checked():
         spec_of("nvfp4", CONFIGS["small_prefill"], small_n_warps=8)
     with pytest.raises(ValueError, match="one of"):
         spec_of("nvfp4", CONFIGS["decode"], small_n_warps=6)
-    with pytest.raises(ValueError, match="do not split evenly"):   # FP8 tokens: 128 items at bn8
-        spec_of("w4a8", CONFIGS["decode"], small_n_warps=8)
+    with pytest.raises(ValueError, match="do not split evenly"):   # FP8 x FP8 (128-K slices): 128 items at bn8
+        spec_of("mxfp8", CONFIGS["decode"], small_n_warps=8)
     assert eight_warp_legal("w4a8", Stream(True, 16, 1))
     rng = np.random.default_rng(3)
     problem = build_problem(random_activations(rng, 4, 256), random_weights(rng, 2, 64, 256), [3, 1], [1, 0],
@@ -973,12 +990,15 @@ def test_k_tail_reads_zeros_past_k_through_the_exact_maps(fmt):
     a_bytes, b_bytes = p.a_format.row_bytes(k), p.b_format.row_bytes(k)
     assert tokens.dims[0] == a_bytes and weights.dims[0] == b_bytes
     last = hl.k_slices_of(k, spec.k_slice) - 1
-    t_box = tma_box_2d(p.a.view(np.uint8), dataclasses.replace(tokens, swizzle="none"),
-                       (last * tokens.box[0], 0)).reshape(tokens.box[1], tokens.box[0])
-    inside = a_bytes - last * tokens.box[0]
-    assert 0 < inside < tokens.box[0]
-    np.testing.assert_array_equal(t_box[:p.total_tokens, :inside], p.a.view(np.uint8)[:, last * tokens.box[0]:])
-    assert not t_box[:, inside:].any()
+    slice_bytes = spec.token_side.row_bytes   # the slice's boxes (2 for FP8 tokens in a 256-K slice)
+    assert 0 < a_bytes - last * slice_bytes < slice_bytes
+    for box in range(spec.token_side.boxes):
+        start = last * slice_bytes + box * tokens.box[0]
+        t_box = tma_box_2d(p.a.view(np.uint8), dataclasses.replace(tokens, swizzle="none"),
+                           (start, 0)).reshape(tokens.box[1], tokens.box[0])
+        inside = min(max(0, a_bytes - start), tokens.box[0])
+        np.testing.assert_array_equal(t_box[:p.total_tokens, :inside], p.a.view(np.uint8)[:, start:start + inside])
+        assert not t_box[:, inside:].any()
     w_box = tma_box_3d_any(p.b.view(np.uint8), weights, (last * weights.box[0], 0, 1))
     w_box = w_box.reshape(weights.box[2], weights.box[1], weights.box[0])[0]
     assert not w_box[:, b_bytes - last * weights.box[0]:].any()
@@ -1084,7 +1104,7 @@ def test_k_tails_run_and_rows_tma_cannot_load_are_rejected_with_the_padding_to_u
         p = _problem(fmt, n=200, k=k, group_sizes=[4], expert_ids=[0])
         assert can_implement(p, Stream(True, 8, 1))[0], (fmt, k)
         assert hl.k_slices_of(k, plan_spec(p, Stream(True, 8, 1)).k_slice) == -(-k // (256 if fmt in (
-            "nvfp4", "mxfp4") else 128))
+            "nvfp4", "mxfp4", "w4a8") else 128)), "FP4 weights: 256-K slices in the decoded-token tiles"
     odd = _problem("nvfp4", n=128, k=400, group_sizes=[4], expert_ids=[0])
     with pytest.raises(ValueError, match=r"K=400: rows of a \(nvfp4\) are 200 bytes; TMA needs a multiple of 16 "
                                          r"\(K a multiple of 32\); pad K to 416"):

@@ -193,7 +193,8 @@ def test_auto_runs_bf16_tokens_on_the_two_tiles_that_read_them(fmt, tokens, kern
 def test_k_tail_plans_a_partial_last_slice():
     problem = synthetic_problem("w4a16", n=256, k=2880, group_sizes=[9], expert_ids=[0], num_experts=1)
     plan = plan_h200(problem)
-    assert plan.spec.k_slice == 128 and hl.k_slices_of(2880, 128) == 23
+    # the streaming kernel's decoded-token tiles: 256-K slices of FP4 weights, 4 token boxes (11 slices + 64)
+    assert plan.spec.k_slice == 256 and plan.spec.token_side.boxes == 4 and hl.k_slices_of(2880, 256) == 12
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,14 +39,15 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
   writes into the peer); the producers wait with cluster-scope acquire. Both CTAs of a pair take the same
   (static) items, so they run the same number of stages; a cluster barrier follows the mbarrier init and
   precedes exit.
-* bf16 tokens (W4A16, the wgmma kernel only): a token row's 128-element K slice is 256 bytes, two 128-byte TMA
-  boxes (the 128B swizzle's widest) stored one after the other (``StreamSpec.token_region_bytes`` apart), each a
-  wgmma K-major operand of 64 K elements; no token scale atoms (``a_scales`` holds none).
+* Token rows wider than 128 bytes per K slice (bf16 tokens, W4A16: 256 bytes per 128 K; FP8 and bf16 tokens in the
+  streaming kernel's 256-K slices: 256 or 512 bytes) arrive as 128-byte TMA boxes (the 128B swizzle's widest)
+  stored one after the other (``StreamSpec.token_region_bytes`` apart), each a wgmma K-major operand of 64 bf16 K
+  elements where the wgmma kernel reads them; bf16 tokens have no scale atoms (``a_scales`` holds none).
 * The start-up trace (``StreamSpec.trace``, ``h200_trace``) stamps the producer's events here, one hook call
   per event, which compile to nothing in untraced builds.
 
 Constraints: rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8); K need not be a multiple of
-the K slice (``k_slice_elements``: 256 elements when both operands are FP4, else 128): the last slice reads TMA's
+the K slice (``k_slice_elements``: 256 elements with FP4 weights and FP4 or slot-copied tokens, else 128): the last slice reads TMA's
 zeros past K and past the atoms' last column group, and tiled weights stored padded; 16-byte aligned device arrays
 (TMA); the ring's real shared-memory bytes (``StreamSmemLayout.total_bytes``) within the H200's 227 KiB per block;
 tiled weights (tiled or fused) stored in whole boxes (``E2M1H200TiledOrder.padded_shape``).
@@ -198,7 +199,8 @@ class OperandSide:
     role: str           # "tokens" or "weights"
     format: str         # a name of gbs.formats.FORMATS
     rows: int           # rows staged per stage in each CTA
-    row_bytes: int      # bytes of one row's K slice (128, 64 for FP4 in a 128-element slice, 256 for bf16 tokens)
+    row_bytes: int      # bytes of one row's K slice (128; 64 for FP4 in a 128-element slice; 256 or 512 for FP8 or
+    #                     bf16 tokens in a 256-element one, 256 for bf16 tokens in a 128-element one)
     k_slice: int        # K elements per stage
     scale_bands: int    # 128-row scale bands staged per stage
     layout: str = LAYOUT_PACKED   # byte layout of the operand (``gbs.formats.OPERAND_LAYOUTS``: weights or tokens)
@@ -217,14 +219,13 @@ class OperandSide:
 
     @property
     def box_bytes(self) -> int:
-        """Bytes of a row one TMA box holds (the 128B swizzle's widest): the whole K slice, or half of a bf16
-        token row's 256 bytes."""
+        """Bytes of a row one TMA box holds (the 128B swizzle's widest): the whole K slice, or 128 of a wider one."""
         return min(self.row_bytes, K_SLICE_BYTES)
 
     @property
     def boxes(self) -> int:
-        """TMA boxes per K slice: 1, or 2 for bf16 tokens, stored one after the other (``rows x box_bytes`` each:
-        each a wgmma K-major operand of 64 K elements)."""
+        """TMA boxes per K slice: 1, or 2-4 for wider token rows, stored one after the other (``rows x box_bytes``
+        each)."""
         return self.row_bytes // self.box_bytes
 
     @property
@@ -394,8 +395,8 @@ class StreamSpec:
     # -- formats and the K slice --------------------------------------------------------------
     @property
     def k_slice(self) -> int:
-        """K elements per stage (``k_slice_elements``)."""
-        return k_slice_elements(self.a_format, self.b_format)
+        """K elements per stage (``k_slice_elements``; the decoded-token slots take FP4 weights' 256 with any tokens)."""
+        return k_slice_elements(self.a_format, self.b_format, self.predecoded_tokens)
 
     @property
     def pairing(self) -> str:
@@ -543,8 +544,8 @@ class StreamSpec:
     # -- TMA boxes (innermost first) -------------------------------------------------------------
     @property
     def token_box(self) -> tuple[int, int]:
-        """(bytes, rows) of each box a CTA loads of the token slice (``token_side.boxes`` per slice, 2 for bf16
-        tokens): half the token tile per CTA of a pair."""
+        """(bytes, rows) of each box a CTA loads of the token slice (``token_side.boxes`` per slice): half the token
+        tile per CTA of a pair."""
         side = self.token_side
         rows = self.mma_bn // self.cta_group if self.ab_swapped else self.m_rows
         return side.box_bytes, rows
@@ -626,11 +627,15 @@ def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
     return loads
 
 
-def k_slice_elements(a_format, b_format) -> int:
-    """K elements per stage of a format pair (names or ``BlockFormat``): 256 when both operands are FP4 (128 bytes
-    each), else 128."""
-    both_fp4 = get_format(a_format).packed and get_format(b_format).packed
-    return 2 * K_SLICE_BYTES if both_fp4 else K_SLICE_BYTES
+def k_slice_elements(a_format, b_format, token_slots: bool = False) -> int:
+    """K elements per stage of a format pair (names or ``BlockFormat``): 256 (a 128-byte FP4 weight row) when both
+    operands are FP4, or when the weights are FP4 and the tokens are copied into the streaming kernel's decoded-token
+    slots (``StreamSpec.predecoded_tokens``: FP8 or bf16 token rows of 2 or 4 boxes, read by no MMA), else 128. Half
+    the stages per K halves the per-stage work of a decode tile (evidence: w4a8-k256)."""
+    fp4_weights = get_format(b_format).packed
+    if fp4_weights and (get_format(a_format).packed or token_slots):
+        return 2 * K_SLICE_BYTES
+    return K_SLICE_BYTES
 
 
 # ----------------------------------------------------------------------------------------------
@@ -932,7 +937,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                             cp.tma_load_3d_multicast(dst + tok_sf_off, map_token_sf, 0, sf_row, token_band, full,
                                                      MULTICAST_PAIR)
                     else:
-                        for p in range(tok_boxes):   # bf16 tokens: two 128-byte boxes, one region each
+                        for p in range(tok_boxes):   # rows wider than 128 bytes: a box per region
                             cp.tma_load_2d(dst + tok_data_off + p * tok_region_bytes, map_tokens,
                                            s * tok_slice_bytes + p * tok_box_row_bytes, t0, full)
                         for b in range(tok_bands):

@@ -117,12 +117,19 @@ def decoded_token_offset(row, q, gl, groups):
     return np.uint32(np.uint32(row * (QUAD * groups * FRAGMENT_BYTES)) + chunk * np.uint32(FRAGMENT_BYTES))
 
 
-def token_decode_item(item, chunks, groups):
+def token_decode_item(item, chunks, groups, quarters_per_box, rows):
     """(token row, quad lane, first local group) of item ``item`` of the cooperative token decode: the
     row's quarter of quad lane ``q`` cut into ``chunks`` runs of ``groups`` consecutive groups, chunks
-    fastest, so the 8 lanes of one 16-byte load phase read one row's 8 chunks (distinct banks)."""
+    fastest, so the 8 lanes of one 16-byte load phase read one row's 8 chunks (distinct banks). Rows wider
+    than a TMA box (``quarters_per_box`` < 4 of their ``QUAD`` quarters per box, boxes ``rows`` rows apart) go
+    box by box, rows inside: a phase then reads 8 chunks of one box row, or of consecutive rows of one box,
+    whose swizzles differ (distinct banks again)."""
     chunk = item % chunks
-    return item // (QUAD * chunks), (item // chunks) % QUAD, chunk * groups
+    if quarters_per_box == QUAD:   # the whole row in one box (a compile-time branch in the kernel)
+        return item // (QUAD * chunks), (item // chunks) % QUAD, chunk * groups
+    row_items = quarters_per_box * chunks
+    box, rest = item // (rows * row_items), item % (rows * row_items)
+    return rest // row_items, box * quarters_per_box + (rest // chunks) % quarters_per_box, chunk * groups
 
 
 def scale_row_step(i):
@@ -183,7 +190,10 @@ def make_kernel_function(spec: StreamSpec):
     sf_row_step = inline_device(scale_row_step)
     n_group_words = n_side.group_bytes // 4
     bf16_tokens = not n_side.fmt.scaled   # W4A16: the swapped small-N tiles copy them into B fragments
-    n_box_bytes, n_region_bytes = n_side.box_bytes, spec.token_region_bytes
+    n_box_bytes, n_region_bytes = n_side.box_bytes, spec.token_region_bytes   # read by the token copy only
+    n_boxes, token_rows = n_side.boxes, n_side.rows
+    quarters_per_box = n_box_bytes // n_side.thread_bytes   # quad-lane quarters of a row per box: 4, 2 or 1
+    box_quarter_bits = quarters_per_box.bit_length() - 1
     if bf16_tokens and not predecode:
         raise AssertionError("bf16 tokens: the swapped small-N tiles' token copy (StreamSpec.predecoded_tokens)")
     stride4_pairs = inline_device(bf16_stride4_pairs_of(prmt_b32))
@@ -334,22 +344,23 @@ def make_kernel_function(spec: StreamSpec):
                         dslot = np.uint32(base + decoded_off + decoded_slot * decoded_slot_bytes)
                         for it in range(decode_items):
                             d_row, d_q, d_first = token_item(consumer_tid + it * consumer_threads, item_chunks,
-                                                             item_groups)
+                                                             item_groups, quarters_per_box, token_rows)
                             # token columns past the tile's tokens only feed accumulator columns the
                             # epilogue never stores (MMA columns are independent): leave them stale
                             if d_row >= t1 - t0:
                                 continue
-                            if bf16_tokens:   # no scales; quarter d_q's 64 bytes are half of box d_q // 2
-                                d_xor = np.uint32(swizzle(d_row, n_box_bytes, n_mask))
-                                d_row_addr = np.uint32(st + n_data_off + (d_q >> 1) * n_region_bytes
-                                                       + d_row * n_box_bytes)
-                                d_q_col = d_q & 1
-                            else:
+                            if not bf16_tokens:
                                 address = np.uint32(st + n_sf_off + sf_offset(np.uint32(n_sf_row0 + d_row),
                                                                               word_column(d_q, n_blocks), atoms))
                                 d_s0, d_s1 = n_load_scales(address, d_q)
-                                d_xor = np.uint32(swizzle(d_row, n_row_bytes, n_mask))
-                                d_row_addr = np.uint32(st + n_data_off + d_row * n_row_bytes)
+                            d_xor = np.uint32(swizzle(d_row, n_box_bytes, n_mask))
+                            if n_boxes > 1:   # rows wider than a box (one per token region): quarter d_q lies in
+                                # box d_q // quarters_per_box, at quarter d_q % quarters_per_box of its row
+                                d_row_addr = np.uint32(st + n_data_off + (d_q >> box_quarter_bits) * n_region_bytes
+                                                       + d_row * n_box_bytes)
+                                d_q_col = d_q & (quarters_per_box - 1)
+                            else:
+                                d_row_addr = np.uint32(st + n_data_off + d_row * n_box_bytes)
                                 d_q_col = d_q
                             # the item's words: 16-byte loads of whole (swizzled) chunks where it spans them
                             for piece in range(max(1, item_bytes // 16)):
