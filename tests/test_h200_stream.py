@@ -460,6 +460,24 @@ def test_decoded_token_slot_is_a_bijection_read_without_bank_conflicts(fmt, bn):
                 assert len(set(chunks)) == 8, f"rows {8 * j}+, step {gi}, phase {phase}: {chunks}"
 
 
+@pytest.mark.parametrize("fmt", sorted(PROBLEM_FORMATS))
+def test_fp4_weights_take_256_k_slices_in_the_narrow_decoded_token_tiles(fmt):
+    """FP4 weights stream 128-byte rows (256 K) per stage where both operands are FP4 and, with FP8 or bf16 tokens,
+    in the decoded-token tiles of 8 or 16 columns (their token rows then 2 or 4 boxes); 32-column tiles, the
+    register-decoded tiles and FP8 weights keep 128 K (evidence: w4a8-k256)."""
+    a, b = (get_format(f) for f in PROBLEM_FORMATS[fmt])
+    for config in (Stream(True, 8, 1), Stream(True, 16, 1), Stream(True, 32, 1), Stream(False, 64, 1),
+                   Stream(True, 128, 1)):
+        if not a.scaled and not (config.ab_swapped and config.mma_bn <= 32):
+            continue   # bf16 tokens: the decoded-token tiles only
+        spec = spec_of(fmt, config)
+        wide = b.packed and (a.packed or (config.ab_swapped and config.mma_bn in (8, 16)))
+        assert spec.k_slice == (256 if wide else 128), (fmt, config)
+        assert spec.weight_side.row_bytes == b.row_bytes(spec.k_slice)
+        tokens = spec.token_side
+        assert tokens.boxes == max(1, tokens.row_bytes // 128) and tokens.box_bytes == min(128, tokens.row_bytes)
+
+
 def test_predecoded_tokens_only_where_they_fit():
     for fmt in FORMATS:
         for name, config in CONFIGS.items():

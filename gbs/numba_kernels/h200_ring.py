@@ -395,8 +395,11 @@ class StreamSpec:
     # -- formats and the K slice --------------------------------------------------------------
     @property
     def k_slice(self) -> int:
-        """K elements per stage (``k_slice_elements``; the decoded-token slots take FP4 weights' 256 with any tokens)."""
-        return k_slice_elements(self.a_format, self.b_format, self.predecoded_tokens)
+        """K elements per stage (``k_slice_elements``): FP4 weights' 256 with any tokens in the decoded-token tiles
+        narrower than ``SMALL_N_WIDE_MMA_BN`` columns; at 32 columns the wider slots and stages leave 2 CTAs per SM
+        instead of 3, slower (evidence: w4a8-k256)."""
+        return k_slice_elements(self.a_format, self.b_format,
+                                self.predecoded_tokens and self.mma_bn < SMALL_N_WIDE_MMA_BN)
 
     @property
     def pairing(self) -> str:
