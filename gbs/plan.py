@@ -541,6 +541,11 @@ def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Pl
     if num_ctas is not None:
         num_ctas = check_num_ctas(num_ctas, spec.cta_group)
     k_slices = hl.k_slices_of(problem.k, spec.k_slice)
+    if spec.k_slice != k_slice_elements(problem.a_format, problem.b_format):   # the ring's choice (StreamSpec.k_slice)
+        rules.append(Rule("K slice", f"{spec.k_slice} K per stage: the FP4 weights' 128-byte rows with the tokens "
+                                     f"copied into decoded-token slots ({spec.token_side.boxes} TMA boxes per token "
+                                     f"row): half the stages per K of the format pair's {spec.k_slice // 2}",
+                          "w4a8-k256"))
     if problem.k % spec.k_slice:
         rules.append(Rule("K tail", f"K {problem.k}: {k_slices} slices of {spec.k_slice}, the last "
                                     f"{problem.k - (k_slices - 1) * spec.k_slice} (zeros read past K)", "k-n-tails-gpu"))

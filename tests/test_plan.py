@@ -117,6 +117,22 @@ def test_describe_names_the_kernel_knobs_and_split(case, fmt, want):
     assert described.endswith("(estimated: no sm_90 GPU to compile)")
 
 
+@pytest.mark.parametrize("case, fmt, k_slice", [
+    ("decode_up", "w4a8", 256), ("decode_up", "w4a16", 256), ("kimi_decode", "w4a16_nvfp4", 256),
+    ("small_prefill_up", "w4a8", 128), ("small_prefill_up", "w4a16", 128),   # 32-token tiles keep 128 K
+    ("decode_up", "mxfp4", 256), ("decode_up", "mxfp8", 128), ("large_prefill_up", "w4a8", 128)])
+def test_the_k_slice_rule_names_the_streaming_tiles_that_widen_it(case, fmt, k_slice):
+    """The ring widens FP4 weights' K slice to 256 with FP8 / bf16 tokens in the 8- and 16-column decoded-token
+    tiles; the plan says so in a rule citing the measurement, and only where the slice differs from the pair's."""
+    plan = plan_h200(BENCH_CASES[case].problem(fmt))
+    assert plan.spec.k_slice == k_slice
+    widened = [r for r in plan.rules if r.name == "K slice"]
+    pair = 256 if all(get_format(f).packed for f in PROBLEM_FORMATS[fmt]) else 128
+    assert len(widened) == (k_slice != pair), plan.explain()
+    if widened:
+        assert widened[0].evidence == "w4a8-k256" and "256 K per stage" in widened[0].decided
+
+
 def test_explain_lists_every_rule_with_its_evidence():
     plan = plan_h200(BENCH_CASES["kimi_decode"].problem("nvfp4"))
     text = plan.explain()

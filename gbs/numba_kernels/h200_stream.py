@@ -32,8 +32,10 @@ Structure (persistent CTAs; the ring's producer fills the stages and writes the 
   item), into bf16 B fragments (scaled) in one of two shared slots, meet at a named barrier, and then each
   reads a group's fragments with one 16-byte load (token rows past the tile's tokens are skipped: they only
   feed accumulator columns that are never stored); wider token tiles decode their tokens in registers, per
-  warp. bf16 tokens (W4A16, two 128-byte TMA boxes per row and slice, no scales) take these tiles only: their
-  "decode" is the pairing alone (``h200_decode.bf16_stride4_pairs_of``).
+  warp. bf16 tokens (W4A16, no scales) take these tiles only: their "decode" is the pairing alone
+  (``h200_decode.bf16_stride4_pairs_of``). With FP4 weights these tiles (8 and 16 columns) stream 256-K slices
+  whatever the tokens (``StreamSpec.k_slice``): FP8 and bf16 token rows are then 2 or 4 TMA boxes, a quarter's
+  box found from its lane, the items ordered box by box (``token_decode_item``; evidence: w4a8-k256).
 * Split-K (``StreamSpec.split_k``, its own build): with fewer tiles than resident CTAs, each tile's K slices
   are cut into runs taken by different CTAs (the ring's work items); runs add fp32 partial tiles into a
   zeroed workspace (``red.global.add.f32``, which flushes fp32 subnormal partials to zero), the last run of a
