@@ -20,7 +20,7 @@ import collections
 import hashlib
 import sys
 
-from gbs.numba_kernels import h200_launch, h200_ring, h200_stream, h200_wgmma
+from gbs.numba_kernels import h200_decode, h200_launch, h200_ring, h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
 from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
@@ -64,6 +64,20 @@ def parse_spec(text: str):
                      f":t256 = 256-token tiles, :swap = weights on wgmma M)")
 
 
+def stage_instructions(spec, hot, loops):
+    """Instructions a streaming consumer thread issues per K slice: the loop around the innermost MMA loop (the
+    stage loop, once) plus the innermost loop's other trips (a prefetching config's rotation runs: ``groups //
+    ROTATION_RUN`` per slice). None where the innermost MMA loop is the stage loop itself (one run per slice, or
+    the 8-warp grid's group loop, whose trips this does not model)."""
+    if not spec.prefetch_groups:
+        return None
+    trips = spec.weight_side.groups // h200_decode.ROTATION_RUN
+    if trips == 1:
+        return hot.size
+    around = [loop for loop in loops if loop.start <= hot.start and loop.end >= hot.end and loop.size > hot.size]
+    return around[0].size + (trips - 1) * hot.size if around else None
+
+
 def report(text: str) -> str:
     spec, kernel, mma_prefix = parse_spec(text)
     cubin = offline.compile_cubin(kernel.make_kernel_function(spec), h200_ring.kernel_signature(),
@@ -81,6 +95,10 @@ def report(text: str) -> str:
             op.split(".")[0] for op in hot.opcodes).most_common(MIX_OPCODES))
         lines.append(f"  innermost {mma_prefix} loop: {hot.size} instructions, {hot.count(mma_prefix)} {mma_prefix}, "
                      f"{hot.count('LDL') + hot.count('STL')} local accesses; {mix}")
+        stage = stage_instructions(spec, hot, offline.sass_loops(sass)) if kernel is h200_stream else None
+        if stage is not None:
+            lines.append(f"  per K slice ({spec.k_slice} K): {stage} instructions per thread "
+                         f"({stage * 256 // spec.k_slice} per 256 K), the stage loop with its runs")
     return "\n".join(lines)
 
 

@@ -45,3 +45,23 @@ def test_report_spec_takes_the_weight_layout():
 def test_report_rejects_malformed_specs(bad):
     with pytest.raises(ValueError, match="want|format must be"):
         load_script("h200_sass_report").parse_spec(bad)
+
+
+def test_stage_instructions_add_the_run_loops_other_trips():
+    """Per K slice a prefetching streaming consumer runs the stage loop once and its innermost (rotation-run) loop
+    ``groups // 4`` times: listing sizes 6 (stage) and 3 (run) with 2 runs make 9; one run per slice: the run loop
+    itself; the 8-warp grid (no prefetch) is not modelled."""
+    from gbs.numba_kernels import h200_ring as hr
+
+    script = load_script("h200_sass_report")
+    inner, outer = offline.sass_loops(LISTING)
+    two_runs = hr.StreamSpec("mxfp4", "mxfp4", True, 8, 1, 2)                 # 256-K slices: 2 runs of 4 groups
+    one_run = hr.StreamSpec("mxfp8", "mxfp8", True, 8, 1, 2)                  # a 32-byte FP8 quarter: 4 groups, 1 run
+    eight_warps = hr.StreamSpec("nvfp4", "nvfp4", True, 16, 1, 2, small_n_warps=8)
+    assert two_runs.weight_side.groups == 8 and one_run.weight_side.groups == 4
+    assert script.stage_instructions(two_runs, inner, [inner, outer]) == outer.size + inner.size == 9
+    assert script.stage_instructions(one_run, inner, [inner, outer]) == inner.size
+    assert script.stage_instructions(two_runs, inner, [inner]) is None
+    assert eight_warps.prefetch_groups and script.stage_instructions(eight_warps, inner, [inner, outer]) == 9
+    wide = hr.StreamSpec("nvfp4", "nvfp4", False, 128, 1, 2)
+    assert not wide.prefetch_groups and script.stage_instructions(wide, inner, [inner, outer]) is None
