@@ -118,18 +118,24 @@ def test_rows_reject_invalid_fields(change, match):
         dataclasses.replace(row, **change)
 
 
-# W4A8 decode knobs: the H200 kernel's stage (FP4 weights packed, 8 token rows) is far smaller than
-# the SM100 formula's, so its ring is deeper than the formula allows.
-W4A8_DECODE_KEY = key(tokens=2, fmt="w4a8")
-W4A8_KERNEL_MAX = h200_launch.max_pipeline_stages(h200_ring.StreamSpec("mxfp8", "mxfp4", True, 8, 1, 1))
-W4A8_FORMULA_MAX = pm.H200.max_stages("w4a8", BN8)
+# W4A8 small-prefill knobs (upstream's 64-column pair): the H200 kernel's stage (128-K slices of packed FP4
+# weights, the pair's 32 token rows per CTA) is far smaller than the SM100 formula's, so its ring is deeper than the
+# formula allows. (W4A8's decode tiles take 256-K slices since evidence w4a8-k256: within the formula.)
+W4A8_TILE = BN64_PAIR
+W4A8_KEY = key(tokens=32, fmt="w4a8")
+W4A8_KERNEL_MAX = h200_launch.max_pipeline_stages(h200_ring.StreamSpec("mxfp8", "mxfp4", True, 64, 2, 1))
+W4A8_FORMULA_MAX = pm.H200.max_stages("w4a8", W4A8_TILE)
+
+
+def w4a8_config(stages: int) -> pm.ModelConfig:
+    return pm.ModelConfig(True, 64, 2, stages)
 
 
 def test_stage_limits_per_gpu_and_source():
     assert W4A8_KERNEL_MAX > W4A8_FORMULA_MAX
-    assert ab.row_max_stages("h200", "measured", "w4a8", BN8) == W4A8_KERNEL_MAX
-    assert ab.row_max_stages("h200", "model", "w4a8", BN8) == W4A8_FORMULA_MAX
-    assert ab.row_max_stages("b200", "measured", "w4a8", BN8) == pm.B200.max_stages("w4a8", BN8)
+    assert ab.row_max_stages("h200", "measured", "w4a8", W4A8_TILE) == W4A8_KERNEL_MAX
+    assert ab.row_max_stages("h200", "model", "w4a8", W4A8_TILE) == W4A8_FORMULA_MAX
+    assert ab.row_max_stages("b200", "measured", "w4a8", W4A8_TILE) == pm.B200.max_stages("w4a8", W4A8_TILE)
     # the NVFP4 large-prefill pair: the kernel holds the whole token tile in both CTAs, one stage less
     assert (ab.row_max_stages("h200", "measured", "nvfp4", BN128_PAIR),
             ab.row_max_stages("h200", "model", "nvfp4", BN128_PAIR)) == (6, 7)
@@ -137,11 +143,11 @@ def test_stage_limits_per_gpu_and_source():
 
 
 def test_measured_h200_rows_are_bounded_by_the_kernel_not_the_formula():
-    deepest = pm.ModelConfig(True, 8, 1, W4A8_KERNEL_MAX)
-    row = measured_row(W4A8_DECODE_KEY, deepest)
+    deepest = w4a8_config(W4A8_KERNEL_MAX)
+    row = measured_row(W4A8_KEY, deepest)
     assert row.stages == W4A8_KERNEL_MAX
     with pytest.raises(ValueError, match=rf"{W4A8_KERNEL_MAX + 1} stages exceed the H200 kernel's maximum "
-                                         rf"{W4A8_KERNEL_MAX} for w4a8 bn8/cg1/sw .*formula's {W4A8_FORMULA_MAX}"):
+                                         rf"{W4A8_KERNEL_MAX} for w4a8 bn64/cg2/sw .*formula's {W4A8_FORMULA_MAX}"):
         dataclasses.replace(row, stages=W4A8_KERNEL_MAX + 1)
     # within the formula (7) though past today's kernel (6): a row an earlier kernel layout ran, kept
     assert measured_row(key(tokens=256), pm.ModelConfig(True, 128, 2, 7)).stages == 7
@@ -150,11 +156,11 @@ def test_measured_h200_rows_are_bounded_by_the_kernel_not_the_formula():
 
 
 def test_modelled_and_other_gpu_rows_keep_the_formula_limit():
-    row = measured_row(W4A8_DECODE_KEY, pm.ModelConfig(True, 8, 1, W4A8_KERNEL_MAX))
+    row = measured_row(W4A8_KEY, w4a8_config(W4A8_KERNEL_MAX))
     with pytest.raises(ValueError, match=rf"{W4A8_KERNEL_MAX} stages exceed the h200 maximum {W4A8_FORMULA_MAX} "
-                                         r"for w4a8 bn8/cg1/sw \(the SM100 stage formula"):
+                                         r"for w4a8 bn64/cg2/sw \(the SM100 stage formula"):
         dataclasses.replace(row, source="model")
-    b200_max = pm.B200.max_stages("w4a8", BN8)
+    b200_max = pm.B200.max_stages("w4a8", W4A8_TILE)
     with pytest.raises(ValueError, match=f"exceed the b200 maximum {b200_max}"):
         dataclasses.replace(row, gpu="b200", stages=b200_max + 1)
     model_pair = dataclasses.replace(measured_row(key(tokens=256), pm.ModelConfig(True, 128, 2, 6)),
@@ -279,35 +285,36 @@ def test_tied_knob_sets_go_to_the_least_padded_tile():
     assert ab.derive_dispatch_table(rows, tolerance=0.0).regime_configs["small_prefill"].config == BN64_PAIR
 
 
-def w4a8_decode_rows(source="measured"):
-    """Measured H200 rows where W4A8 decode gets faster with every stage, up to the row's limit."""
-    deepest = ab.row_max_stages("h200", source, "w4a8", BN8)
-    return [measured_row(key(tokens=t, fmt="w4a8"), pm.ModelConfig(True, 8, 1, s), median=10.0 + 1.0 / s,
-                         source=source) for t in (2, 4) for s in (2, W4A8_FORMULA_MAX, deepest)]
+def w4a8_prefill_rows(source="measured"):
+    """Measured H200 rows where W4A8 small prefill gets faster with every stage, up to the row's limit."""
+    deepest = ab.row_max_stages("h200", source, "w4a8", W4A8_TILE)
+    return [measured_row(key(tokens=t, fmt="w4a8"), w4a8_config(s), median=10.0 + 1.0 / s,
+                         source=source) for t in (32, 64) for s in (2, W4A8_FORMULA_MAX, deepest)]
 
 
 def test_the_kernels_deepest_ring_is_labelled_auto():
-    measured = ab.derive_dispatch_table(w4a8_decode_rows()).entry(*DEEPSEEK_UP, "decode")
+    measured = ab.derive_dispatch_table(w4a8_prefill_rows()).entry(*DEEPSEEK_UP, "small_prefill")
     assert (measured.stages, measured.stages_source) == (W4A8_KERNEL_MAX, "auto")
     # the formula's deepest is not the kernel's: a tuned stage count for the H200 kernel
-    tuned = ab.derive_dispatch_table([r for r in w4a8_decode_rows() if r.stages <= W4A8_FORMULA_MAX])
-    assert (tuned.entry(*DEEPSEEK_UP, "decode").stages, tuned.entry(*DEEPSEEK_UP, "decode").stages_source) == (
+    tuned = ab.derive_dispatch_table([r for r in w4a8_prefill_rows() if r.stages <= W4A8_FORMULA_MAX])
+    entry = tuned.entry(*DEEPSEEK_UP, "small_prefill")
+    assert (entry.stages, entry.stages_source) == (
         W4A8_FORMULA_MAX, "tuned")
     # modelled rows: the formula's deepest is auto
-    modelled = ab.derive_dispatch_table(w4a8_decode_rows("model")).entry(*DEEPSEEK_UP, "decode")
+    modelled = ab.derive_dispatch_table(w4a8_prefill_rows("model")).entry(*DEEPSEEK_UP, "small_prefill")
     assert (modelled.stages, modelled.stages_source) == (W4A8_FORMULA_MAX, "auto")
 
 
 def test_comparison_says_when_a_measured_ring_is_past_the_model():
-    upstream = ab.upstream_table("w4a8", shapes=[DEEPSEEK_UP], tokens_per_expert=(2, 4))
-    h200 = ab.derive_dispatch_table(w4a8_decode_rows(), label="H200 measured")
-    b200 = ab.derive_dispatch_table(ab.model_rows(pm.B200, [W4A8_DECODE_KEY], configs=[
-        pm.ModelConfig(True, 8, 1, 4), pm.ModelConfig(True, 8, 1, 12)], commit="abc1234"), label="B200 model")
+    upstream = ab.upstream_table("w4a8", shapes=[DEEPSEEK_UP], tokens_per_expert=(32, 64))
+    h200 = ab.derive_dispatch_table(w4a8_prefill_rows(), label="H200 measured")
+    b200 = ab.derive_dispatch_table(ab.model_rows(pm.B200, [W4A8_KEY], configs=[
+        w4a8_config(4), w4a8_config(pm.B200.max_stages("w4a8", W4A8_TILE))], commit="abc1234"), label="B200 model")
     (stages,) = [d for d in ab.compare_tables(upstream, h200, b200).disagreements
                  if d.table == "H200 measured" and d.field == "stages"]
-    assert (stages.upstream, stages.derived) == (str(upstream.entry(*DEEPSEEK_UP, "decode").stages),
+    assert (stages.upstream, stages.derived) == (str(upstream.entry(*DEEPSEEK_UP, "small_prefill").stages),
                                                  str(W4A8_KERNEL_MAX))
-    assert (f"bn8/cg1/sw x{W4A8_KERNEL_MAX} is within the table's stage limit but past the model's: its SM100 "
+    assert (f"bn64/cg2/sw x{W4A8_KERNEL_MAX} is within the table's stage limit but past the model's: its SM100 "
             f"stage formula allows at most {W4A8_FORMULA_MAX}") in stages.reason
 
 
