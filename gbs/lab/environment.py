@@ -32,8 +32,9 @@ def environment_fields() -> dict:
 
     ``gpu_uuid`` names the physical GPU: lent H200s differ (read ceilings of ~4.52 or ~4.63 TB/s, and one
     build ran 3 % apart on two of them: evidence gpu-kinds), so before / after figures are only compared
-    on one ``gpu_uuid``. ``GBS_COMMIT`` in the environment overrides git (the device tool copies the working
-    tree without ``.git``: start `scripts/gpu_run.sh` there with ``GBS_COMMIT=<sha>``)."""
+    on one ``gpu_uuid``. ``GBS_COMMIT`` in the environment overrides git: the device tool's copy of the working
+    tree has no ``.git`` or a stale one (on 2026-12-02 its ``git rev-parse HEAD`` named the session's first commit,
+    not the tree that ran), so start `scripts/gpu_run.sh` there with ``GBS_COMMIT=<sha>`` taken here."""
     import ml_dtypes
     import numba
 
