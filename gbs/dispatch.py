@@ -645,7 +645,7 @@ ROUTE_AS = {
     # flavour, so E5M2 takes E4M3's decision.
     ("mxfp8_e5m2", "mxfp8_e5m2"): ("mxfp8", "mxfp8"),
     # W4A16: tcgen05 has no bf16 x FP4 kind, so the tables have no bf16-token row. W4A16 takes W4A8's decision:
-    # the same FP4 weights, read in the same 128-element K slices (NVFP4 weights too: the tile is what it decides).
+    # the same FP4 weights, read in the same K slices (NVFP4 weights too: the tile is what it decides).
     ("bf16", "mxfp4"): ("mxfp8", "mxfp4"),
     ("bf16", "nvfp4"): ("mxfp8", "mxfp4"),
 }

@@ -483,7 +483,7 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     kernel = "h200_wgmma" if route_knobs is not None else backend
     if not get_format(problem.a_format).scaled:
         rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "
-                                   "kind); the decision above is W4A8's (the same FP4 weights and 128-K slices)"))
+                                   "kind); the decision above is W4A8's (the same FP4 weights and K slices)"))
         if kernel == "auto":
             tokens = average_tokens_per_expert(problem)
             kernel = "h200_stream" if tokens <= SMALL_N_MAX_TOKENS and not chosen else "h200_wgmma"
@@ -535,12 +535,12 @@ def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Pl
     many CTAs are resident, and the rules how many runs fill them."""
     max_tiles = hl.max_tiles_bound(hl.ring_of(spec), problem.total_tokens, problem.num_active_experts, problem.n)
     sm_count = _sm_count()
+    k_slices = hl.k_slices_of(problem.k, spec.k_slice)
     if problem.total_tokens == 0:
-        return H200Plan(kernel, spec, 1, hl.k_slices_of(problem.k, spec.k_slice), 0, max_tiles, None, sm_count,
+        return H200Plan(kernel, spec, 1, k_slices, 0, max_tiles, None, sm_count,
                         tuple(rules) + (Rule("grid", "no tokens: nothing to launch"),))
     if num_ctas is not None:
         num_ctas = check_num_ctas(num_ctas, spec.cta_group)
-    k_slices = hl.k_slices_of(problem.k, spec.k_slice)
     if spec.k_slice != k_slice_elements(problem.a_format, problem.b_format):   # the ring's choice (StreamSpec.k_slice)
         rules.append(Rule("K slice", f"{spec.k_slice} K per stage: the FP4 weights' 128-byte rows with the tokens "
                                      f"copied into decoded-token slots ({spec.token_side.boxes} TMA boxes per token "

@@ -555,7 +555,7 @@ class StreamSpec:
 
     @property
     def token_region_bytes(self) -> int:
-        """Stage bytes from one token box column (64 bf16 K elements) to the next: all the tile's token rows."""
+        """Stage bytes from one token box (128 bytes of each row) to the next: all the tile's token rows."""
         return self.token_side.data_bytes // self.token_side.boxes
 
     @property
