@@ -446,3 +446,65 @@ def kernel_window_violations(problem: GroupedProblem) -> dict[str, int]:
         high = np.where(both, a_max + b_max, 0) > FP32_FACTOR_LOG2[1]
         factors += int((low | high).sum())
     return dict(token_blocks=token_blocks, weight_blocks=weight_blocks, factors=factors)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Folded ahead: an MXFP4 problem as E4M3 operands with one scale per 128-K chunk
+# ----------------------------------------------------------------------------------------------
+UE8M0_MAX_FINITE = 254
+
+
+def chunk_scale_bytes(bases: np.ndarray, blocks: int) -> np.ndarray:
+    """(rows, chunks) int bases -> (rows, blocks) UE8M0 bytes: each 32-element block carries its chunk's base."""
+    return np.repeat(bases + UE8M0_BIAS, PROMOTION_CHUNK // MX_BLOCK, axis=-1)[..., :blocks].astype(np.uint8)
+
+
+def _folded_or_raise(f: FoldedOperand, what: str) -> np.ndarray:
+    """``f``'s chunk scale bytes, or ValueError where the fold is not exact (a live block below its chunk's window)
+    or a base leaves UE8M0's finite range."""
+    if not np.all(f.in_window):
+        raise ValueError(f"{int(np.sum(~f.in_window))} {what} blocks lie more than 14 binades below their chunk's "
+                         f"largest: they do not fold into E4M3 with one scale per chunk (the bf16 route is exact)")
+    byte = f.bases.astype(np.int64) + UE8M0_BIAS
+    if byte.min() < 0 or byte.max() > UE8M0_MAX_FINITE:
+        raise ValueError(f"a {what} chunk's base 2^{int(byte.min()) - UE8M0_BIAS if byte.min() < 0 else int(byte.max()) - UE8M0_BIAS} "
+                         "is not a finite UE8M0 scale")
+    return chunk_scale_bytes(f.bases, -(-f.k // MX_BLOCK))
+
+
+def fold_problem(problem: GroupedProblem) -> GroupedProblem:
+    """An MXFP4 x MXFP4 ``problem`` as the same matmul in MXFP8 x MXFP8 whose scales are constant per 128-K chunk:
+    per token row, and per 128-row weight tile (``fold_operand`` with ``base_rows`` 128), so the E4M3 MMAs of a chunk
+    need one fp32 promotion with one factor per token row (``h200_wgmma.WgmmaSpec.chunk_scaled``). Every value is
+    the original's exactly (``fold_operand``), so the exact reference of the result is the problem's. The weights
+    fold once (twice their FP4 bytes); the tokens every call. ValueError where the fold is not exact: a live block
+    15 or more binades below its chunk's largest (in the weight tile, for weights), a base outside UE8M0, or a
+    promotion factor ``2^(e_token + e_tile)`` outside fp32's normal and subnormal range."""
+    from .formats import get_format, pad_group_scales, swizzle_scales
+    from .layouts import LAYOUT_E4M3_FOLDED
+
+    p = problem
+    mxfp4, mxfp8 = get_format("mxfp4"), get_format("mxfp8")
+    if (p.a_format, p.b_format) != (mxfp4, mxfp4):
+        raise ValueError(f"fold_problem folds MXFP4 x MXFP4 problems, got {p.a_format.name} x {p.b_format.name}")
+    if not isinstance(p, GroupedProblem):
+        raise TypeError(f"fold_problem takes a host GroupedProblem, got {type(p).__name__}")
+    a = fold_operand(p.a_operand())
+    a_bytes = _folded_or_raise(a, "token")
+    b_data = np.empty((p.num_experts, p.n, p.k), np.uint8)
+    b_bytes = np.empty((p.num_experts, p.n, a_bytes.shape[1]), np.uint8)
+    for e in range(p.num_experts):
+        f = fold_operand(p.b_operand(e), base_rows=KERNEL_WEIGHT_BASE_ROWS)
+        b_data[e], b_bytes[e] = f.e4m3, _folded_or_raise(f, "weight")
+    factor = (a_bytes.astype(np.int64)[:, ::4].min(), a_bytes.astype(np.int64)[:, ::4].max(),
+              b_bytes.astype(np.int64).min(), b_bytes.astype(np.int64).max())
+    low, high = factor[0] + factor[2] - 2 * UE8M0_BIAS, factor[1] + factor[3] - 2 * UE8M0_BIAS
+    if low < FP32_FACTOR_LOG2[0] or high > FP32_FACTOR_LOG2[1]:
+        raise ValueError(f"promotion factors from 2^{low} to 2^{high} leave fp32 ({FP32_FACTOR_LOG2}): not folded")
+    a_scales, a_scale_offsets = pad_group_scales(a_bytes, p.a_offsets)
+    return GroupedProblem(a_format=mxfp8, b_format=mxfp8, a=a.e4m3.view(E4M3), b=b_data.view(E4M3),
+                          a_scales=a_scales, b_scales=swizzle_scales(b_bytes), a_offsets=p.a_offsets.copy(),
+                          a_scale_offsets=a_scale_offsets, expert_ids=p.expert_ids.copy(),
+                          expert_scales=p.expert_scales.copy(), num_active_experts=p.num_active_experts,
+                          estimated_total_m=p.estimated_total_m, n=p.n, k=p.k, a_layout=LAYOUT_E4M3_FOLDED,
+                          b_layout=LAYOUT_E4M3_FOLDED)

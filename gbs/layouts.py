@@ -6,6 +6,10 @@ stream them faster. The formats themselves (encodings, packing, the 128x4 scale 
   13 integer instructions per word; NVFP4 scales as ``UE4M3H200Scales`` codes. Weights and tokens.
 * ``E2M1H200TiledOrder`` (``"e2m1_h200_tiled"``): the same bits, each 128-row x 128-byte TMA box contiguous. Weights.
 * ``E2M1H200FusedOrder`` (``"e2m1_h200_fused"``): tiled, each box followed by its K slice's scale atoms. Weights.
+* ``E2M1E4M3Order`` (``"e2m1_e4m3"``): the in-kernel FP8 route's word order. MXFP4 tokens and weights.
+* ``E4M3FoldedScales`` (``"e4m3_folded"``): MXFP8 bytes as quantized whose UE8M0 scales repeat over each 128-K
+  chunk (per token row; per 128-row weight tile): MXFP4 folded ahead (``gbs.fp8_route.fold_problem``), which the
+  FP8 route multiplies with E4M3 ``wgmma`` straight from the ring. Tokens and weights.
 
 Each is a small class with ``swizzle`` / ``unswizzle`` (numpy, host side); ``gbs.numba_kernels.relayout`` does the
 same on the GPU. Design: ``docs/design/formats.md``, "H200 operand layouts".
@@ -21,6 +25,7 @@ LAYOUT_E2M1_H200 = "e2m1_h200"              # E2M1H200Order: a one-time re-layou
 LAYOUT_E2M1_H200_TILED = "e2m1_h200_tiled"  # E2M1H200TiledOrder: the same bits, weights stored box by box
 LAYOUT_E2M1_H200_FUSED = "e2m1_h200_fused"  # E2M1H200FusedOrder: each box followed by its block scales
 LAYOUT_E2M1_E4M3 = "e2m1_e4m3"              # E2M1E4M3Order: the FP8 route's word order (MXFP4, both operands)
+LAYOUT_E4M3_FOLDED = "e4m3_folded"          # E4M3FoldedScales: MXFP8 with one scale per 128-K chunk (MXFP4 folded)
 
 
 def _e2m1_h200_destinations() -> tuple[int, ...]:
@@ -381,6 +386,70 @@ class E2M1E4M3Order(_WordBitOrder):
         return tuple(dest)
 
 
+class E4M3FoldedScales:
+    """MXFP8 operands whose UE8M0 block scales repeat over each 128-K chunk (``CHUNK``): per token row, and per
+    128-row weight tile (``TILE_ROWS``, counted from each expert's row 0): DeepSeek-style 1 x 128 / 128 x 128
+    power-of-two-scaled FP8. MXFP4 operands fold into it exactly where each block lies within 15 binades of its
+    chunk's largest (``gbs.fp8_route.fold_problem``); the FP8 route then multiplies the E4M3 bytes with ``wgmma``
+    straight from shared memory and applies one factor per token row and chunk at the fp32 promotion
+    (``h200_wgmma.WgmmaSpec.chunk_scaled``). The bytes and scales are MXFP8's as stored (every MXFP8 kernel reads them
+    as such); the tag promises the repetition, which ``check_token_scales`` / ``check_weight_scales`` verify."""
+
+    CHUNK = 128
+    TILE_ROWS = 128
+    ROLES = ("tokens", "weights")
+    ELEMENTS = ("e4m3",)
+    SCALE_DTYPES = ("ue8m0",)
+    WORD_ORDER = LAYOUT_PACKED
+    TILED = False
+
+    @staticmethod
+    def swizzle(packed: np.ndarray) -> np.ndarray:
+        """The bytes unchanged (a copy): the tag changes, not the bytes."""
+        return np.array(packed, copy=True)
+
+    @staticmethod
+    def unswizzle(ordered: np.ndarray, shape=None) -> np.ndarray:
+        return np.array(ordered, copy=True)
+
+    @staticmethod
+    def encode_scales(scale_bytes: np.ndarray, scale_dtype: str) -> np.ndarray:
+        return _scale_bytes(scale_bytes, scale_dtype).copy()
+
+    decode_scales = encode_scales
+
+    @classmethod
+    def _chunk_mismatch(cls, linear: np.ndarray) -> np.ndarray:
+        """(..., blocks) -> bool (..., blocks): a block whose scale differs from its chunk's first block's."""
+        per_chunk = cls.CHUNK // 32
+        first = np.repeat(linear[..., ::per_chunk], per_chunk, axis=-1)[..., :linear.shape[-1]]
+        return linear != first
+
+    @classmethod
+    def check_token_scales(cls, linear: np.ndarray) -> None:
+        """ValueError unless each token row's (rows, blocks) scale bytes repeat over every 128-K chunk."""
+        bad = cls._chunk_mismatch(np.asarray(linear))
+        if bad.any():
+            row, block = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"a_layout {LAYOUT_E4M3_FOLDED!r}: token row {row}'s block {block} scale differs from its "
+                             f"128-K chunk's first: not folded (build with gbs.fp8_route.fold_problem)")
+
+    @classmethod
+    def check_weight_scales(cls, linear: np.ndarray) -> None:
+        """ValueError unless each expert's (E, N, blocks) scale bytes repeat over every 128-K chunk and over every
+        128-row tile."""
+        linear = np.asarray(linear)
+        bad = cls._chunk_mismatch(linear)
+        rows = linear.shape[1]
+        tile_first = np.repeat(linear[:, ::cls.TILE_ROWS], cls.TILE_ROWS, axis=1)[:, :rows]
+        bad |= linear != tile_first
+        if bad.any():
+            expert, row, block = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"b_layout {LAYOUT_E4M3_FOLDED!r}: expert {expert} row {row} block {block}: the scale differs "
+                             f"from its 128-row tile's and 128-K chunk's first: not folded (build with "
+                             f"gbs.fp8_route.fold_problem)")
+
+
 def _scale_bytes(scale_bytes, scale_dtype: str) -> np.ndarray:
     scale_bytes = np.asarray(scale_bytes)
     if scale_dtype not in ("ue4m3", "ue8m0"):
@@ -487,7 +556,8 @@ def _tables_of(dest: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
 E2M1H200Order._TABLES = _tables_of(_e2m1_h200_destinations())
 E2M1E4M3Order._TABLES = _tables_of(E2M1E4M3Order.destinations())
 OPERAND_LAYOUTS = {LAYOUT_PACKED: None, LAYOUT_E2M1_H200: E2M1H200Order, LAYOUT_E2M1_H200_TILED: E2M1H200TiledOrder,
-                   LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder, LAYOUT_E2M1_E4M3: E2M1E4M3Order}
+                   LAYOUT_E2M1_H200_FUSED: E2M1H200FusedOrder, LAYOUT_E2M1_E4M3: E2M1E4M3Order,
+                   LAYOUT_E4M3_FOLDED: E4M3FoldedScales}
 
 
 def word_order(layout: str) -> str:

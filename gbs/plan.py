@@ -34,7 +34,7 @@ import numpy as np
 
 from .dispatch import AUTO_STAGES, KernelConfig, dispatch_for, require_int, route_formats
 from .formats import get_format
-from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_PACKED
+from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
 from .numba_kernels.h200_wgmma import (FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN,
@@ -259,6 +259,12 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
     evidence fp8-route-gpu) for ``problem``: its knobs and rules, or None and the rule that falls back to the bf16
     route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
     operands exactly). Device problems are not checked on the host: such blocks give NaN outputs."""
+    if folded_operands(problem):
+        return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True),
+                [Rule("route", f"FP8 on operands folded ahead ({LAYOUT_E4M3_FOLDED}, gbs.fp8_route.fold_problem): E4M3 "
+                               f"wgmma on both operands straight from the ring, fp32 promotion per 128 K with one "
+                               f"factor per token row; 128 x {FP8_MMA_BN} tiles (two chunk sets and the total)",
+                      "fp8-fold-gpu")])
     tokens_fp4 = problem.a_format.packed
     want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
     if _formats(problem) not in FP8_ROUTE_FORMATS or (layout_of(problem, "a"), layout_of(problem, "b")) != want:
@@ -285,6 +291,22 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
                            f"promotion per {interval}; 128 x "
                            f"{FP8_MMA_BN} tiles (chunk and total accumulators)",
                   "fp8-route-gpu" if tokens_fp4 else "w4a8-fp8-route-gpu")] + window)
+
+
+def folded_operands(problem) -> bool:
+    """Both operands in ``LAYOUT_E4M3_FOLDED`` (MXFP4 folded ahead into E4M3 with one scale per 128-K chunk)."""
+    return (layout_of(problem, "a"), layout_of(problem, "b")) == (LAYOUT_E4M3_FOLDED, LAYOUT_E4M3_FOLDED)
+
+
+def prefers_fp8_route(problem) -> Rule | None:
+    """The rule that runs a folded ``problem`` on the FP8 route under ``"auto"`` (no config, no constraints), or None:
+    its 128-token tiles from ``WGMMA_MIN_TOKENS_PER_EXPERT`` tokens per expert, where it beats the bf16 route
+    (evidence: fp8-fold-gpu); below, the folded operands run as the MXFP8 they are."""
+    tokens = average_tokens_per_expert(problem)
+    if folded_operands(problem) and tokens >= WGMMA_MIN_TOKENS_PER_EXPERT:
+        return Rule("kernel", f"h200_wgmma, FP8 route: operands folded ahead, {tokens} tokens per expert >= "
+                             f"{WGMMA_MIN_TOKENS_PER_EXPERT}", "fp8-fold-gpu")
+    return None
 
 
 def prefers_wgmma(problem) -> Rule | None:
@@ -465,8 +487,8 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     if (decision.a_format, decision.b_format) != route:
         raise ValueError(f"config was decided for {decision.a_format} x {decision.b_format}, the problem is "
                          f"{_formats(problem)[0]} x {_formats(problem)[1]}")
-    fp8 = tile.pop("fp8", False)
-    if not isinstance(fp8, (bool, np.bool_)):
+    fp8 = tile.pop("fp8", None)
+    if fp8 is not None and not isinstance(fp8, (bool, np.bool_)):
         raise TypeError(f"fp8 must be a bool, got {fp8!r}")
     chosen = config is not None or bool(tile)
     rules = [Rule("decision", "the caller's KernelConfig" if config is not None else
@@ -474,6 +496,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
                   f"SM100 dispatch: {decision.regime} ({decision.rule}) -> swapped={decision.ab_swapped} "
                   f"bn{decision.mma_bn} cg{decision.cta_group}")]
     route_knobs = None
+    if fp8 is None:   # not asked either way: folded operands take the route where it wins
+        fired = None if chosen or backend == "h200_stream" else prefers_fp8_route(problem)
+        fp8 = fired is not None
+        rules += [fired] if fired else []
     if fp8:
         if backend == "h200_stream" or config is not None or tile:
             raise ValueError("fp8=True is the wgmma kernel's FP8 route with its own tile: backend 'auto' or "

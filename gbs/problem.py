@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import (BlockFormat, BlockScaled, ceil_div, get_format, group_scale_offsets, pad_group_scales, quantize,
-                      swizzle_scales, unswizzle_scales)
-from .layouts import (LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, UE4M3H200Scales, fused_scales, stored_shape,
-                      weight_bytes_layout)
+from .formats import (BlockFormat, BlockScaled, ceil_div, gather_group_scales, get_format, group_scale_offsets,
+                      pad_group_scales, quantize, swizzle_scales, unswizzle_scales)
+from .layouts import (LAYOUT_E4M3_FOLDED, LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, E4M3FoldedScales,
+                      UE4M3H200Scales, fused_scales, stored_shape, weight_bytes_layout)
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
 # MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix). W4A16 = plain bf16 activations (no block
@@ -184,8 +184,6 @@ class GroupedProblem(ProblemShape):
     def a_operand(self) -> BlockScaled:
         """A as a ``BlockScaled`` with linear (unpadded) scales, for dequantization (in ``pack_fp4`` order
         whatever ``a_layout``)."""
-        from .formats import gather_group_scales
-
         cols = self.a_format.scale_cols(self.k)
         scales = gather_group_scales(self.a_scales, self.a_offsets, self.a_scale_offsets, cols)
         scales = _relaid_scales(scales, self.a_format, self.a_layout, LAYOUT_PACKED)
@@ -268,6 +266,11 @@ class GroupedProblem(ProblemShape):
         for name, fmt, layout, cols in (("a_scales", self.a_format, self.a_layout, a_cols),
                                         ("b_scales", self.b_format, self.b_layout, b_cols)):
             _check_padding_scales(name, getattr(self, name), fmt, layout, cols)
+        if self.a_layout == LAYOUT_E4M3_FOLDED:
+            E4M3FoldedScales.check_token_scales(gather_group_scales(self.a_scales, self.a_offsets, self.a_scale_offsets,
+                                                                    a_cols))
+        if self.b_layout == LAYOUT_E4M3_FOLDED:
+            E4M3FoldedScales.check_weight_scales(unswizzle_scales(self.b_scales)[:, :n, :b_cols])
         if fused_scales(self.b_layout):
             fused_copy = E2M1H200FusedOrder.scale_atoms(self.b, self.b_format.block_size, k)
             if not np.array_equal(fused_copy, self.b_scales):
@@ -304,9 +307,10 @@ def check_layout(layout, fmt: BlockFormat, operand: str, shape=None) -> str:
     order = OPERAND_LAYOUTS[layout]
     if order is None:
         return layout
-    if not fmt.packed:
-        raise ValueError(f"{operand}_layout {layout!r} re-lays FP4 (E2M1) {OPERAND_ROLES[operand]}; "
-                         f"{operand} is {fmt.name}")
+    elements = getattr(order, "ELEMENTS", ("e2m1",))
+    if fmt.element not in elements:
+        what = "re-lays FP4 (E2M1)" if elements == ("e2m1",) else f"holds {'/'.join(e.upper() for e in elements)}"
+        raise ValueError(f"{operand}_layout {layout!r} {what} {OPERAND_ROLES[operand]}; {operand} is {fmt.name}")
     if fmt.scale_dtype not in getattr(order, "SCALE_DTYPES", (fmt.scale_dtype,)):
         raise ValueError(f"{operand}_layout {layout!r} takes {' or '.join(order.SCALE_DTYPES)} block scales "
                          f"(MXFP4); {operand} is {fmt.name} ({fmt.scale_dtype} scales)")

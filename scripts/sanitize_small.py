@@ -8,7 +8,8 @@
 
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference. FP4 tokens
-also run with both operands in the H200 order (``E2M1H200Order``: ``a_layout`` / ``b_layout``).
+also run with both operands in the H200 order (``E2M1H200Order``: ``a_layout`` / ``b_layout``); MXFP4 also on the FP8
+routes (``E2M1E4M3Order``, and folded ahead: ``gbs.fp8_route.fold_problem``).
 Exit status 1 if any case fails the acceptance check. One line per case (``PASS`` / ``FAIL`` with its id);
 ``--junitxml PATH`` also writes them as JUnit XML (one testcase per case, the id as its name; a case that
 raises is an error there, written before the exception goes on), as ``scripts/gpu_run.sh sanitize`` does.
@@ -21,7 +22,9 @@ import numpy as np
 from gbs.numba_kernels import h200_launch, simt
 from gbs.plan import plan_h200
 from gbs.problem import build_problem, random_activations, random_weights
-from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED
+from gbs.fp8_route import fold_problem
+from gbs.layouts import (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED,
+                         LAYOUT_E4M3_FOLDED)
 from gbs.reference import check_acceptance
 from gbs.schedule import TileConfig
 
@@ -178,6 +181,9 @@ def run_cases(args: set, results: list) -> int:
                           lambda: h200_launch.run(route, plan_h200(route, fp8=True), None)))
             cases.append(("h200_wgmma", (128, 256, LAYOUT_E2M1_E4M3, "bf16 route"), route,
                           lambda: wgmma(route, 128, tile_tokens=256)))
+            folded = fold_problem(p)   # folded ahead: the chunk-scaled consumer, both operands from the ring
+            cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED), folded,
+                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True), None)))
         if fmt == "w4a8" and "h200_wgmma" in kernels:   # W4A8 on the FP8 route: tokens as the wgmma A operand
             w4a8_route = p.with_b_layout(LAYOUT_E2M1_E4M3)
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3, "fp8"), w4a8_route,

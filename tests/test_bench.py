@@ -119,7 +119,7 @@ def test_quick_and_full_selections():
                                       "gbs_auto_h200_fused",
                                       "gbs_auto_h200_relay", "h200_stream",
                                       "h200_stream_sm100_knobs",
-                                      "h200_wgmma", "gbs_auto_e4m3_order", "gbs_fp8_route",
+                                      "h200_wgmma", "gbs_auto_e4m3_order", "gbs_fp8_route", "gbs_fp8_folded",
                                       "torch_bf16",
                                       "torch_fp8_rowwise", "triton_dot_scaled", "humming", "copy")
 

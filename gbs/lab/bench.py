@@ -164,6 +164,29 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     return prepare
 
 
+def _load_fp8_folded():
+    """MXFP4 x MXFP4 folded ahead into E4M3 with one scale per 128-K chunk (``gbs.fp8_route.fold_problem``: the
+    weights once, the tokens as their quantizer would write them; both untimed, as the quantization is), then
+    ``gbs.plan.plan_h200``'s "auto" plan: the FP8 route from 33 tokens per expert, the folded operands as MXFP8
+    below. NotImplementedError for other formats; ValueError where a block does not fold exactly."""
+    from ..fp8_route import fold_problem
+    from ..numba_kernels import h200_launch
+    from ..numba_kernels.launch import to_device
+    from ..plan import plan_h200
+
+    last = [None, None]   # the last problem and its folded copy: one fold per bench case
+
+    def prepare(problem: GroupedProblem, config):
+        if (problem.a_format.name, problem.b_format.name) != ("mxfp4", "mxfp4"):
+            raise NotImplementedError(f"the fold takes MXFP4 x MXFP4, not {problem.format_name}")
+        if last[0] is not problem:
+            last[:] = [None, None]
+            last[:] = [problem, fold_problem(problem)]
+        return h200_launch.prepare(to_device(last[1]), plan_h200(last[1]))
+
+    return prepare
+
+
 class TokenRelayLaunch:
     """A prepared launch whose FP4 tokens arrive in ``pack_fp4`` order: each call re-lays ``packed_tokens``
     into the launch's own token array (``tokens``, read in ``E2M1H200Order``) on the GPU
@@ -215,7 +238,8 @@ def launch_knobs(launcher) -> str:
 # ``gbs_auto_h200_fused``: each box followed by its scales, ``E2M1H200FusedOrder``, the recommended one;
 # ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call;
 # ``gbs_auto_e4m3_order``: "auto" on operands in the FP8 route's word order (the bf16 consumers); ``gbs_fp8_route``:
-# MXFP4 x MXFP4 in ``E2M1E4M3Order`` on the wgmma kernel's E4M3 consumer, ``plan_h200(fp8=True)``); a loader raises
+# MXFP4 x MXFP4 in ``E2M1E4M3Order`` on the wgmma kernel's E4M3 consumer, ``plan_h200(fp8=True)``; ``gbs_fp8_folded``:
+# MXFP4 x MXFP4 folded ahead, ``gbs.fp8_route.fold_problem``, and "auto"'s plan of it); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
@@ -227,7 +251,8 @@ BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_
                    "h200_stream_sm100_knobs": functools.partial(_load_h200_stream, False),
                    "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma"),
                    "gbs_auto_e4m3_order": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3),
-                   "gbs_fp8_route": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3, fp8=True)}
+                   "gbs_fp8_route": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3, fp8=True),
+                   "gbs_fp8_folded": _load_fp8_folded}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 

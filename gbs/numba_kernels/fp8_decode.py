@@ -105,6 +105,22 @@ def make_token_factor_bits(power_bits):
 token_factor_bits = make_token_factor_bits(power_of_two_bits)
 
 
+def make_chunk_factor_bits(power_bits):
+    """``chunk_factor_bits(token_byte, tile_byte)`` with ``power_bits`` (host or device)."""
+
+    def chunk_factor_bits(token_byte, tile_byte):
+        """The fp32 bits of a folded chunk's promotion factor: the token row's chunk scale times the weight tile's,
+        ``2^(token_byte + tile_byte - 254)``; NaN where either scale is NaN (0xFF)."""
+        if token_byte == UE8M0_NAN or tile_byte == UE8M0_NAN:
+            return F32_NAN_BITS
+        return power_bits(token_byte + tile_byte - 2 * UE8M0_BIAS)
+
+    return chunk_factor_bits
+
+
+chunk_factor_bits = make_chunk_factor_bits(power_of_two_bits)
+
+
 def fold_table_row(scale_byte, max_byte):
     """Row of ``MAGNITUDE_TABLES`` for a block of scale ``scale_byte`` in a chunk whose largest is ``max_byte``."""
     if scale_byte == UE8M0_NAN:
@@ -140,6 +156,7 @@ fold_table_row_device = inline_device(fold_table_row)
 promotion_log2_device = inline_device(promotion_log2)
 power_of_two_bits_device = inline_device(power_of_two_bits)
 token_factor_bits_device = inline_device(make_token_factor_bits(power_of_two_bits_device))
+chunk_factor_bits_device = inline_device(make_chunk_factor_bits(power_of_two_bits_device))
 
 
 def block_element_at(position):

@@ -119,7 +119,7 @@ from numba import cuda, float32
 
 from gbs.dispatch import require_int
 from gbs.formats import SF_ATOM_ROWS, get_format
-from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_PACKED
+from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 from gbs.numba_kernels import fp8_decode as fd
 from gbs.numba_kernels import h200_decode as hd
 from gbs.numba_kernels import h200_ring as hr
@@ -190,6 +190,7 @@ OUT_ALIGN = 4                 # the epilogue's paired bf16 stores (st.global.b32
 # 17 x 8-byte magnitude table (``fp8_decode.MAGNITUDE_TABLES``).
 FP8_CHUNK = 128
 FP8_ROUTE_FORMATS = (("mxfp4", "mxfp4"), ("mxfp8", "mxfp4"))   # (tokens, weights): MXFP4 x MXFP4 and W4A8
+CHUNK_SCALED_FORMATS = (("mxfp8", "mxfp8"),)   # the FP8 route on operands folded ahead (``WgmmaSpec.chunk_scaled``)
 E4M3_ROW_BYTES = 128
 FP8_BUFFERS = 2
 FP8_MMA_BN = 128
@@ -239,7 +240,15 @@ class WgmmaSpec:
         if self.bf16_tokens and (self.ab_swapped or self.fp8):
             raise ValueError(f"{self.a_format} tokens (W4A16) are wgmma's A operand straight from the ring stage: "
                              f"ab_swapped and fp8 must be False, got ab_swapped={self.ab_swapped}, fp8={self.fp8}")
-        if self.fp8:
+        if self.chunk_scaled:
+            if (self.a_format, self.b_format) not in CHUNK_SCALED_FORMATS:
+                raise ValueError(f"the FP8 route on operands folded ahead ({LAYOUT_E4M3_FOLDED!r}) takes "
+                                 f"{CHUNK_SCALED_FORMATS}; got {self.a_format} x {self.b_format}")
+            if (bn, tokens, self.ab_swapped) != (FP8_MMA_BN, TILE_TOKENS[0], False):
+                raise ValueError(f"the FP8 route on folded operands takes 128-token x {FP8_MMA_BN}-row tiles, not "
+                                 f"swapped (its two chunk sets and total fill the registers); got mma_bn={bn}, "
+                                 f"tile_tokens={tokens}, ab_swapped={self.ab_swapped}")
+        elif self.fp8:
             tokens_fp4 = self.a_format == "mxfp4"
             want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
             if (self.a_format, self.b_format) not in FP8_ROUTE_FORMATS or (self.a_layout, self.b_layout) != want:
@@ -258,6 +267,12 @@ class WgmmaSpec:
         return hr.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
                              warpgroup_consumers=True, split_k=self.split_k)
+
+    @property
+    def chunk_scaled(self) -> bool:
+        """The FP8 route on operands folded ahead (both in ``LAYOUT_E4M3_FOLDED``, ``gbs.fp8_route.fold_problem``):
+        ``_make_chunk_scaled_consumer``."""
+        return self.fp8 and (self.a_layout, self.b_layout) == (LAYOUT_E4M3_FOLDED, LAYOUT_E4M3_FOLDED)
 
     @property
     def min_stages(self) -> int:
@@ -357,6 +372,8 @@ class WgmmaSpec:
 
     @property
     def buffers(self) -> int:
+        if self.chunk_scaled:
+            return 0   # both operands are read from the ring stage
         return FP8_BUFFERS if self.fp8 else BF16_BUFFERS
 
     @property
@@ -372,7 +389,7 @@ class WgmmaSpec:
     @property
     def smem(self) -> "WgmmaSmem":
         """The ring, then the B buffers (``BF16_BUFFERS`` bf16, or ``FP8_BUFFERS`` E4M3 and the scratch)."""
-        scratch = FP8_SCRATCH_BYTES if self.fp8 else 0
+        scratch = FP8_SCRATCH_BYTES if self.fp8 and not self.chunk_scaled else 0
         return WgmmaSmem(self.scratch_offset + scratch, self.ring.smem.static_bytes)
 
 
@@ -457,6 +474,8 @@ def make_kernel_function(spec: WgmmaSpec):
     make_consumer = _make_bf16_tokens_consumer if spec.bf16_tokens else _make_bf16_consumer
     if spec.fp8:
         make_consumer = _make_fp8_consumer if spec.a_format == "mxfp4" else _make_fp8_tokens_consumer
+    if spec.chunk_scaled:
+        make_consumer = _make_chunk_scaled_consumer
     return _kernel_frame(spec, ring, make_consumer(spec, ring))
 
 
@@ -1372,6 +1391,153 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
                 if stage == stages:
                     stage = 0
                     phase ^= 1
+            hp.accumulators_to_array(total, acc_out)
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+            total = zero_acc()
+            item += 1
+
+    return _device(consume)
+
+
+def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
+    """The FP8 route on operands already folded (``WgmmaSpec.chunk_scaled``): E4M3 tokens and weights whose UE8M0
+    scales are constant per 128-K chunk, per token row and per 128-row weight tile (``gbs.fp8_route.fold_problem``
+    writes MXFP4 that way, exactly). Both operands are wgmma's shared-memory operands straight from the ring stage
+    (no thread touches them): per slice 4 x ``wgmma m64n128k32 .e4m3`` into one of two chunk sets; while they run,
+    the previous slice's set is promoted, ``total += chunk * 2^(e_token + e_tile - 254)``, one FFMA per accumulator,
+    and its stage released. A device function for ``_kernel_frame``."""
+    ring_spec = spec.ring
+    read_work_record = ring.read_work_record
+    stages, lay = ring_spec.stages, ring_spec.smem
+    stage_bytes = lay.stage_bytes
+    m_side, n_side = ring_spec.m_side, ring_spec.n_side
+    m_data_off, n_data_off, m_sf_off, n_sf_off = lay.m_data, lay.n_data, lay.m_scales, lay.n_scales
+    atoms = m_side.sf_atoms_per_slice
+    if (m_side.row_bytes, n_side.row_bytes, spec.k_slice) != (E4M3_ROW_BYTES, E4M3_ROW_BYTES, FP8_CHUNK):
+        raise AssertionError("the chunk-scaled route reads 128-byte E4M3 rows of both operands per 128-K slice")
+    if m_data_off % SW128_ATOM_BYTES or n_data_off % SW128_ATOM_BYTES or stage_bytes % SW128_ATOM_BYTES:
+        raise AssertionError("both operands' stage rows must be 1024-byte aligned: they are wgmma operands")
+    mma_bn = spec.mma_bn
+    num_acc = mma_bn // 2
+    mma = hp.wgmma_e4m3_ss(mma_bn)
+    zero_acc = hp.wgmma_zero_accumulators(mma_bn)
+    promote = hp.promote_accumulator_rows
+    sf_offset = _device(scale_byte_offset)
+    advance = _device(hp.wgmma_descriptor_advance)
+    factor_bits = fd.chunk_factor_bits_device
+    store_tile = _make_store_tile(num_acc)
+    MBARRIER_BYTES = hr.MBARRIER_BYTES
+    UNIT, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES
+    TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
+    ROW_BYTES, STEP_UNITS = E4M3_ROW_BYTES, WGMMA_K_E4M3 // hp.DESCRIPTOR_UNIT_BYTES
+    STAGE_UNITS = stage_bytes // UNIT
+    if FP8_CHUNK // WGMMA_K_E4M3 != 4:
+        raise AssertionError("the consumer writes out 4 k32 steps per slice")
+
+    def slice_mmas(acc, a_desc, b_desc):
+        """The slice's 4 k32 steps into a fresh chunk set, one wgmma group."""
+        hp.wgmma_fence()
+        acc = mma(acc, a_desc, b_desc, np.uint32(0))
+        acc = mma(acc, advance(a_desc, STEP_UNITS), advance(b_desc, STEP_UNITS), np.uint32(1))
+        acc = mma(acc, advance(a_desc, 2 * STEP_UNITS), advance(b_desc, 2 * STEP_UNITS), np.uint32(1))
+        acc = mma(acc, advance(a_desc, 3 * STEP_UNITS), advance(b_desc, 3 * STEP_UNITS), np.uint32(1))
+        hp.wgmma_commit_group()
+        return acc
+
+    def slice_factors(st, m_sf_row, n_sf_row):
+        """The promotion factors of rows m_row and m_row + 8 for the slice in stage ``st``: the token rows' chunk
+        scale (block 0 of the chunk's 4, all equal) times the weight tile's (its first row's)."""
+        tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
+        lo = np.int32(ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)) & 0xFF)
+        hi = np.int32(ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)) & 0xFF)
+        return f32_from_bits(np.uint32(factor_bits(lo, tile_byte))), f32_from_bits(np.uint32(factor_bits(hi, tile_byte)))
+
+    def release(bar0, stage, lane):
+        cuda.syncwarp()
+        if lane == 0:
+            mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+
+    slice_mmas, slice_factors, release = _device(slice_mmas), _device(slice_factors), _device(release)
+
+    def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                slices_per_split):
+        lane = cm.laneid()
+        base = np.uint32(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        g = lane >> 2
+        q = lane & 3
+        warpgroup = cw // WARPGROUP_WARPS_
+        m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
+        # the warpgroup's 64 token rows and the tile's weight rows of stage 0, as wgmma operands
+        desc_a0 = hp.wgmma_smem_descriptor_device(
+            np.uint32(base + m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES), SW128_LEADING_BYTES_,
+            SW128_ATOM_BYTES_, "128B")
+        desc_b0 = hp.wgmma_smem_descriptor_device(np.uint32(base + n_data_off), SW128_LEADING_BYTES_,
+                                                  SW128_ATOM_BYTES_, "128B")
+        acc_out = cuda.local.array(num_acc, float32)
+        total = zero_acc()
+        set_x = zero_acc()
+        set_y = zero_acc()
+        fy_lo = float32(0.0)
+        fy_hi = float32(0.0)
+        stage = np.int64(0)
+        phase = np.int64(0)
+        item = np.int64(0)
+        while item < max_tiles:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
+                break
+            m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
+            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
+            done = np.int64(0)
+            held = np.int64(0)    # the stage whose MMAs run in the other set
+            while True:
+                # slice into set x; then the previous slice's set y is promoted
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                fx_lo, fx_hi = slice_factors(st, m_sf_row, n_sf_row)
+                units = np.uint32(stage * STAGE_UNITS)
+                set_x = slice_mmas(set_x, advance(desc_a0, units), advance(desc_b0, units))
+                if done > 0:
+                    hp.wgmma_wait_group_1()
+                    set_y = hp.wgmma_fence_accumulators(set_y)
+                    release(bar0, held, lane)
+                    total = promote(total, set_y, fy_lo, fy_hi)
+                held = stage
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+                done += 1
+                if done == k_slices:
+                    hp.wgmma_wait_group_0()
+                    set_x = hp.wgmma_fence_accumulators(set_x)
+                    release(bar0, held, lane)
+                    total = promote(total, set_x, fx_lo, fx_hi)
+                    break
+                # slice into set y; then set x is promoted
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                fy_lo, fy_hi = slice_factors(st, m_sf_row, n_sf_row)
+                units = np.uint32(stage * STAGE_UNITS)
+                set_y = slice_mmas(set_y, advance(desc_a0, units), advance(desc_b0, units))
+                hp.wgmma_wait_group_1()
+                set_x = hp.wgmma_fence_accumulators(set_x)
+                release(bar0, held, lane)
+                total = promote(total, set_x, fx_lo, fx_hi)
+                held = stage
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+                done += 1
+                if done == k_slices:
+                    hp.wgmma_wait_group_0()
+                    set_y = hp.wgmma_fence_accumulators(set_y)
+                    release(bar0, held, lane)
+                    total = promote(total, set_y, fy_lo, fy_hi)
+                    break
             hp.accumulators_to_array(total, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
             total = zero_acc()

@@ -1,0 +1,206 @@
+"""The FP8 route on operands folded ahead (issue 31 item 3): MXFP4 x MXFP4 re-encoded once as E4M3 with one UE8M0 scale
+per 128-K chunk (``gbs.fp8_route.fold_problem``, layout ``e4m3_folded``), multiplied by the wgmma kernel's
+chunk-scaled consumer (``h200_wgmma._make_chunk_scaled_consumer``: both operands straight from the ring, two chunk
+sets, one fp32 promotion per 128 K).
+
+CPU: the fold keeps the exact reference bit for bit (ragged groups, an empty group, a -1 slot, a 1-token group, N and
+K tails, blocks at both ends of the window, NaN blocks); it refuses what it cannot fold exactly; the layout tag
+refuses scales that do not repeat per chunk and tile; the promotion factor; the plan; the build's SASS.
+
+GPU (the H200): the route's contract against the exact reference (``test_fp8_route_kernel.check_route``:
+bit-identical where the tensor core sums every chunk exactly, within ``HOPPER_CHUNK_ERROR``'s bound elsewhere, skipped
+rows keep the poison, NaN where the reference has it).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+
+from gbs import fp8_route as fr
+from gbs.formats import UE8M0_NAN_BYTE, swizzle_scales, unswizzle_scales
+from gbs.layouts import LAYOUT_E4M3_FOLDED
+from gbs.numba_kernels import fp8_decode as fd
+from gbs.numba_kernels import h200_launch as hl
+from gbs.numba_kernels import h200_ring as hr
+from gbs.numba_kernels import h200_wgmma as hw
+from gbs.numba_kernels import launch
+from gbs.plan import plan_h200
+from gbs.problem import random_problem
+from gbs.ptx_inline import offline
+from gbs.reference import reference_grouped_matmul
+from test_fp8_route_kernel import check_route, gaussian_problem, with_scales
+
+
+def same_bits(x, y) -> bool:
+    return np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+
+
+def window_edges(seed: int):
+    """Per chunk, token rows with blocks at d = 6 and d = -8 of their base (14 binades apart), weight tiles likewise
+    (one row's block 14 below the tile's top), a NaN-scale token block and a NaN-scale weight block."""
+    problem = gaussian_problem(256, 1024, seed=seed, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3)
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
+    a[:, 0::4] = 130
+    a[:, 1::4] = 130 - 14
+    b[:, :, 0::4] = 132
+    b[:, 5, 2::4] = 132 - 14
+    a[10, 9] = UE8M0_NAN_BYTE
+    b[2, 17, 20] = UE8M0_NAN_BYTE
+    return with_scales(problem, a_linear=a, b_linear=b)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the fold
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, k", [(320, 2880), (130, 448), (256, 1024)])
+def test_fold_keeps_the_exact_reference_bit_for_bit(n, k):
+    problem = gaussian_problem(n, k, seed=zlib.crc32(f"fold/{n}/{k}".encode()))
+    folded = fr.fold_problem(problem)
+    assert (folded.a_format.name, folded.b_format.name) == ("mxfp8", "mxfp8")
+    assert (folded.a_layout, folded.b_layout) == (LAYOUT_E4M3_FOLDED, LAYOUT_E4M3_FOLDED)
+    assert folded.b.nbytes == 2 * problem.b.nbytes   # one byte per element
+    assert same_bits(reference_grouped_matmul(folded), reference_grouped_matmul(problem))
+
+
+def test_fold_keeps_blocks_at_both_ends_of_the_window_and_nan_blocks():
+    edge = window_edges(seed=3)
+    folded = fr.fold_problem(edge)
+    ref = reference_grouped_matmul(edge)
+    assert np.isnan(ref.astype(np.float32)).any(), "the NaN blocks reach the reference"
+    assert same_bits(reference_grouped_matmul(folded), ref)
+
+
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_fold_refuses_a_live_block_beyond_the_window(operand):
+    """A block 15 binades below its chunk's largest (its tile's, for weights) does not fold exactly: ValueError,
+    never silent zeros; 14 below folds."""
+    problem = gaussian_problem(256, 256, seed=5, group_sizes=(40, 90), expert_ids=(0, 1), experts=2)
+    for gap, ok in ((14, True), (15, False)):
+        if operand == "a":
+            a = problem.a_operand().scales.copy()
+            a[:, :4] = 130
+            a[7, 2] = 130 - gap
+            case = with_scales(problem, a_linear=a)
+        else:
+            b = unswizzle_scales(problem.b_scales, problem.n, 8).copy()
+            b[:, :128, :4] = 130
+            b[1, 100, 3] = 130 - gap
+            case = with_scales(problem, b_linear=b)
+        if ok:
+            assert same_bits(reference_grouped_matmul(fr.fold_problem(case)), reference_grouped_matmul(case))
+        else:
+            with pytest.raises(ValueError, match="binades below"):
+                fr.fold_problem(case)
+
+
+def test_fold_refuses_other_formats():
+    for fmt in ("nvfp4", "mxfp8", "w4a8"):
+        problem = random_problem(fmt, n=128, k=256, num_experts=2, total_tokens=8, num_active_experts=2)
+        with pytest.raises(ValueError, match="folds MXFP4 x MXFP4"):
+            fr.fold_problem(problem)
+
+
+def test_folded_layout_refuses_scales_that_do_not_repeat():
+    """The tag promises one scale per (token row, chunk) and per (128-row weight tile, chunk): a problem that breaks
+    it is refused at construction, and an ordinary MXFP8 problem cannot be tagged."""
+    folded = fr.fold_problem(gaussian_problem(200, 512, seed=2, group_sizes=(30, 140), expert_ids=(0, 1), experts=2))
+    a = unswizzle_scales(folded.a_scales).copy()
+    a[3, 1] += 1                                     # block 1 of chunk 0 of token row 3
+    with pytest.raises(ValueError, match="token row 3's block 1"):
+        dataclasses.replace(folded, a_scales=swizzle_scales(a))
+    b = unswizzle_scales(folded.b_scales).copy()
+    b[1, 130, 4:8] += 1                              # row 130 (tile 1, not its first row), chunk 1
+    with pytest.raises(ValueError, match="expert 1 row 130"):
+        dataclasses.replace(folded, b_scales=swizzle_scales(b))
+    ordinary = random_problem("mxfp8", n=128, k=512, num_experts=2, total_tokens=40, num_active_experts=2)
+    with pytest.raises(ValueError, match="not folded"):
+        ordinary.with_a_layout(LAYOUT_E4M3_FOLDED)
+    with pytest.raises(ValueError, match="holds E4M3"):
+        gaussian_problem(128, 256, seed=1, group_sizes=(4,), expert_ids=(0,), experts=1).with_b_layout(
+            LAYOUT_E4M3_FOLDED)
+
+
+def test_chunk_factor_is_the_power_of_two_of_both_scales_and_nan_for_a_nan_scale():
+    for token, tile in ((127, 127), (130, 118), (1, 30), (254, 1)):
+        want = np.float32(2.0 ** (token + tile - 254))
+        assert np.uint32(fd.chunk_factor_bits(token, tile)) == want.view(np.uint32)
+    for token, tile in ((UE8M0_NAN_BYTE, 127), (127, UE8M0_NAN_BYTE)):
+        assert np.isnan(np.uint32(fd.chunk_factor_bits(token, tile)).view(np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the plan and the build
+# ----------------------------------------------------------------------------------------------
+def test_plan_runs_folded_prefill_on_the_route_and_the_rest_as_mxfp8():
+    folded = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(64, 40), expert_ids=(0, 1), experts=2))
+    plan = plan_h200(folded)
+    assert plan.kernel == "h200_wgmma" and plan.spec.chunk_scaled and plan.spec.fp8
+    assert {r.name: r.evidence for r in plan.rules}["route"] == "fp8-fold-gpu"
+    assert not plan_h200(folded, fp8=False).spec.fp8        # asked not to: the bf16 route reads them as MXFP8
+    decode = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(4, 2), expert_ids=(0, 1), experts=2))
+    assert plan_h200(decode).kernel == "h200_stream"         # below 33 tokens per expert: the streaming kernel
+    assert plan_h200(decode, fp8=True).spec.chunk_scaled    # asked for
+    with pytest.raises(ValueError, match="own tile"):
+        plan_h200(folded, fp8=True, backend="h200_stream")
+
+
+def test_spec_takes_folded_operands_only_on_its_128_x_128_tile():
+    folded = dict(a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
+    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, fp8=True, **folded)
+    assert spec.chunk_scaled and spec.buffers == 0
+    assert not hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, **folded).chunk_scaled
+    with pytest.raises(ValueError, match="128-token x 128-row"):
+        hw.WgmmaSpec("mxfp8", "mxfp8", 256, 4, fp8=True, **folded)
+    with pytest.raises(ValueError, match="128-token x 128-row"):
+        hw.WgmmaSpec("mxfp8", "mxfp8", 128, 4, fp8=True, tile_tokens=256, **folded)
+
+
+def test_build_issues_e4m3_wgmma_on_both_shared_operands_without_local_memory():
+    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 1, fp8=True, a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
+    spec = dataclasses.replace(spec, stages=hl.max_pipeline_stages(spec))
+    assert spec.stages == 6
+    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
+                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+    sass = offline.disassemble(cubin)
+    assert offline.resource_usage(cubin).local_bytes == 0
+    mmas = [line for line in sass.splitlines() if "QGMMA" in line]
+    # two slice bodies (one per chunk set) of 4 k32 steps, both operands shared-memory descriptors
+    assert len(mmas) == 8 and all("64x128x32.F32.E4M3.E4M3" in m and m.count("gdesc") == 1 for m in mmas), mmas
+    ops = collections.Counter(line.split()[1].split(".")[0] for line in sass.splitlines() if "*/" in line
+                              and len(line.split()) > 1)
+    assert ops["FFMA"] >= 2 * 64, "the promotions: one FFMA per accumulator per chunk set"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+def _run_folded(problem):
+    if launch.gpu_compute_capability() != hr.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    folded = fr.fold_problem(problem)
+    plan = plan_h200(folded, fp8=True)
+    assert plan.spec.chunk_scaled
+    return hl.run(folded, plan, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168), (128, 256)])
+def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k):
+    """Ragged groups: an empty group, a -1 slot (its rows keep the poison), a 1-token group, groups past 256 tokens
+    and not multiples of 128; N and K tails (gpt-oss K = 2880: a partial last chunk)."""
+    problem = gaussian_problem(n, k, seed=zlib.crc32(f"folded/{n}/{k}".encode()))
+    counts = check_route(problem, _run_folded(problem))
+    assert counts["asserted"] > 0.5 * counts["elements"], counts   # Gaussian data: mostly exact chunk sums
+    print(counts)
+
+
+@pytest.mark.gpu
+def test_gpu_folded_route_window_edges_and_nan_blocks():
+    edge = window_edges(seed=7)
+    counts = check_route(edge, _run_folded(edge))
+    print(counts)
