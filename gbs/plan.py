@@ -301,11 +301,11 @@ def folded_operands(problem) -> bool:
 def prefers_fp8_route(problem) -> Rule | None:
     """The rule that runs a folded ``problem`` on the FP8 route under ``"auto"`` (no config, no constraints), or None:
     its 128-token tiles from ``WGMMA_MIN_TOKENS_PER_EXPERT`` tokens per expert, where it beats the bf16 route
-    (evidence: fp8-fold-gpu); below, the folded operands run as the MXFP8 they are."""
+    (evidence: fp8-fold-bench); below, the folded operands run as the MXFP8 they are."""
     tokens = average_tokens_per_expert(problem)
     if folded_operands(problem) and tokens >= WGMMA_MIN_TOKENS_PER_EXPERT:
         return Rule("kernel", f"h200_wgmma, FP8 route: operands folded ahead, {tokens} tokens per expert >= "
-                             f"{WGMMA_MIN_TOKENS_PER_EXPERT}", "fp8-fold-gpu")
+                             f"{WGMMA_MIN_TOKENS_PER_EXPERT}", "fp8-fold-bench")
     return None
 
 
