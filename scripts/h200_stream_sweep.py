@@ -30,7 +30,8 @@ from gbs.lab.cases import BENCH_CASES, BenchCase, useful_bytes, useful_flops
 from gbs.lab.environment import environment_fields
 from gbs.lab.timing import device_l2_bytes, measure_read_bandwidth, rotation_count, time_launches
 from gbs.dispatch import AUTO_STAGES
-from gbs.layouts import LAYOUT_PACKED, OPERAND_LAYOUTS
+from gbs.fp8_route import fold_problem
+from gbs.layouts import LAYOUT_E4M3_FOLDED, LAYOUT_PACKED, OPERAND_LAYOUTS
 from gbs.numba_kernels import h200_launch, h200_ring, h200_trace, h200_wgmma
 from gbs.numba_kernels.launch import to_device
 from gbs.plan import plan_h200
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", default=None)
     parser.add_argument("--budget-s", type=float, default=1.0, help="timed seconds per point")
     parser.add_argument("--b-layout", default=LAYOUT_PACKED, choices=sorted(OPERAND_LAYOUTS),
-                        help="weights re-laid once before timing (GroupedProblem.with_b_layout; FP4 weights)")
+                        help="weights re-laid once before timing (GroupedProblem.with_b_layout; FP4 weights); "
+                             f"{LAYOUT_E4M3_FOLDED}: MXFP4 tokens and weights folded ahead (gbs.fp8_route.fold_problem)")
     parser.add_argument("--a-layout", default=LAYOUT_PACKED, choices=sorted(OPERAND_LAYOUTS),
                         help="tokens in this order, as their quantizer would write them (GroupedProblem.with_a_layout; "
                              "FP4 tokens; untimed, as the quantization is)")
@@ -187,7 +189,9 @@ def main(argv=None) -> int:
         key = (fmt, case.name)
         if key not in problems:
             problems[key] = case.problem(fmt)
-            if args.b_layout != LAYOUT_PACKED and problems[key].b_format.packed:
+            if args.b_layout == LAYOUT_E4M3_FOLDED:   # both operands folded ahead (MXFP4 only; untimed)
+                problems[key] = fold_problem(problems[key])
+            elif args.b_layout != LAYOUT_PACKED and problems[key].b_format.packed:
                 problems[key] = problems[key].with_b_layout(args.b_layout)
             if args.a_layout != LAYOUT_PACKED and problems[key].a_format.packed:
                 problems[key] = problems[key].with_a_layout(args.a_layout)
