@@ -55,6 +55,12 @@ Exactness and the error bound
   bit-identical to the bf16 route elsewhere (another accumulation order): the reference and the bound are the
   contract.
 
+Folded ahead
+------------
+``fold_problem`` writes a whole MXFP4 x MXFP4 problem in this form, once: MXFP8 operands (layout ``e4m3_folded``) whose
+UE8M0 scales repeat over each chunk, per token row and per 128-row weight tile, so the kernel multiplies E4M3 bytes it
+never decodes (``h200_wgmma.WgmmaSpec.chunk_scaled``). It refuses what it cannot fold exactly (no fallback inside).
+
 Constraints: MXFP4 operands only (``fold_operand`` rejects the others: NVFP4's UE4M3 scales do not fold exactly
 into E4M3, MXFP8 tokens already use E4M3's whole range and keep their scales outside the MMA); 2-D operands
 (rows, K) in ``pack_fp4`` order (``problem.a_operand()`` / ``b_operand(e)``); ``chunk`` a multiple of 32.

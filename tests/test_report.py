@@ -239,6 +239,18 @@ def test_headline_adds_a_newer_run_of_other_cases_without_hiding_the_full_run(tm
     assert headline.index("`decode_up` |") < headline.index("`gptoss_decode_up` |")   # the older run's first
 
 
+def test_headline_gives_a_route_its_own_column_beside_its_format(tmp_path):
+    """``HEADLINE_ROUTES``: the folded FP8 route's rows form a column of their own, with the format's peers; the
+    format's own column keeps its "auto" row, and a run without the route's method adds no column."""
+    rows = [_row("gbs_auto_h200_fused", "ours", 200.0, fmt="mxfp4"), _row("gbs_fp8_folded", "ours", 100.0, fmt="mxfp4"),
+            _row("torch_bf16", "peer", 400.0, fmt="mxfp4"), _row("torch_fp8_rowwise", "peer", 50.0, fmt="mxfp4")]
+    headline = report.render_headline(_bench_files(tmp_path / "with", {"run.csv": rows}))
+    assert "| MXFP4 | MXFP4 folded (FP8 route) |" in headline
+    assert "| 200.0: 2.00x / 0.25x, 50.0 % | 100.0: 4.00x / 0.50x, 100.0 % |" in headline
+    without = report.render_headline(_bench_files(tmp_path / "without", {"run.csv": [rows[0], *rows[2:]]}))
+    assert "folded" not in without and "| 200.0: 2.00x / 0.25x, 50.0 % |" in without
+
+
 def test_skipped_rows_show_their_reason(tmp_path):
     rows = _flagged_rows()
     rows[1].update(status="skipped", note="no torch", median_us="")

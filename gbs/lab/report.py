@@ -36,9 +36,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]   # gbs/lab/report.py -> the rep
 KIND_OURS = "ours"
 KIND_PEER = "peer"
 STATUS_OK = "ok"
-FORMAT_ORDER = ("nvfp4", "mxfp4", "mxfp8", "w4a8")
+FORMAT_ORDER = ("nvfp4", "mxfp4", "mxfp4_fp8_folded", "mxfp8", "w4a8")
 FORMAT_NAMES = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "mxfp8": "MXFP8", "mxfp8_e5m2": "MXFP8 (E5M2)",
-                "w4a8": "W4A8", "w4a16": "W4A16 (MXFP4)", "w4a16_nvfp4": "W4A16 (NVFP4)"}
+                "w4a8": "W4A8", "w4a16": "W4A16 (MXFP4)", "w4a16_nvfp4": "W4A16 (NVFP4)",
+                "mxfp4_fp8_folded": "MXFP4 folded (FP8 route)"}
+# Methods the headline gives a column of their own beside their format's "auto" one: routes a user opts into by
+# preparing the operands differently (column -> (format, method)).
+HEADLINE_ROUTES = {"mxfp4_fp8_folded": ("mxfp4", "gbs_fp8_folded")}
 # Headline peers: torch bf16, and torch FP8 (the fastest of the ``torch_fp8*`` methods a CSV holds).
 BF16_PEER = "torch_bf16"
 HUMMING_PEER = "humming"   # the strongest Hopper MoE peer: its own column in the headline where a CSV has it
@@ -272,14 +276,30 @@ def _flag_lines(files: list[BenchFile], rows_by_file: dict[str, list[dict]]) -> 
 # ----------------------------------------------------------------------------------------------
 # The README headline table
 # ----------------------------------------------------------------------------------------------
+def headline_columns(f: BenchFile) -> list[str]:
+    """The headline columns ``f`` has rows for: its formats, and the ``HEADLINE_ROUTES`` whose method it ran."""
+    routes = [c for c, (fmt, method) in HEADLINE_ROUTES.items()
+              if any(r.get("method") == method for r in f.rows_of(fmt))]
+    return _ordered_formats(f.formats + routes)
+
+
+def headline_rows(f: BenchFile, column: str) -> list[dict]:
+    """``f``'s rows of a headline column: a format's, or a route's (its format's peers and the route's own rows)."""
+    if column not in HEADLINE_ROUTES:
+        return f.rows_of(column)
+    fmt, method = HEADLINE_ROUTES[column]
+    return [r for r in f.rows_of(fmt) if r.get("kind") != KIND_OURS or r.get("method") == method]
+
+
 def headline_sources(files: list[BenchFile]) -> dict[str, dict[str, BenchFile]]:
-    """For each format and case, the newest CSV (latest ``date``, then file name) that has timed gbs on it: a run of
-    a few cases (e.g. gpt-oss's) adds its rows without hiding the other cases' last full run."""
+    """For each headline column (format or route) and case, the newest CSV (latest ``date``, then file name) that has
+    timed gbs on it: a run of a few cases (e.g. gpt-oss's) adds its rows without hiding the other cases' last full
+    run."""
     chosen: dict[str, dict[str, BenchFile]] = {}
     for f in files:
-        for fmt in f.formats:
-            for case in cases(f.rows_of(fmt)):
-                if ours_row(case_rows(f.rows_of(fmt), case)) is None:
+        for fmt in headline_columns(f):
+            for case in cases(headline_rows(f, fmt)):
+                if ours_row(case_rows(headline_rows(f, fmt), case)) is None:
                     continue
                 best = chosen.setdefault(fmt, {}).get(case)
                 if best is None or (f.date, f.path) > (best.date, best.path):
@@ -303,13 +323,13 @@ def render_headline(files: list[BenchFile]) -> str:
     sources = headline_sources(files)
     if not sources:
         raise ValueError("no bench CSV holds a gbs row")
-    per_case = {fmt: {case: case_rows(f.rows_of(fmt), case) for case, f in by_case.items()}
+    per_case = {fmt: {case: case_rows(headline_rows(f, fmt), case) for case, f in by_case.items()}
                 for fmt, by_case in sources.items()}
     # the cases in the order of the runs that cover the most of them (the full runs), then the others'
     widest_first = sorted({f.path: f for by_case in sources.values() for f in by_case.values()}.values(),
                           key=lambda f: (-len({r["case"] for r in f.rows}), f.date, f.path))
     case_order = list(dict.fromkeys(c for f in widest_first for fmt, by_case in sources.items()
-                                    for c in cases(f.rows_of(fmt)) if by_case.get(c) is f))
+                                    for c in cases(headline_rows(f, fmt)) if by_case.get(c) is f))
     with_humming = any(peer_row(rs, HUMMING_PEER) for by_case in per_case.values() for rs in by_case.values())
     header = ["case", "N x K", "experts x tokens", "torch bf16 (us)", "torch FP8 (us)"] + \
         (["humming (us)"] if with_humming else []) + [FORMAT_NAMES.get(fmt, fmt) for fmt in sources]
@@ -350,7 +370,7 @@ def render_headline(files: list[BenchFile]) -> str:
     for f in used:
         fmts = [fmt for fmt, by_case in sources.items() if f in by_case.values()]
         rows = [r for fmt in fmts for case, src in sources[fmt].items() if src is f
-                for r in case_rows(f.rows_of(fmt), case)]
+                for r in case_rows(headline_rows(f, fmt), case)]
         shown_cases = list(dict.fromkeys(r["case"] for r in rows))
         alone = all(len(set(sources[fmt].values())) == 1 for fmt in fmts)   # its formats' only source
         label = ", ".join(FORMAT_NAMES.get(fmt, fmt) for fmt in fmts) + \

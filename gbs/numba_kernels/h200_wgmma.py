@@ -79,6 +79,12 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   promotion per k32 step. Exact up to the tensor core's 14-bit sums (``gbs.fp8_route``); both slower than the bf16
   route so far (evidence: fp8-route-gpu, w4a8-fp8-route-gpu; ``docs/design/h200_port.md``, "The FP8 route: the
   kernel, and what it measured"). ``gbs.plan`` runs them only when asked (``fp8=True``).
+* The FP8 route on operands folded ahead (``WgmmaSpec.chunk_scaled``: ``fp8`` with both operands in
+  ``LAYOUT_E4M3_FOLDED``, MXFP8 bytes whose scales repeat per 128-K chunk, ``gbs.fp8_route.fold_problem``;
+  ``_make_chunk_scaled_consumer``): both operands are wgmma's shared-memory operands straight from the ring, 4 x
+  ``wgmma m64n128k32 .e4m3`` per slice into one of two chunk sets, the other set promoted meanwhile with one factor
+  per token row. 1.5x the bf16 route on large prefill (evidence: fp8-fold-bench); ``gbs.plan`` runs it for folded
+  problems from 33 tokens per expert.
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
