@@ -188,15 +188,16 @@ BASE_BLOCKS = ("live", "finite")   # which blocks set a chunk's base: see fold_o
 
 
 def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK, *, base_over: str = "live",
-                 base_rows: int = 1) -> FoldedOperand:
+                 base_rows: int = 1, min_base: int | None = None) -> FoldedOperand:
     """Fold the UE8M0 block scales of a 2-D MXFP4 operand into E4M3 bytes with a base per (row, chunk).
 
     Base rule: ``max(e) - 6`` over the chunk's live blocks (module docstring), or with ``base_over="finite"`` over
     every block with a finite scale, zero blocks included: what a kernel computes from the scale bytes alone
     (``gbs.numba_kernels.fp8_decode``; a chunk whose scales are all NaN gets base 0 here, -133 there, and NaN
     bytes either way). ``base_rows``: rows that share one base per chunk (1; 128: a weight tile's, so that the
-    promotion takes one factor per token row, ``docs/design/h200_port.md``). Live blocks below the window are
-    zeroed and marked out of window."""
+    promotion takes one factor per token row, ``docs/design/h200_port.md``). ``min_base``: bases below it are raised
+    to it (``fold_problem``: -127, the smallest UE8M0 scale; a chunk whose largest block is below 2^-121 then lands
+    lower in the window, all of it still inside). Live blocks below the window are zeroed and marked out of window."""
     _check_mxfp4_2d(q)
     if base_over not in BASE_BLOCKS:
         raise ValueError(f"base_over must be one of {BASE_BLOCKS}, got {base_over!r}")
@@ -225,6 +226,8 @@ def fold_operand(q: BlockScaled, chunk: int = PROMOTION_CHUNK, *, base_over: str
         group_max = grouped.reshape(groups, base_rows, nchunks).max(axis=1)
         chunk_max = np.repeat(group_max, base_rows, axis=0)[:rows]
     bases = np.where(chunk_max > np.iinfo(np.int32).min, chunk_max - FOLD_WINDOW[1], 0).astype(np.int32)
+    if min_base is not None:
+        bases = np.maximum(bases, min_base).astype(np.int32)
 
     block_bases = np.repeat(bases, blocks_per_chunk, axis=1)[:, :nblocks]
     shifts = np.where(live, exponent - block_bases, 0).astype(np.int32)
@@ -457,24 +460,20 @@ def kernel_window_violations(problem: GroupedProblem) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------
 # 4. Folded ahead: an MXFP4 problem as E4M3 operands with one scale per 128-K chunk
 # ----------------------------------------------------------------------------------------------
-UE8M0_MAX_FINITE = 254
-
-
 def chunk_scale_bytes(bases: np.ndarray, blocks: int) -> np.ndarray:
     """(rows, chunks) int bases -> (rows, blocks) UE8M0 bytes: each 32-element block carries its chunk's base."""
     return np.repeat(bases + UE8M0_BIAS, PROMOTION_CHUNK // MX_BLOCK, axis=-1)[..., :blocks].astype(np.uint8)
 
 
+FOLDED_MIN_BASE = -UE8M0_BIAS   # the smallest UE8M0 scale: a base never goes below it (the largest is 2^121)
+
+
 def _folded_or_raise(f: FoldedOperand, what: str) -> np.ndarray:
-    """``f``'s chunk scale bytes, or ValueError where the fold is not exact (a live block below its chunk's window)
-    or a base leaves UE8M0's finite range."""
+    """``f``'s chunk scale bytes, or ValueError where the fold is not exact (a live block below its chunk's
+    window)."""
     if not np.all(f.in_window):
         raise ValueError(f"{int(np.sum(~f.in_window))} {what} blocks lie more than 14 binades below their chunk's "
                          f"largest: they do not fold into E4M3 with one scale per chunk (the bf16 route is exact)")
-    byte = f.bases.astype(np.int64) + UE8M0_BIAS
-    if byte.min() < 0 or byte.max() > UE8M0_MAX_FINITE:
-        raise ValueError(f"a {what} chunk's base 2^{int(byte.min()) - UE8M0_BIAS if byte.min() < 0 else int(byte.max()) - UE8M0_BIAS} "
-                         "is not a finite UE8M0 scale")
     return chunk_scale_bytes(f.bases, -(-f.k // MX_BLOCK))
 
 
@@ -483,9 +482,10 @@ def fold_problem(problem: GroupedProblem) -> GroupedProblem:
     per token row, and per 128-row weight tile (``fold_operand`` with ``base_rows`` 128), so the E4M3 MMAs of a chunk
     need one fp32 promotion with one factor per token row (``h200_wgmma.WgmmaSpec.chunk_scaled``). Every value is
     the original's exactly (``fold_operand``), so the exact reference of the result is the problem's. The weights
-    fold once (twice their FP4 bytes); the tokens every call. ValueError where the fold is not exact: a live block
-    15 or more binades below its chunk's largest (in the weight tile, for weights), a base outside UE8M0, or a
-    promotion factor ``2^(e_token + e_tile)`` outside fp32's normal and subnormal range."""
+    fold once (twice their FP4 bytes); the tokens every call (on the GPU: ``gbs.numba_kernels.fold.fold_tokens``).
+    Bases never go below 2^-127 (``FOLDED_MIN_BASE``: a finite UE8M0 byte; the largest is 2^121). ValueError where
+    the fold is not exact: a live block 15 or more binades below its chunk's largest (in the weight tile, for
+    weights), or a promotion factor ``2^(e_token + e_tile)`` outside fp32's normal and subnormal range."""
     from .formats import get_format, pad_group_scales, swizzle_scales
     from .layouts import LAYOUT_E4M3_FOLDED
 
@@ -495,12 +495,12 @@ def fold_problem(problem: GroupedProblem) -> GroupedProblem:
         raise ValueError(f"fold_problem folds MXFP4 x MXFP4 problems, got {p.a_format.name} x {p.b_format.name}")
     if not isinstance(p, GroupedProblem):
         raise TypeError(f"fold_problem takes a host GroupedProblem, got {type(p).__name__}")
-    a = fold_operand(p.a_operand())
+    a = fold_operand(p.a_operand(), min_base=FOLDED_MIN_BASE)
     a_bytes = _folded_or_raise(a, "token")
     b_data = np.empty((p.num_experts, p.n, p.k), np.uint8)
     b_bytes = np.empty((p.num_experts, p.n, a_bytes.shape[1]), np.uint8)
     for e in range(p.num_experts):
-        f = fold_operand(p.b_operand(e), base_rows=KERNEL_WEIGHT_BASE_ROWS)
+        f = fold_operand(p.b_operand(e), base_rows=KERNEL_WEIGHT_BASE_ROWS, min_base=FOLDED_MIN_BASE)
         b_data[e], b_bytes[e] = f.e4m3, _folded_or_raise(f, "weight")
     factor = (a_bytes.astype(np.int64)[:, ::4].min(), a_bytes.astype(np.int64)[:, ::4].max(),
               b_bytes.astype(np.int64).min(), b_bytes.astype(np.int64).max())

@@ -120,6 +120,7 @@ def test_quick_and_full_selections():
                                       "gbs_auto_h200_relay", "h200_stream",
                                       "h200_stream_sm100_knobs",
                                       "h200_wgmma", "gbs_auto_e4m3_order", "gbs_fp8_route", "gbs_fp8_folded",
+                                      "gbs_fp8_folded_relay",
                                       "torch_bf16",
                                       "torch_fp8_rowwise", "triton_dot_scaled", "humming", "copy")
 

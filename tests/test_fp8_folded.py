@@ -32,7 +32,8 @@ from gbs.plan import plan_h200
 from gbs.problem import random_problem
 from gbs.ptx_inline import offline
 from gbs.reference import reference_grouped_matmul
-from test_fp8_route_kernel import check_route, gaussian_problem, with_scales
+from fp8_cases import gaussian_problem, with_scales
+from test_fp8_route_kernel import check_route
 
 
 def same_bits(x, y) -> bool:

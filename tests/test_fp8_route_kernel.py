@@ -24,7 +24,7 @@ import pytest
 
 from gbs import fp8_route as fr
 from gbs.exactness import FP64_UNIT, exact_values, gamma, round_to_bf16
-from gbs.formats import pack_fp4, swizzle_scales, unswizzle_scales
+from gbs.formats import pack_fp4, unswizzle_scales
 from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, E2M1E4M3Order
 from gbs.numba_kernels import fp8_decode as fd
 from gbs.numba_kernels import h200_launch as hl
@@ -36,44 +36,13 @@ from gbs.problem import build_problem
 from gbs.reference import is_poison, reference_grouped_matmul
 
 from gbs.ptx_inline import offline
+from fp8_cases import gaussian_problem, with_scales
 
 ROUTE = LAYOUT_E2M1_E4M3
-GROUP_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
-EXPERT_IDS = (0, 4, 1, -1, 2, 5, 3, 6)
-
-
-def gaussian_problem(n: int, k: int, seed: int, group_sizes=GROUP_SIZES, expert_ids=EXPERT_IDS, experts: int = 8,
-                     fmt: str = "mxfp4"):
-    rng = np.random.default_rng(seed)
-    tokens = rng.standard_normal((sum(group_sizes), k)).astype(np.float32)
-    weights = rng.standard_normal((experts, n, k)).astype(np.float32)
-    return build_problem(tokens, weights, list(group_sizes), list(expert_ids), fmt=fmt)
-
-
 def on_route(problem):
     """MXFP4 weights (and MXFP4 tokens) in the route's layout; MXFP8 tokens (W4A8) stay as they are."""
     routed = problem.with_b_layout(ROUTE)
     return routed.with_a_layout(ROUTE) if problem.a_format.packed else routed
-
-
-def with_scales(problem, a_linear=None, b_linear=None):
-    """``problem`` with linear scale bytes replaced (tokens: (T, C), written into each group's 128-row bands;
-    weights (E, N, C))."""
-    changes = {}
-    if b_linear is not None:
-        changes["b_scales"] = swizzle_scales(b_linear.astype(np.uint8))
-    if a_linear is not None:
-        atoms = problem.a_scales.copy()
-        for g, (lo, hi) in enumerate(zip(problem.a_offsets[:-1].tolist(), problem.a_offsets[1:].tolist())):
-            if hi == lo:
-                continue
-            first = int(problem.a_scale_offsets[g])   # the group's first 128-row band
-            bands = slice(first, first + -(-(hi - lo) // 128))
-            band = unswizzle_scales(atoms[bands][None])[0]
-            band[:hi - lo, :a_linear.shape[1]] = a_linear[lo:hi]
-            atoms[bands] = swizzle_scales(band[None])[0]
-        changes["a_scales"] = atoms
-    return dataclasses.replace(problem, **changes)
 
 
 # ----------------------------------------------------------------------------------------------

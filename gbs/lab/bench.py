@@ -164,11 +164,13 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     return prepare
 
 
-def _load_fp8_folded():
+def _load_fp8_folded(fold_tokens_on_gpu: bool = False):
     """MXFP4 x MXFP4 folded ahead into E4M3 with one scale per 128-K chunk (``gbs.fp8_route.fold_problem``: the
     weights once, the tokens as their quantizer would write them; both untimed, as the quantization is), then
     ``gbs.plan.plan_h200``'s "auto" plan: the FP8 route from 33 tokens per expert, the folded operands as MXFP8
-    below. NotImplementedError for other formats; ValueError where a block does not fold exactly."""
+    below. ``fold_tokens_on_gpu``: the tokens arrive as MXFP4 instead, and each timed launch first folds them on the
+    GPU (``FoldTokensLaunch``). NotImplementedError for other formats; ValueError where a block does not fold
+    exactly."""
     from ..fp8_route import fold_problem
     from ..numba_kernels import h200_launch
     from ..numba_kernels.launch import to_device
@@ -182,9 +184,32 @@ def _load_fp8_folded():
         if last[0] is not problem:
             last[:] = [None, None]
             last[:] = [problem, fold_problem(problem)]
-        return h200_launch.prepare(to_device(last[1]), plan_h200(last[1]))
+        device = to_device(last[1])
+        launcher = h200_launch.prepare(device, plan_h200(last[1]))
+        return FoldTokensLaunch(launcher, to_device(problem), device) if fold_tokens_on_gpu else launcher
 
     return prepare
+
+
+class FoldTokensLaunch:
+    """A prepared launch of a folded problem whose tokens arrive as MXFP4: each call folds ``mxfp4``'s tokens and
+    scale atoms into the launch's own (``folded``'s; ``gbs.numba_kernels.fold.fold_tokens``) on the GPU, then
+    enqueues the launch, on the same (default) stream, so a timing covers both. Other attributes are the
+    launch's."""
+
+    def __init__(self, launcher, mxfp4, folded):
+        self.launcher, self.mxfp4, self.folded = launcher, mxfp4, folded
+
+    def __call__(self):
+        from ..numba_kernels import fold
+
+        p = self.mxfp4
+        fold.fold_tokens(p.a, p.a_scales, p.a_offsets, p.a_scale_offsets, out=self.folded.a,
+                         out_scales=self.folded.a_scales)
+        return self.launcher()
+
+    def __getattr__(self, name):
+        return getattr(self.launcher, name)
 
 
 class TokenRelayLaunch:
@@ -239,7 +264,8 @@ def launch_knobs(launcher) -> str:
 # ``gbs_auto_h200_relay``: the tokens arriving packed and re-laid on the GPU in each timed call;
 # ``gbs_auto_e4m3_order``: "auto" on operands in the FP8 route's word order (the bf16 consumers); ``gbs_fp8_route``:
 # MXFP4 x MXFP4 in ``E2M1E4M3Order`` on the wgmma kernel's E4M3 consumer, ``plan_h200(fp8=True)``; ``gbs_fp8_folded``:
-# MXFP4 x MXFP4 folded ahead, ``gbs.fp8_route.fold_problem``, and "auto"'s plan of it); a loader raises
+# MXFP4 x MXFP4 folded ahead, ``gbs.fp8_route.fold_problem``, and "auto"'s plan of it; ``gbs_fp8_folded_relay``: the
+# same with the tokens arriving as MXFP4 and folded on the GPU in each timed call); a loader raises
 # ImportError / NotImplementedError / AttributeError while the backend is not there yet.
 BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_kernel, "auto"),
                    "gbs_auto_h200_layout": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_H200),
@@ -252,7 +278,8 @@ BACKEND_LOADERS = {"simt": _load_simt, "gbs_auto": functools.partial(_load_h200_
                    "h200_wgmma": functools.partial(_load_h200_kernel, "h200_wgmma"),
                    "gbs_auto_e4m3_order": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3),
                    "gbs_fp8_route": functools.partial(_load_h200_kernel, "auto", LAYOUT_E2M1_E4M3, fp8=True),
-                   "gbs_fp8_folded": _load_fp8_folded}
+                   "gbs_fp8_folded": _load_fp8_folded,
+                   "gbs_fp8_folded_relay": functools.partial(_load_fp8_folded, True)}
 BACKEND_UNAVAILABLE = (ImportError, NotImplementedError, AttributeError)
 METHODS = tuple(BACKEND_LOADERS) + peer_lib.PEER_NAMES
 

@@ -1,0 +1,188 @@
+"""MXFP4 tokens folded ahead on the GPU: the FP8 route's token operand (``gbs.layouts.E4M3FoldedScales``,
+``a_layout="e4m3_folded"``) from tokens that arrive as MXFP4 (``pack_fp4`` bytes and their 128x4 UE8M0 atoms) from a
+quantizer that cannot write it itself; the device twin of the token half of ``gbs.fp8_route.fold_problem``.
+
+    from gbs.numba_kernels import fold
+    a8, a8_scales = fold.fold_tokens(a, a_scales, a_offsets, a_scale_offsets)   # device arrays in, device arrays out
+    problem = gbs.device_problem(a8, b8, a8_scales, b8_scales, ..., fmt="mxfp8", a_layout="e4m3_folded",
+                                 b_layout="e4m3_folded")   # weights folded once: fp8_route.fold_problem
+
+One thread per (token row, 128-K chunk): it reads the chunk's 4 scale bytes (one word of the row's atom) and its 64
+FP4 bytes, marks the live blocks (a nonzero element, a finite scale), takes the base ``max(e) - 6`` over them (0 for a
+chunk without one; never below 2^-127, ``fp8_route.FOLDED_MIN_BASE``), writes each element's E2M1 value times
+``2^(e - base)`` as an E4M3 byte through the 16-entry table of its block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``),
+NaN bytes for a NaN-scale block, and the base byte as all 4 of the chunk's scales. Bit-identical to the host fold
+(``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the host refuses a live block more
+than 14 binades below its chunk's largest; here, where nothing can raise, such a block becomes NaN bytes, so the
+outputs it touches are NaN, never silently wrong.
+
+Constraints (checked before any device work): device arrays (``__cuda_array_interface__``), C-contiguous; ``a``
+(tokens, K/2) bytes with K a multiple of 32; ``a_scales`` the (bands, ceil(K/128), 32, 4, 4) atoms of
+``GroupedProblem``; ``a_offsets`` / ``a_scale_offsets`` its 4-byte routing arrays. Runs in Numba's CUDA simulator
+too (``NUMBA_ENABLE_CUDASIM=1``).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE
+from gbs.fp8_route import E2M1_TO_E4M3_TABLES, E4M3_NAN, FOLD_WINDOW, FOLDED_MIN_BASE, MX_BLOCK, PROMOTION_CHUNK
+
+THREADS = 128
+MAX_BLOCKS = 132 * 16            # a few waves of the H200's SMs; the grid-stride loop takes the rest
+BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
+BLOCK_WORDS = MX_BLOCK // 8      # FP4 words (8 elements) per 32-element block
+ATOM_LANES = 32                  # the atom's rows: [lane, slice, col] with row = 32 slice + lane
+OUT_OF_WINDOW = 0x7F             # a table row that is no table (rows 0..14): the block becomes NaN bytes
+if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
+    raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
+
+
+@cuda.jit(device=True)
+def group_of(a_offsets, token):
+    """The slot whose tokens hold ``token`` (binary search; ``a_offsets`` non-decreasing, empty slots skipped)."""
+    lo, hi = 0, a_offsets.size - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a_offsets[mid] <= token:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cuda.jit(device=True)
+def scale_word_index(padded_row, chunk, col_groups):
+    """Index, among the atoms' 32-bit words, of the 4 scale bytes of ``padded_row`` in 128-K chunk ``chunk``."""
+    band, r = padded_row // SF_ATOM_ROWS, padded_row % SF_ATOM_ROWS
+    return ((band * col_groups + chunk) * SF_ATOM_BYTES + (r % ATOM_LANES) * 16 + (r // ATOM_LANES) * 4) // 4
+
+
+def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_words, chunks, out_words,
+                      out_scale_words):
+    """Kernel: (token, chunk) items over a grid-stride loop; ``words`` the tokens' FP4 words (tokens x
+    ``row_words``), ``out_words`` their E4M3 words (tokens x 2 ``row_words``)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    shifts = cuda.local.array(BLOCKS_PER_CHUNK, np.int32)
+    for item in range(start, tokens * chunks, stride):
+        token, chunk = item // chunks, item % chunks
+        g = group_of(a_offsets, token)
+        lo = a_offsets[g]
+        padded = np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
+                                                                      + np.uint32(a_scale_offsets[g]))
+        s_index = scale_word_index(np.int64(padded), chunk, chunks)   # an atom column group per chunk
+        scale_word = scale_words[s_index]
+        first_word = chunk * BLOCKS_PER_CHUNK * BLOCK_WORDS
+        blocks = min(BLOCKS_PER_CHUNK, (row_words - first_word) // BLOCK_WORDS)   # a K tail: fewer blocks
+        top = -(1 << 30)
+        for b in range(BLOCKS_PER_CHUNK):   # the live blocks' largest exponent
+            byte = (scale_word >> (8 * b)) & 0xFF
+            shifts[b] = 0
+            if b < blocks and byte != UE8M0_NAN_BYTE:
+                live = False
+                for w in range(BLOCK_WORDS):
+                    live = live or (words[token * row_words + first_word + b * BLOCK_WORDS + w] & 0x77777777) != 0
+                if live:
+                    shifts[b] = 1
+                    top = max(top, np.int32(byte) - UE8M0_BIAS)
+        base = top - FOLD_WINDOW[1] if top > -(1 << 30) else 0
+        base = max(base, FOLDED_MIN_BASE)
+        for b in range(BLOCKS_PER_CHUNK):   # each block's table row: its shift's, NaN's, or 0's for dead blocks
+            byte = (scale_word >> (8 * b)) & 0xFF
+            d = np.int32(byte) - UE8M0_BIAS - base
+            if byte == UE8M0_NAN_BYTE or (shifts[b] == 1 and d < FOLD_WINDOW[0]):
+                shifts[b] = OUT_OF_WINDOW
+            elif shifts[b] == 1:
+                shifts[b] = d - FOLD_WINDOW[0]
+            else:
+                shifts[b] = -FOLD_WINDOW[0]   # d = 0: zeros keep their sign
+        for b in range(blocks):
+            row = shifts[b]
+            for w in range(BLOCK_WORDS):
+                src = token * row_words + first_word + b * BLOCK_WORDS + w
+                word = words[src]
+                lo_word = np.uint32(0)
+                hi_word = np.uint32(0)
+                for e in range(4):
+                    if row == OUT_OF_WINDOW:
+                        lo_byte, hi_byte = np.uint32(E4M3_NAN), np.uint32(E4M3_NAN)
+                    else:
+                        lo_byte = np.uint32(tables[row, (word >> (4 * e)) & 0xF])
+                        hi_byte = np.uint32(tables[row, (word >> (4 * e + 16)) & 0xF])
+                    lo_word |= lo_byte << (8 * e)
+                    hi_word |= hi_byte << (8 * e)
+                out_words[2 * src] = lo_word
+                out_words[2 * src + 1] = hi_word
+        # the base as each real block's scale; a K tail's padding columns stay zero
+        mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - blocks))
+        out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
+
+
+@functools.cache
+def _kernel():
+    return cuda.jit(fold_token_chunks)
+
+
+@functools.cache
+def _device_tables():
+    return cuda.to_device(np.ascontiguousarray(E2M1_TO_E4M3_TABLES))
+
+
+def _device(name: str, value, dtype, ndim: int):
+    """A numba device array over ``value`` (no copy), or TypeError / ValueError saying why not."""
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"{name} is a host array: host tokens fold with gbs.fp8_route.fold_problem")
+    if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
+        arr = value
+    elif hasattr(value, "__cuda_array_interface__"):
+        arr = cuda.as_cuda_array(value)
+    else:
+        raise TypeError(f"{name} must be a GPU array (__cuda_array_interface__), got {type(value).__name__}")
+    if arr.dtype.itemsize != np.dtype(dtype).itemsize or arr.ndim != ndim:
+        raise TypeError(f"{name} must be {ndim}-D with {np.dtype(dtype).itemsize}-byte elements, got "
+                        f"{arr.ndim}-D {arr.dtype}")
+    if not arr.is_c_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+    return arr.view(dtype)
+
+
+def fold_tokens(a, a_scales, a_offsets, a_scale_offsets, *, out=None, out_scales=None, stream=0):
+    """MXFP4 tokens (``a``: (tokens, K/2) ``pack_fp4`` bytes; ``a_scales``: their atoms; the routing arrays) folded
+    into E4M3 with one UE8M0 scale per 128-K chunk, enqueued on ``stream``: (E4M3 bytes (tokens, K) uint8, scale atoms
+    shaped as ``a_scales``), new device arrays or ``out`` / ``out_scales`` filled and returned. The result is the
+    operand ``a_layout="e4m3_folded"`` takes (module docstring)."""
+    src = _device("a", a, np.uint8, 2)
+    scales = _device("a_scales", a_scales, np.uint8, 5)
+    offsets = _device("a_offsets", a_offsets, np.uint32, 1)
+    scale_offsets = _device("a_scale_offsets", a_scale_offsets, np.uint32, 1)
+    tokens, row_bytes = (int(x) for x in src.shape)
+    k = 2 * row_bytes
+    if k % MX_BLOCK:
+        raise ValueError(f"K = {k}: MXFP4 tokens need K a multiple of {MX_BLOCK}")
+    chunks = -(-k // PROMOTION_CHUNK)
+    if tuple(scales.shape[1:]) != (chunks, 32, 4, 4):
+        raise ValueError(f"a_scales has shape {tuple(scales.shape)}: K = {k} takes (bands, {chunks}, 32, 4, 4) atoms")
+    if int(offsets.shape[0]) != int(scale_offsets.shape[0]) + 1:
+        raise ValueError(f"a_offsets has {offsets.shape[0]} entries, a_scale_offsets {scale_offsets.shape[0]}: "
+                         "want one more offset than slots")
+    dst = cuda.device_array((tokens, k), np.uint8, stream=stream) if out is None else _device("out", out, np.uint8, 2)
+    if tuple(dst.shape) != (tokens, k):
+        raise ValueError(f"out has shape {tuple(dst.shape)}, want {(tokens, k)}")
+    if out_scales is None:
+        dst_scales = cuda.device_array(scales.shape, np.uint8, stream=stream)
+    else:
+        dst_scales = _device("out_scales", out_scales, np.uint8, 5)
+        if tuple(dst_scales.shape) != tuple(scales.shape):
+            raise ValueError(f"out_scales has shape {tuple(dst_scales.shape)}, a_scales {tuple(scales.shape)}")
+    dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the items rewrite every token's
+    items = tokens * chunks
+    if items:
+        blocks = min(-(-items // THREADS), MAX_BLOCKS)
+        _kernel()[blocks, THREADS, stream](
+            src.reshape(src.size).view(np.uint32), scales.reshape(scales.size).view(np.uint32), offsets,
+            scale_offsets, _device_tables(), tokens, row_bytes // 4, chunks, dst.reshape(dst.size).view(np.uint32),
+            dst_scales.reshape(dst_scales.size).view(np.uint32))
+    return dst, dst_scales
