@@ -479,7 +479,8 @@ def _folded_or_raise(f: FoldedOperand, what: str) -> np.ndarray:
 
 def fold_problem(problem: GroupedProblem) -> GroupedProblem:
     """An MXFP4 x MXFP4 ``problem`` as the same matmul in MXFP8 x MXFP8 whose scales are constant per 128-K chunk:
-    per token row, and per 128-row weight tile (``fold_operand`` with ``base_rows`` 128), so the E4M3 MMAs of a chunk
+    per token row, and per 128-row weight tile; a W4A8 one (MXFP8 tokens) with its weights folded alone, the tokens
+    as they are (the kernel then promotes every k32 step with the token block's scale) (``fold_operand`` with ``base_rows`` 128), so the E4M3 MMAs of a chunk
     need one fp32 promotion with one factor per token row (``h200_wgmma.WgmmaSpec.chunk_scaled``). Every value is
     the original's exactly (``fold_operand``), so the exact reference of the result is the problem's. The weights
     fold once (twice their FP4 bytes); the tokens every call (on the GPU: ``gbs.numba_kernels.fold.fold_tokens``).
@@ -487,30 +488,39 @@ def fold_problem(problem: GroupedProblem) -> GroupedProblem:
     the fold is not exact: a live block 15 or more binades below its chunk's largest (in the weight tile, for
     weights), or a promotion factor ``2^(e_token + e_tile)`` outside fp32's normal and subnormal range."""
     from .formats import get_format, pad_group_scales, swizzle_scales
-    from .layouts import LAYOUT_E4M3_FOLDED
+    from .layouts import LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 
     p = problem
     mxfp4, mxfp8 = get_format("mxfp4"), get_format("mxfp8")
-    if (p.a_format, p.b_format) != (mxfp4, mxfp4):
-        raise ValueError(f"fold_problem folds MXFP4 x MXFP4 problems, got {p.a_format.name} x {p.b_format.name}")
+    if (p.a_format, p.b_format) not in ((mxfp4, mxfp4), (mxfp8, mxfp4)) or p.a_layout != LAYOUT_PACKED:
+        raise ValueError(f"fold_problem folds MXFP4 x MXFP4 and W4A8 (MXFP8 x MXFP4) problems in packed order, got "
+                         f"{p.a_format.name} ({p.a_layout!r}) x {p.b_format.name}")
     if not isinstance(p, GroupedProblem):
         raise TypeError(f"fold_problem takes a host GroupedProblem, got {type(p).__name__}")
-    a = fold_operand(p.a_operand(), min_base=FOLDED_MIN_BASE)
-    a_bytes = _folded_or_raise(a, "token")
+    if p.a_format == mxfp8:   # W4A8: the tokens keep their per-32 scales (promoted per k32 step)
+        a_data, a_layout = p.a, LAYOUT_PACKED
+        a_bytes = p.a_operand().scales
+        token_blocks = a_bytes[a_bytes != UE8M0_NAN_BYTE].astype(np.int64)
+    else:
+        a = fold_operand(p.a_operand(), min_base=FOLDED_MIN_BASE)
+        a_data, a_layout = a.e4m3.view(E4M3), LAYOUT_E4M3_FOLDED
+        a_bytes = _folded_or_raise(a, "token")
+        token_blocks = a_bytes[:, ::4].astype(np.int64)
     b_data = np.empty((p.num_experts, p.n, p.k), np.uint8)
     b_bytes = np.empty((p.num_experts, p.n, a_bytes.shape[1]), np.uint8)
     for e in range(p.num_experts):
         f = fold_operand(p.b_operand(e), base_rows=KERNEL_WEIGHT_BASE_ROWS, min_base=FOLDED_MIN_BASE)
         b_data[e], b_bytes[e] = f.e4m3, _folded_or_raise(f, "weight")
-    factor = (a_bytes.astype(np.int64)[:, ::4].min(), a_bytes.astype(np.int64)[:, ::4].max(),
-              b_bytes.astype(np.int64).min(), b_bytes.astype(np.int64).max())
-    low, high = factor[0] + factor[2] - 2 * UE8M0_BIAS, factor[1] + factor[3] - 2 * UE8M0_BIAS
-    if low < FP32_FACTOR_LOG2[0] or high > FP32_FACTOR_LOG2[1]:
-        raise ValueError(f"promotion factors from 2^{low} to 2^{high} leave fp32 ({FP32_FACTOR_LOG2}): not folded")
+    if token_blocks.size:
+        tiles = b_bytes.astype(np.int64)
+        low = int(token_blocks.min()) + int(tiles.min()) - 2 * UE8M0_BIAS
+        high = int(token_blocks.max()) + int(tiles.max()) - 2 * UE8M0_BIAS
+        if low < FP32_FACTOR_LOG2[0] or high > FP32_FACTOR_LOG2[1]:
+            raise ValueError(f"promotion factors from 2^{low} to 2^{high} leave fp32 ({FP32_FACTOR_LOG2}): not folded")
     a_scales, a_scale_offsets = pad_group_scales(a_bytes, p.a_offsets)
-    return GroupedProblem(a_format=mxfp8, b_format=mxfp8, a=a.e4m3.view(E4M3), b=b_data.view(E4M3),
+    return GroupedProblem(a_format=mxfp8, b_format=mxfp8, a=a_data.copy(), b=b_data.view(E4M3),
                           a_scales=a_scales, b_scales=swizzle_scales(b_bytes), a_offsets=p.a_offsets.copy(),
                           a_scale_offsets=a_scale_offsets, expert_ids=p.expert_ids.copy(),
                           expert_scales=p.expert_scales.copy(), num_active_experts=p.num_active_experts,
-                          estimated_total_m=p.estimated_total_m, n=p.n, k=p.k, a_layout=LAYOUT_E4M3_FOLDED,
+                          estimated_total_m=p.estimated_total_m, n=p.n, k=p.k, a_layout=a_layout,
                           b_layout=LAYOUT_E4M3_FOLDED)

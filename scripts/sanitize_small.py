@@ -188,6 +188,9 @@ def run_cases(args: set, results: list) -> int:
             w4a8_route = p.with_b_layout(LAYOUT_E2M1_E4M3)
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3, "fp8"), w4a8_route,
                           lambda: h200_launch.run(w4a8_route, plan_h200(w4a8_route, fp8=True), None)))
+            w4a8_folded = fold_problem(p)   # weights folded ahead: a promotion per k32 step
+            cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED, "fp8"), w4a8_folded,
+                          lambda: h200_launch.run(w4a8_folded, plan_h200(w4a8_folded, fp8=True), None)))
         cases.append(("simt", (True, 8, 1), p, lambda: simt.grouped_matmul_simt(p, TileConfig(True, 8, 1))))
         if not p.a_format.scaled:   # bf16 tokens: the builds that read them, and both on fused weights
             cases = [case for case in cases if bf16_tokens_reader(*case[:2])]

@@ -99,8 +99,19 @@ def test_fold_refuses_a_live_block_beyond_the_window(operand):
                 fr.fold_problem(case)
 
 
+@pytest.mark.parametrize("n, k", [(320, 2880), (130, 448)])
+def test_w4a8_fold_keeps_the_tokens_and_the_exact_reference(n, k):
+    """W4A8: the weights fold, the MXFP8 tokens stay as quantized (their scales are promoted per k32 step)."""
+    problem = gaussian_problem(n, k, seed=zlib.crc32(f"w4a8-fold/{n}/{k}".encode()), fmt="w4a8")
+    folded = fr.fold_problem(problem)
+    assert (folded.a_layout, folded.b_layout) == ("packed", LAYOUT_E4M3_FOLDED)
+    assert np.array_equal(folded.a.view(np.uint8), problem.a.view(np.uint8))
+    assert np.array_equal(folded.a_scales, problem.a_scales)
+    assert same_bits(reference_grouped_matmul(folded), reference_grouped_matmul(problem))
+
+
 def test_fold_refuses_other_formats():
-    for fmt in ("nvfp4", "mxfp8", "w4a8"):
+    for fmt in ("nvfp4", "mxfp8", "w4a16"):
         problem = random_problem(fmt, n=128, k=256, num_experts=2, total_tokens=8, num_active_experts=2)
         with pytest.raises(ValueError, match="folds MXFP4 x MXFP4"):
             fr.fold_problem(problem)
@@ -143,6 +154,10 @@ def test_plan_runs_folded_prefill_on_the_route_and_the_rest_as_mxfp8():
     assert plan.kernel == "h200_wgmma" and plan.spec.chunk_scaled and plan.spec.fp8
     assert {r.name: r.evidence for r in plan.rules}["route"] == "fp8-fold-gpu"
     assert not plan_h200(folded, fp8=False).spec.fp8        # asked not to: the bf16 route reads them as MXFP8
+    w4a8 = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(64, 40), expert_ids=(0, 1), experts=2,
+                                            fmt="w4a8"))
+    assert not plan_h200(w4a8).spec.fp8                      # not measured yet: only when asked
+    assert plan_h200(w4a8, fp8=True).spec.step_scaled
     decode = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(4, 2), expert_ids=(0, 1), experts=2))
     assert plan_h200(decode).kernel == "h200_stream"         # below 33 tokens per expert: the streaming kernel
     assert plan_h200(decode, fp8=True).spec.chunk_scaled    # asked for
@@ -161,20 +176,27 @@ def test_spec_takes_folded_operands_only_on_its_128_x_128_tile():
         hw.WgmmaSpec("mxfp8", "mxfp8", 128, 4, fp8=True, tile_tokens=256, **folded)
 
 
-def test_build_issues_e4m3_wgmma_on_both_shared_operands_without_local_memory():
-    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 1, fp8=True, a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
+@pytest.mark.parametrize("a_layout, mmas, promotions", [(LAYOUT_E4M3_FOLDED, 8, 2), ("packed", 4, 5)])
+def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memory(a_layout, mmas, promotions):
+    """Folded tokens: two slice bodies (one per chunk set) of 4 k32 steps; W4A8: one slice body of 4 single steps
+    in alternating sets. Both operands shared-memory descriptors; no wait for 0 groups right after an MMA (ptxas
+    serializes wgmma when other instructions touch accumulators it cannot prove retired: C7514)."""
+    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 1, fp8=True, a_layout=a_layout, b_layout=LAYOUT_E4M3_FOLDED)
     spec = dataclasses.replace(spec, stages=hl.max_pipeline_stages(spec))
-    assert spec.stages == 6
+    assert spec.stages == 6 and spec.step_scaled == (a_layout == "packed")
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
     assert offline.resource_usage(cubin).local_bytes == 0
-    mmas = [line for line in sass.splitlines() if "QGMMA" in line]
-    # two slice bodies (one per chunk set) of 4 k32 steps, both operands shared-memory descriptors
-    assert len(mmas) == 8 and all("64x128x32.F32.E4M3.E4M3" in m and m.count("gdesc") == 1 for m in mmas), mmas
-    ops = collections.Counter(line.split()[1].split(".")[0] for line in sass.splitlines() if "*/" in line
-                              and len(line.split()) > 1)
-    assert ops["FFMA"] >= 2 * 64, "the promotions: one FFMA per accumulator per chunk set"
+    instructions = offline.sass_instructions(sass)
+    found = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA")]
+    assert len(found) == mmas and all("64x128x32.F32.E4M3.E4M3" in instructions[i]
+                                      and instructions[i].count("gdesc") == 1 for i in found), found
+    serialized = [i for i in found if any(ins.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+                                          for ins in instructions[i + 1:i + 3])]
+    assert not serialized, [instructions[i] for i in serialized]
+    ops = collections.Counter(ins.split()[0].split(".")[0] for ins in instructions)
+    assert ops["FFMA"] >= promotions * 64, "the promotions: one FFMA per accumulator"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +207,7 @@ def _run_folded(problem):
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     folded = fr.fold_problem(problem)
     plan = plan_h200(folded, fp8=True)
-    assert plan.spec.chunk_scaled
+    assert plan.spec.chunk_scaled and plan.spec.step_scaled == (not problem.a_format.packed)
     return hl.run(folded, plan, None)
 
 
@@ -205,3 +227,29 @@ def test_gpu_folded_route_window_edges_and_nan_blocks():
     edge = window_edges(seed=7)
     counts = check_route(edge, _run_folded(edge))
     print(counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168)])
+def test_gpu_w4a8_on_folded_weights_matches_the_reference(n, k):
+    """W4A8 with the weights folded ahead (``WgmmaSpec.step_scaled``): ragged groups, a -1 slot, a 1-token group,
+    N and K tails."""
+    problem = gaussian_problem(n, k, seed=zlib.crc32(f"w4a8-folded/{n}/{k}".encode()), fmt="w4a8")
+    print(check_route(problem, _run_folded(problem)))
+
+
+@pytest.mark.gpu
+def test_gpu_w4a8_on_folded_weights_nan_token_blocks_and_weight_window_edges():
+    """A NaN-scale token block, a NaN token element, weight blocks at both ends of their tile's window."""
+    problem = gaussian_problem(256, 1024, seed=17, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3,
+                               fmt="w4a8")
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
+    b[:, :, 0::4] = 132
+    b[:, 5, 2::4] = 132 - 14
+    a[10, 9] = UE8M0_NAN_BYTE
+    edge = with_scales(problem, a_linear=a, b_linear=b)
+    tokens = edge.a.copy()
+    tokens.view(np.uint8)[40, 77] = 0x7F   # an E4M3 NaN element
+    edge = dataclasses.replace(edge, a=tokens)
+    print(check_route(edge, _run_folded(edge)))

@@ -84,7 +84,8 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   ``_make_chunk_scaled_consumer``): both operands are wgmma's shared-memory operands straight from the ring, 4 x
   ``wgmma m64n128k32 .e4m3`` per slice into one of two chunk sets, the other set promoted meanwhile with one factor
   per token row. 1.5x the bf16 route on large prefill (evidence: fp8-fold-bench); ``gbs.plan`` runs it for folded
-  problems from 33 tokens per expert.
+  problems from 33 tokens per expert. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  quantized, each k32 step promoted with its token block's scale while the next runs (not yet run on the GPU).
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
@@ -247,9 +248,11 @@ class WgmmaSpec:
             raise ValueError(f"{self.a_format} tokens (W4A16) are wgmma's A operand straight from the ring stage: "
                              f"ab_swapped and fp8 must be False, got ab_swapped={self.ab_swapped}, fp8={self.fp8}")
         if self.chunk_scaled:
-            if (self.a_format, self.b_format) not in CHUNK_SCALED_FORMATS:
-                raise ValueError(f"the FP8 route on operands folded ahead ({LAYOUT_E4M3_FOLDED!r}) takes "
-                                 f"{CHUNK_SCALED_FORMATS}; got {self.a_format} x {self.b_format}")
+            if (self.a_format, self.b_format) not in CHUNK_SCALED_FORMATS or \
+                    self.a_layout not in (LAYOUT_E4M3_FOLDED, LAYOUT_PACKED):
+                raise ValueError(f"the FP8 route on weights folded ahead ({LAYOUT_E4M3_FOLDED!r}) takes "
+                                 f"{CHUNK_SCALED_FORMATS} with the tokens folded too or MXFP8 as quantized; got "
+                                 f"{self.a_format} ({self.a_layout!r}) x {self.b_format}")
             if (bn, tokens, self.ab_swapped) != (FP8_MMA_BN, TILE_TOKENS[0], False):
                 raise ValueError(f"the FP8 route on folded operands takes 128-token x {FP8_MMA_BN}-row tiles, not "
                                  f"swapped (its two chunk sets and total fill the registers); got mma_bn={bn}, "
@@ -276,9 +279,15 @@ class WgmmaSpec:
 
     @property
     def chunk_scaled(self) -> bool:
-        """The FP8 route on operands folded ahead (both in ``LAYOUT_E4M3_FOLDED``, ``gbs.fp8_route.fold_problem``):
-        ``_make_chunk_scaled_consumer``."""
-        return self.fp8 and (self.a_layout, self.b_layout) == (LAYOUT_E4M3_FOLDED, LAYOUT_E4M3_FOLDED)
+        """The FP8 route on weights folded ahead (``LAYOUT_E4M3_FOLDED``, ``gbs.fp8_route.fold_problem``), the tokens
+        folded too or MXFP8 as quantized (W4A8, ``step_scaled``): ``_make_chunk_scaled_consumer``."""
+        return self.fp8 and self.b_layout == LAYOUT_E4M3_FOLDED
+
+    @property
+    def step_scaled(self) -> bool:
+        """``chunk_scaled`` with MXFP8 tokens as quantized: their scales change every k32 step, so each step is
+        promoted on its own."""
+        return self.chunk_scaled and self.a_layout != LAYOUT_E4M3_FOLDED
 
     @property
     def min_stages(self) -> int:
@@ -1411,7 +1420,9 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     writes MXFP4 that way, exactly). Both operands are wgmma's shared-memory operands straight from the ring stage
     (no thread touches them): per slice 4 x ``wgmma m64n128k32 .e4m3`` into one of two chunk sets; while they run,
     the previous slice's set is promoted, ``total += chunk * 2^(e_token + e_tile - 254)``, one FFMA per accumulator,
-    and its stage released. A device function for ``_kernel_frame``."""
+    and its stage released. W4A8 (``WgmmaSpec.step_scaled``: MXFP8 tokens as quantized, folded weights): the tokens'
+    scales change every k32 step, so the sets alternate per step and each step is promoted with its block's factor
+    (``consume_steps``). A device function for ``_kernel_frame``."""
     ring_spec = spec.ring
     read_work_record = ring.read_work_record
     stages, lay = ring_spec.stages, ring_spec.smem
@@ -1463,7 +1474,20 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         if lane == 0:
             mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
 
+    def step_mma(acc, a_desc, b_desc, s):
+        """k32 step ``s`` of the slice into a fresh chunk set, one wgmma group."""
+        hp.wgmma_fence()
+        acc = mma(acc, advance(a_desc, s * STEP_UNITS), advance(b_desc, s * STEP_UNITS), np.uint32(0))
+        hp.wgmma_commit_group()
+        return acc
+
+    def step_factor(token_word, s, tile_byte):
+        """A token row's promotion factor of k32 step ``s``: its block's scale (byte ``s`` of the row's slice word)
+        times the weight tile's."""
+        return f32_from_bits(np.uint32(factor_bits(np.int32((token_word >> (8 * s)) & 0xFF), tile_byte)))
+
     slice_mmas, slice_factors, release = _device(slice_mmas), _device(slice_factors), _device(release)
+    step_mma, step_factor = _device(step_mma), _device(step_factor)
 
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
@@ -1549,7 +1573,90 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
             total = zero_acc()
             item += 1
 
-    return _device(consume)
+    def consume_steps(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
+                      slices_per_split):
+        """W4A8: each k32 step into one of the two sets, the other (the step before) promoted meanwhile with its
+        block's factor; a stage is released once its last step is promoted (during the next slice)."""
+        lane = cm.laneid()
+        base = np.uint32(cm.shared_address(dyn))
+        bar0 = np.int64(cm.shared_address(bars))
+        g = lane >> 2
+        q = lane & 3
+        warpgroup = cw // WARPGROUP_WARPS_
+        m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
+        desc_a0 = hp.wgmma_smem_descriptor_device(
+            np.uint32(base + m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES), SW128_LEADING_BYTES_,
+            SW128_ATOM_BYTES_, "128B")
+        desc_b0 = hp.wgmma_smem_descriptor_device(np.uint32(base + n_data_off), SW128_LEADING_BYTES_,
+                                                  SW128_ATOM_BYTES_, "128B")
+        acc_out = cuda.local.array(num_acc, float32)
+        total = zero_acc()
+        set_x = zero_acc()
+        set_y = zero_acc()
+        fy_lo = float32(0.0)
+        fy_hi = float32(0.0)
+        stage = np.int64(0)
+        phase = np.int64(0)
+        item = np.int64(0)
+        while item < max_tiles:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
+            if expert < 0:
+                break
+            m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
+            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
+            done = np.int64(0)
+            held = np.int64(0)    # the stage whose last step runs in set y
+            fy_lo = float32(0.0)
+            fy_hi = float32(0.0)
+            set_y = zero_acc()
+            while True:
+                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+                st = np.uint32(base + stage * stage_bytes)
+                tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
+                lo_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms))
+                hi_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms))
+                units = np.uint32(stage * STAGE_UNITS)
+                a_desc, b_desc = advance(desc_a0, units), advance(desc_b0, units)
+                set_x = step_mma(set_x, a_desc, b_desc, 0)
+                # the previous slice's last step (in a tile's first slice: set y's zeros times 0, adding nothing; no
+                # branch around the accumulators, which would make ptxas serialize the MMAs)
+                hp.wgmma_wait_group_1()
+                set_y = hp.wgmma_fence_accumulators(set_y)
+                if done > 0:
+                    release(bar0, held, lane)
+                total = promote(total, set_y, fy_lo, fy_hi)
+                set_y = step_mma(set_y, a_desc, b_desc, 1)
+                hp.wgmma_wait_group_1()
+                set_x = hp.wgmma_fence_accumulators(set_x)
+                total = promote(total, set_x, step_factor(lo_word, 0, tile_byte), step_factor(hi_word, 0, tile_byte))
+                set_x = step_mma(set_x, a_desc, b_desc, 2)
+                hp.wgmma_wait_group_1()
+                set_y = hp.wgmma_fence_accumulators(set_y)
+                total = promote(total, set_y, step_factor(lo_word, 1, tile_byte), step_factor(hi_word, 1, tile_byte))
+                set_y = step_mma(set_y, a_desc, b_desc, 3)
+                hp.wgmma_wait_group_1()
+                set_x = hp.wgmma_fence_accumulators(set_x)
+                total = promote(total, set_x, step_factor(lo_word, 2, tile_byte), step_factor(hi_word, 2, tile_byte))
+                fy_lo, fy_hi = step_factor(lo_word, 3, tile_byte), step_factor(hi_word, 3, tile_byte)
+                held = stage
+                stage += 1
+                if stage == stages:
+                    stage = 0
+                    phase ^= 1
+                done += 1
+                if done == k_slices:
+                    hp.wgmma_wait_group_0()
+                    set_y = hp.wgmma_fence_accumulators(set_y)
+                    release(bar0, held, lane)
+                    total = promote(total, set_y, fy_lo, fy_hi)
+                    break
+            hp.accumulators_to_array(total, acc_out)
+            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
+            total = zero_acc()
+            item += 1
+
+    return _device(consume_steps if spec.step_scaled else consume)
 
 
 def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:
