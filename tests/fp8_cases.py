@@ -40,3 +40,35 @@ def with_scales(problem, a_linear=None, b_linear=None):
             atoms[bands] = swizzle_scales(band[None])[0]
         changes["a_scales"] = atoms
     return dataclasses.replace(problem, **changes)
+
+
+def w4a8_window_edges(seed: int):
+    """A W4A8 problem with a NaN-scale token block (its row NaN), a NaN token element, and weight blocks at d = 6
+    and d = -8 of their 128-row tile's window."""
+    problem = gaussian_problem(256, 1024, seed=seed, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3,
+                               fmt="w4a8")
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
+    b[:, :, 0::4] = 132
+    b[:, 5, 2::4] = 132 - 14
+    a[10, 9] = 0xFF
+    edge = with_scales(problem, a_linear=a, b_linear=b)
+    tokens = edge.a.copy()
+    tokens.view(np.uint8)[40, 77] = 0x7F   # an E4M3 NaN element
+    return dataclasses.replace(edge, a=tokens)
+
+
+def window_edges(seed: int):
+    """An MXFP4 problem with, per chunk, token rows whose blocks lie at d = 6 and d = -8 of their base (14 binades
+    apart), weight tiles likewise (one row's block 14 below the tile's top), a NaN-scale token block and a NaN-scale
+    weight block."""
+    problem = gaussian_problem(256, 1024, seed=seed, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3)
+    a = problem.a_operand().scales.copy()
+    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
+    a[:, 0::4] = 130
+    a[:, 1::4] = 130 - 14
+    b[:, :, 0::4] = 132
+    b[:, 5, 2::4] = 132 - 14
+    a[10, 9] = 0xFF
+    b[2, 17, 20] = 0xFF
+    return with_scales(problem, a_linear=a, b_linear=b)

@@ -32,27 +32,12 @@ from gbs.plan import plan_h200
 from gbs.problem import random_problem
 from gbs.ptx_inline import offline
 from gbs.reference import reference_grouped_matmul
-from fp8_cases import gaussian_problem, with_scales
+from fp8_cases import gaussian_problem, w4a8_window_edges, window_edges, with_scales
 from test_fp8_route_kernel import check_route
 
 
 def same_bits(x, y) -> bool:
     return np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
-
-
-def window_edges(seed: int):
-    """Per chunk, token rows with blocks at d = 6 and d = -8 of their base (14 binades apart), weight tiles likewise
-    (one row's block 14 below the tile's top), a NaN-scale token block and a NaN-scale weight block."""
-    problem = gaussian_problem(256, 1024, seed=seed, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3)
-    a = problem.a_operand().scales.copy()
-    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
-    a[:, 0::4] = 130
-    a[:, 1::4] = 130 - 14
-    b[:, :, 0::4] = 132
-    b[:, 5, 2::4] = 132 - 14
-    a[10, 9] = UE8M0_NAN_BYTE
-    b[2, 17, 20] = UE8M0_NAN_BYTE
-    return with_scales(problem, a_linear=a, b_linear=b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,15 +226,5 @@ def test_gpu_w4a8_on_folded_weights_matches_the_reference(n, k):
 @pytest.mark.gpu
 def test_gpu_w4a8_on_folded_weights_nan_token_blocks_and_weight_window_edges():
     """A NaN-scale token block, a NaN token element, weight blocks at both ends of their tile's window."""
-    problem = gaussian_problem(256, 1024, seed=17, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3,
-                               fmt="w4a8")
-    a = problem.a_operand().scales.copy()
-    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
-    b[:, :, 0::4] = 132
-    b[:, 5, 2::4] = 132 - 14
-    a[10, 9] = UE8M0_NAN_BYTE
-    edge = with_scales(problem, a_linear=a, b_linear=b)
-    tokens = edge.a.copy()
-    tokens.view(np.uint8)[40, 77] = 0x7F   # an E4M3 NaN element
-    edge = dataclasses.replace(edge, a=tokens)
+    edge = w4a8_window_edges(seed=17)
     print(check_route(edge, _run_folded(edge)))

@@ -36,7 +36,7 @@ from gbs.problem import build_problem
 from gbs.reference import is_poison, reference_grouped_matmul
 
 from gbs.ptx_inline import offline
-from fp8_cases import gaussian_problem, with_scales
+from fp8_cases import gaussian_problem, w4a8_window_edges, window_edges, with_scales
 
 ROUTE = LAYOUT_E2M1_E4M3
 def on_route(problem):
@@ -277,17 +277,7 @@ def test_gpu_w4a8_route_matches_the_reference_on_ragged_groups_and_tails(n, k):
 @pytest.mark.gpu
 def test_gpu_w4a8_route_nan_token_blocks_and_weight_window_edges():
     """A NaN-scale token block (its row NaN), a NaN token element, weight blocks at d = 6 and d = -8 of their tile."""
-    problem = gaussian_problem(256, 1024, seed=11, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3,
-                               fmt="w4a8")
-    a = problem.a_operand().scales.copy()
-    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
-    b[:, :, 0::4] = 132
-    b[:, 5, 2::4] = 132 - 14
-    a[10, 9] = 0xFF
-    edge = with_scales(problem, a_linear=a, b_linear=b)
-    tokens = edge.a.copy()
-    tokens.view(np.uint8)[40, 77] = 0x7F   # an E4M3 NaN element
-    edge = dataclasses.replace(edge, a=tokens)
+    edge = w4a8_window_edges(seed=11)
     assert fr.kernel_window_violations(edge) == dict(token_blocks=0, weight_blocks=0, factors=0)
     print(check_route(edge, _run(edge)))
 
@@ -296,16 +286,7 @@ def test_gpu_w4a8_route_nan_token_blocks_and_weight_window_edges():
 def test_gpu_route_blocks_at_both_ends_of_the_window_and_nan_blocks():
     """Per chunk, a token row and a weight tile with blocks at d = 6 (the chunk's largest) and d = -8 (14 below):
     exact. A NaN-scale token block and a NaN-scale weight block: NaN rows / columns, as the reference."""
-    problem = gaussian_problem(256, 1024, seed=7, group_sizes=(70, 1, 200), expert_ids=(0, 1, 2), experts=3)
-    a = problem.a_operand().scales.copy()
-    b = unswizzle_scales(problem.b_scales, problem.n, 32).copy()
-    a[:, 0::4] = 130
-    a[:, 1::4] = 130 - 14
-    b[:, :, 0::4] = 132
-    b[:, 5, 2::4] = 132 - 14
-    a[10, 9] = 0xFF
-    b[2, 17, 20] = 0xFF
-    edge = with_scales(problem, a_linear=a, b_linear=b)
+    edge = window_edges(seed=7)
     assert fr.kernel_window_violations(edge) == dict(token_blocks=0, weight_blocks=0, factors=0)
     counts = check_route(edge, _run(edge))
     print(counts)

@@ -30,6 +30,7 @@ from numba import cuda
 
 from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE
 from gbs.fp8_route import E2M1_TO_E4M3_TABLES, E4M3_NAN, FOLD_WINDOW, FOLDED_MIN_BASE, MX_BLOCK, PROMOTION_CHUNK
+from gbs.numba_kernels.launch import device_view
 
 THREADS = 128
 MAX_BLOCKS = 132 * 16            # a few waves of the H200's SMs; the grid-stride loop takes the rest
@@ -132,20 +133,11 @@ def _device_tables():
 
 
 def _device(name: str, value, dtype, ndim: int):
-    """A numba device array over ``value`` (no copy), or TypeError / ValueError saying why not."""
-    if isinstance(value, np.ndarray):
-        raise TypeError(f"{name} is a host array: host tokens fold with gbs.fp8_route.fold_problem")
-    if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
-        arr = value
-    elif hasattr(value, "__cuda_array_interface__"):
-        arr = cuda.as_cuda_array(value)
-    else:
-        raise TypeError(f"{name} must be a GPU array (__cuda_array_interface__), got {type(value).__name__}")
+    """A numba device array of ``dtype`` over ``value`` (no copy), or TypeError / ValueError saying why not."""
+    arr = device_view(name, value, "host tokens fold with gbs.fp8_route.fold_problem")
     if arr.dtype.itemsize != np.dtype(dtype).itemsize or arr.ndim != ndim:
         raise TypeError(f"{name} must be {ndim}-D with {np.dtype(dtype).itemsize}-byte elements, got "
                         f"{arr.ndim}-D {arr.dtype}")
-    if not arr.is_c_contiguous():
-        raise ValueError(f"{name} must be C-contiguous")
     return arr.view(dtype)
 
 

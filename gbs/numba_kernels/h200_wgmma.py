@@ -1422,7 +1422,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     the previous slice's set is promoted, ``total += chunk * 2^(e_token + e_tile - 254)``, one FFMA per accumulator,
     and its stage released. W4A8 (``WgmmaSpec.step_scaled``: MXFP8 tokens as quantized, folded weights): the tokens'
     scales change every k32 step, so the sets alternate per step and each step is promoted with its block's factor
-    (``consume_steps``). A device function for ``_kernel_frame``."""
+    (``tile_steps``). A device function for ``_kernel_frame``."""
     ring_spec = spec.ring
     read_work_record = ring.read_work_record
     stages, lay = ring_spec.stages, ring_spec.smem
@@ -1489,6 +1489,112 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     slice_mmas, slice_factors, release = _device(slice_mmas), _device(slice_factors), _device(release)
     step_mma, step_factor = _device(step_mma), _device(step_factor)
 
+    def end_slice(last, total, f_lo, f_hi, bar0, lane, stage, phase, done, k_slices):
+        """After a slice's MMAs are issued (the last into set ``last``, factors ``f_lo`` / ``f_hi``): the ring moves
+        on, and after a tile's last slice its set is promoted and its stage released. Returns the set, the total,
+        the ring position, the stage now held and the slices done."""
+        held = stage
+        stage += 1
+        if stage == stages:
+            stage = 0
+            phase ^= 1
+        done += 1
+        if done == k_slices:
+            hp.wgmma_wait_group_0()
+            last = hp.wgmma_fence_accumulators(last)
+            release(bar0, held, lane)
+            total = promote(total, last, f_lo, f_hi)
+        return last, total, stage, phase, held, done
+
+    end_slice = _device(end_slice)
+
+    def slice_into(fresh, other, other_lo, other_hi, total, base, bar0, lane, stage, phase, held, done, k_slices,
+                   m_sf_row, n_sf_row, desc_a0, desc_b0):
+        """The next K slice into chunk set ``fresh``; then the slice before (in ``other``, its factors ``other_lo`` /
+        ``other_hi``) is promoted and its stage ``held`` released, and after a tile's last slice ``fresh`` too."""
+        CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+        st = np.uint32(base + stage * stage_bytes)
+        f_lo, f_hi = slice_factors(st, m_sf_row, n_sf_row)
+        units = np.uint32(stage * STAGE_UNITS)
+        fresh = slice_mmas(fresh, advance(desc_a0, units), advance(desc_b0, units))
+        if done > 0:
+            hp.wgmma_wait_group_1()
+            other = hp.wgmma_fence_accumulators(other)
+            release(bar0, held, lane)
+            total = promote(total, other, other_lo, other_hi)
+        fresh, total, stage, phase, held, done = end_slice(fresh, total, f_lo, f_hi, bar0, lane, stage, phase, done,
+                                                           k_slices)
+        return fresh, other, total, f_lo, f_hi, stage, phase, held, done
+
+    slice_into = _device(slice_into)
+
+    def tile_chunks(total, set_x, set_y, base, bar0, lane, stage, phase, k_slices, m_sf_row, n_sf_row, desc_a0,
+                    desc_b0):
+        """One tile's K slices into the two chunk sets in turn (``slice_into``); returns the total, the sets and the
+        ring position."""
+        last_lo = float32(0.0)   # the factors of the last slice issued
+        last_hi = float32(0.0)
+        done = np.int64(0)
+        held = np.int64(0)    # the stage whose MMAs run in the other set
+        while True:
+            set_x, set_y, total, last_lo, last_hi, stage, phase, held, done = slice_into(
+                set_x, set_y, last_lo, last_hi, total, base, bar0, lane, stage, phase, held, done, k_slices, m_sf_row,
+                n_sf_row, desc_a0, desc_b0)
+            if done == k_slices:
+                break
+            set_y, set_x, total, last_lo, last_hi, stage, phase, held, done = slice_into(
+                set_y, set_x, last_lo, last_hi, total, base, bar0, lane, stage, phase, held, done, k_slices, m_sf_row,
+                n_sf_row, desc_a0, desc_b0)
+            if done == k_slices:
+                break
+        return total, set_x, set_y, stage, phase
+
+    def tile_steps(total, set_x, set_y, base, bar0, lane, stage, phase, k_slices, m_sf_row, n_sf_row, desc_a0,
+                   desc_b0):
+        """W4A8: one tile's k32 steps, each into one of the two sets while the step before is promoted with its
+        block's factor; a stage is released once its last step is promoted (during the next slice)."""
+        fy_lo = float32(0.0)
+        fy_hi = float32(0.0)
+        set_y = zero_acc()
+        done = np.int64(0)
+        held = np.int64(0)    # the stage whose last step runs in set y
+        while True:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            st = np.uint32(base + stage * stage_bytes)
+            tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
+            lo_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms))
+            hi_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms))
+            units = np.uint32(stage * STAGE_UNITS)
+            a_desc, b_desc = advance(desc_a0, units), advance(desc_b0, units)
+            set_x = step_mma(set_x, a_desc, b_desc, 0)
+            # the previous slice's last step (in a tile's first slice: set y's zeros times 0, adding nothing; no
+            # branch around the accumulators, which would make ptxas serialize the MMAs)
+            hp.wgmma_wait_group_1()
+            set_y = hp.wgmma_fence_accumulators(set_y)
+            if done > 0:
+                release(bar0, held, lane)
+            total = promote(total, set_y, fy_lo, fy_hi)
+            set_y = step_mma(set_y, a_desc, b_desc, 1)
+            hp.wgmma_wait_group_1()
+            set_x = hp.wgmma_fence_accumulators(set_x)
+            total = promote(total, set_x, step_factor(lo_word, 0, tile_byte), step_factor(hi_word, 0, tile_byte))
+            set_x = step_mma(set_x, a_desc, b_desc, 2)
+            hp.wgmma_wait_group_1()
+            set_y = hp.wgmma_fence_accumulators(set_y)
+            total = promote(total, set_y, step_factor(lo_word, 1, tile_byte), step_factor(hi_word, 1, tile_byte))
+            set_y = step_mma(set_y, a_desc, b_desc, 3)
+            hp.wgmma_wait_group_1()
+            set_x = hp.wgmma_fence_accumulators(set_x)
+            total = promote(total, set_x, step_factor(lo_word, 2, tile_byte), step_factor(hi_word, 2, tile_byte))
+            fy_lo, fy_hi = step_factor(lo_word, 3, tile_byte), step_factor(hi_word, 3, tile_byte)
+            set_y, total, stage, phase, held, done = end_slice(set_y, total, fy_lo, fy_hi, bar0, lane, stage, phase,
+                                                               done, k_slices)
+            if done == k_slices:
+                break
+        return total, set_x, set_y, stage, phase
+
+    run_tile = _device(tile_steps if spec.step_scaled else tile_chunks)
+
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
@@ -1508,8 +1614,6 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         total = zero_acc()
         set_x = zero_acc()
         set_y = zero_acc()
-        fy_lo = float32(0.0)
-        fy_hi = float32(0.0)
         stage = np.int64(0)
         phase = np.int64(0)
         item = np.int64(0)
@@ -1520,143 +1624,14 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
                 break
             m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
             n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
-            done = np.int64(0)
-            held = np.int64(0)    # the stage whose MMAs run in the other set
-            while True:
-                # slice into set x; then the previous slice's set y is promoted
-                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-                st = np.uint32(base + stage * stage_bytes)
-                fx_lo, fx_hi = slice_factors(st, m_sf_row, n_sf_row)
-                units = np.uint32(stage * STAGE_UNITS)
-                set_x = slice_mmas(set_x, advance(desc_a0, units), advance(desc_b0, units))
-                if done > 0:
-                    hp.wgmma_wait_group_1()
-                    set_y = hp.wgmma_fence_accumulators(set_y)
-                    release(bar0, held, lane)
-                    total = promote(total, set_y, fy_lo, fy_hi)
-                held = stage
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
-                done += 1
-                if done == k_slices:
-                    hp.wgmma_wait_group_0()
-                    set_x = hp.wgmma_fence_accumulators(set_x)
-                    release(bar0, held, lane)
-                    total = promote(total, set_x, fx_lo, fx_hi)
-                    break
-                # slice into set y; then set x is promoted
-                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-                st = np.uint32(base + stage * stage_bytes)
-                fy_lo, fy_hi = slice_factors(st, m_sf_row, n_sf_row)
-                units = np.uint32(stage * STAGE_UNITS)
-                set_y = slice_mmas(set_y, advance(desc_a0, units), advance(desc_b0, units))
-                hp.wgmma_wait_group_1()
-                set_x = hp.wgmma_fence_accumulators(set_x)
-                release(bar0, held, lane)
-                total = promote(total, set_x, fx_lo, fx_hi)
-                held = stage
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
-                done += 1
-                if done == k_slices:
-                    hp.wgmma_wait_group_0()
-                    set_y = hp.wgmma_fence_accumulators(set_y)
-                    release(bar0, held, lane)
-                    total = promote(total, set_y, fy_lo, fy_hi)
-                    break
+            total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, lane, stage, phase,
+                                                         k_slices, m_sf_row, n_sf_row, desc_a0, desc_b0)
             hp.accumulators_to_array(total, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
             total = zero_acc()
             item += 1
 
-    def consume_steps(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
-                      slices_per_split):
-        """W4A8: each k32 step into one of the two sets, the other (the step before) promoted meanwhile with its
-        block's factor; a stage is released once its last step is promoted (during the next slice)."""
-        lane = cm.laneid()
-        base = np.uint32(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
-        g = lane >> 2
-        q = lane & 3
-        warpgroup = cw // WARPGROUP_WARPS_
-        m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
-        desc_a0 = hp.wgmma_smem_descriptor_device(
-            np.uint32(base + m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES), SW128_LEADING_BYTES_,
-            SW128_ATOM_BYTES_, "128B")
-        desc_b0 = hp.wgmma_smem_descriptor_device(np.uint32(base + n_data_off), SW128_LEADING_BYTES_,
-                                                  SW128_ATOM_BYTES_, "128B")
-        acc_out = cuda.local.array(num_acc, float32)
-        total = zero_acc()
-        set_x = zero_acc()
-        set_y = zero_acc()
-        fy_lo = float32(0.0)
-        fy_hi = float32(0.0)
-        stage = np.int64(0)
-        phase = np.int64(0)
-        item = np.int64(0)
-        while item < max_tiles:
-            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
-            if expert < 0:
-                break
-            m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
-            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
-            done = np.int64(0)
-            held = np.int64(0)    # the stage whose last step runs in set y
-            fy_lo = float32(0.0)
-            fy_hi = float32(0.0)
-            set_y = zero_acc()
-            while True:
-                CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-                st = np.uint32(base + stage * stage_bytes)
-                tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
-                lo_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms))
-                hi_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms))
-                units = np.uint32(stage * STAGE_UNITS)
-                a_desc, b_desc = advance(desc_a0, units), advance(desc_b0, units)
-                set_x = step_mma(set_x, a_desc, b_desc, 0)
-                # the previous slice's last step (in a tile's first slice: set y's zeros times 0, adding nothing; no
-                # branch around the accumulators, which would make ptxas serialize the MMAs)
-                hp.wgmma_wait_group_1()
-                set_y = hp.wgmma_fence_accumulators(set_y)
-                if done > 0:
-                    release(bar0, held, lane)
-                total = promote(total, set_y, fy_lo, fy_hi)
-                set_y = step_mma(set_y, a_desc, b_desc, 1)
-                hp.wgmma_wait_group_1()
-                set_x = hp.wgmma_fence_accumulators(set_x)
-                total = promote(total, set_x, step_factor(lo_word, 0, tile_byte), step_factor(hi_word, 0, tile_byte))
-                set_x = step_mma(set_x, a_desc, b_desc, 2)
-                hp.wgmma_wait_group_1()
-                set_y = hp.wgmma_fence_accumulators(set_y)
-                total = promote(total, set_y, step_factor(lo_word, 1, tile_byte), step_factor(hi_word, 1, tile_byte))
-                set_y = step_mma(set_y, a_desc, b_desc, 3)
-                hp.wgmma_wait_group_1()
-                set_x = hp.wgmma_fence_accumulators(set_x)
-                total = promote(total, set_x, step_factor(lo_word, 2, tile_byte), step_factor(hi_word, 2, tile_byte))
-                fy_lo, fy_hi = step_factor(lo_word, 3, tile_byte), step_factor(hi_word, 3, tile_byte)
-                held = stage
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
-                done += 1
-                if done == k_slices:
-                    hp.wgmma_wait_group_0()
-                    set_y = hp.wgmma_fence_accumulators(set_y)
-                    release(bar0, held, lane)
-                    total = promote(total, set_y, fy_lo, fy_hi)
-                    break
-            hp.accumulators_to_array(total, acc_out)
-            store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
-            total = zero_acc()
-            item += 1
-
-    return _device(consume_steps if spec.step_scaled else consume)
+    return _device(consume)
 
 
 def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:

@@ -124,6 +124,25 @@ class DeviceProblem(ProblemShape):
         return {name: getattr(self, name) for name in PROBLEM_ARRAY_DTYPES}
 
 
+def device_view(name: str, value, host_hint: str):
+    """A numba device array over ``value`` (no copy): a numba device array as it is, any other
+    ``__cuda_array_interface__`` object wrapped. TypeError for a host array (``host_hint`` says what takes it) or
+    anything else, ValueError unless C-contiguous."""
+    from numba import cuda
+
+    if isinstance(value, np.ndarray):
+        raise TypeError(f"{name} is a host array: {host_hint}")
+    if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
+        arr = value
+    elif hasattr(value, "__cuda_array_interface__"):
+        arr = cuda.as_cuda_array(value)
+    else:
+        raise TypeError(f"{name} must be a GPU array (__cuda_array_interface__), got {type(value).__name__}")
+    if not arr.is_c_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+    return arr
+
+
 def _as_device_array(name: str, value, stream):
     """A numba device array for ``value``: numpy arrays are copied, ``__cuda_array_interface__``
     objects are wrapped in place (no copy)."""

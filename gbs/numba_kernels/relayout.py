@@ -42,6 +42,7 @@ from numba import cuda
 
 from gbs.formats import FORMATS, SF_ATOM_BYTES
 from gbs.layouts import E2M1H200FusedOrder, E2M1H200Order, E2M1H200TiledOrder, UE4M3H200Scales
+from gbs.numba_kernels.launch import device_view
 
 THREADS = 256
 BOX_ROWS = E2M1H200TiledOrder.BOX_ROWS
@@ -152,23 +153,14 @@ def _device_tables():
 
 def _byte_array(name: str, value):
     """A numba device array of uint8 over ``value`` (no copy), or TypeError / ValueError saying why not."""
-    if isinstance(value, np.ndarray):
-        raise TypeError(f"{name} is a host array: host bytes take GroupedProblem.with_b_layout / with_a_layout "
-                        "(gbs.formats.OPERAND_LAYOUTS' swizzle / encode_scales)")
-    if hasattr(value, "copy_to_host") and hasattr(value, "is_c_contiguous"):   # a numba device array
-        arr = value
-    elif hasattr(value, "__cuda_array_interface__"):
-        arr = cuda.as_cuda_array(value)
-    else:
-        raise TypeError(f"{name} must be a GPU array (__cuda_array_interface__), got {type(value).__name__}")
+    arr = device_view(name, value, "host bytes take GroupedProblem.with_b_layout / with_a_layout "
+                                   "(gbs.formats.OPERAND_LAYOUTS' swizzle / encode_scales)")
     if arr.dtype.itemsize != 1:
         raise TypeError(f"{name} must hold bytes (uint8: FP4 pairs or scale bytes), got {arr.dtype}")
     shape = tuple(arr.shape)   # the simulator's shape takes no negative indices
     if not shape or shape[-1] % 4:
         raise ValueError(f"{name}: the last axis ({shape[-1:]}) must be a multiple of 4 bytes (FP4: K a multiple "
                          "of 8)")
-    if not arr.is_c_contiguous():
-        raise ValueError(f"{name} must be C-contiguous")
     return arr.view(np.uint8)
 
 
