@@ -22,7 +22,7 @@ import numpy as np
 from .formats import (BlockFormat, BlockScaled, ceil_div, gather_group_scales, get_format, group_scale_offsets,
                       pad_group_scales, quantize, swizzle_scales, unswizzle_scales)
 from .layouts import (LAYOUT_E4M3_FOLDED, LAYOUT_PACKED, OPERAND_LAYOUTS, E2M1H200FusedOrder, E4M3FoldedScales,
-                      UE4M3H200Scales, fused_scales, stored_shape, weight_bytes_layout)
+                      UE4M3H200Scales, fused_scales, stored_shape, tiled_weights, weight_bytes_layout, word_order)
 
 # Operand formats of a grouped matmul, by the name users pass around. W4A8 = MXFP8 activations x
 # MXFP4 weights (the tcgen05 mxf8f6f4 kind takes the mix). W4A16 = plain bf16 activations (no block
@@ -353,11 +353,11 @@ def _relaid_scales(scales: np.ndarray, fmt: BlockFormat, layout: str, new_layout
 
 
 def require_packed(problem, backend: str) -> None:
-    """ValueError unless ``problem.a`` and ``problem.b`` are in ``pack_fp4`` order: for kernels that read
-    the raw bytes and do not know the H200 re-layout."""
+    """ValueError unless ``problem.a`` and ``problem.b`` hold their bytes as quantized (``pack_fp4`` order, or a tag
+    that keeps them so: ``e4m3_folded``): for kernels that read the raw bytes and do not know the H200 re-layout."""
     for operand in ("a", "b"):
         layout = layout_of(problem, operand)
-        if layout != LAYOUT_PACKED:
+        if word_order(layout) != LAYOUT_PACKED or tiled_weights(layout):
             raise ValueError(f"{backend} reads {operand} in {LAYOUT_PACKED!r} order; this problem's {operand} is "
                              f"{layout!r} (use problem.with_{operand}_layout({LAYOUT_PACKED!r}), or an H200 backend)")
 

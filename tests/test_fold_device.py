@@ -5,7 +5,8 @@ Simulator runs (a worker subprocess with ``NUMBA_ENABLE_CUDASIM=1``): bit-identi
 ragged groups (an empty group, a -1 slot, a 1-token group, groups past 128 rows), a K tail (gpt-oss K = 2880: a
 chunk of 2 blocks), blocks at both ends of the window, NaN-scale blocks, chunks whose largest block is below 2^-121
 (the base stops at 2^-127); a block beyond the window becomes NaN bytes where the host refuses it; into given
-``out`` arrays; bad input refused before any launch. Offline: the kernel assembles for sm_90a.
+``out`` arrays; bad input refused before any launch; the SIMT kernel runs a folded problem exactly (its bytes are
+MXFP8's as quantized). Offline: the kernel assembles for sm_90a.
 """
 from __future__ import annotations
 
@@ -72,6 +73,12 @@ for gap in (15, 20):   # below the window: the host refuses, the device writes N
     rest = np.ones(a8.shape, bool)
     rest[7, 32:64] = False
     results["beyond_rest"].append(int((a8[rest] != twin[rest]).sum()))
+# the SIMT kernel reads folded operands as the MXFP8 they are (bytes as quantized)
+from gbs.exactness import check_output
+from gbs.numba_kernels import simt
+from gbs.schedule import TileConfig
+small = fr.fold_problem(gaussian_problem(130, 256, seed=4, group_sizes=(5, 0, 3), expert_ids=(0, 1, -1), experts=2))
+results["simt_folded"] = check_output(small, simt.grouped_matmul_simt(small, TileConfig(True, 8, 1)), "simt").passed
 p = ragged
 bad = {"host": lambda: fold.fold_tokens(p.a, p.a_scales, p.a_offsets, p.a_scale_offsets),
        "k": lambda: fold.fold_tokens(cuda.to_device(np.ascontiguousarray(p.a[:, :200])), cuda.to_device(p.a_scales),
@@ -111,6 +118,10 @@ def test_device_fold_is_the_host_fold_bit_for_bit(simulated, case):
 def test_a_block_beyond_the_window_becomes_nan_bytes_where_the_host_refuses(simulated):
     assert simulated["host_refuses"] == [True, True] and simulated["beyond_nan"] == [True, True], simulated
     assert simulated["beyond_rest"] == [0, 0], simulated
+
+
+def test_the_simt_kernel_reads_folded_operands_as_mxfp8(simulated):
+    assert simulated["simt_folded"] is True
 
 
 def test_bad_input_is_refused_before_any_launch(simulated):
