@@ -477,16 +477,38 @@ def _folded_or_raise(f: FoldedOperand, what: str) -> np.ndarray:
     return chunk_scale_bytes(f.bases, -(-f.k // MX_BLOCK))
 
 
+def fold_weights(b: BlockScaled) -> BlockScaled:
+    """MXFP4 weights (a 3-D ``BlockScaled``, (experts, N, K), linear scales) folded once into E4M3 with one scale per
+    128-row tile (from each expert's row 0) and 128-K chunk: an MXFP8 ``BlockScaled`` of the same values, exactly,
+    twice their FP4 bytes; its scales go to ``GroupedProblem.b_scales`` through ``formats.swizzle_scales``, with
+    ``b_layout="e4m3_folded"``. ValueError where a live block lies 15 or more binades below its tile's largest in the
+    chunk. For weights of a host problem, ``fold_problem`` calls it."""
+    from .formats import get_format
+
+    if b.fmt != get_format("mxfp4") or b.data.ndim != 3:
+        raise ValueError(f"fold_weights takes 3-D (experts, N, K) MXFP4 weights, got {b.fmt.name} of shape "
+                         f"{b.data.shape}")
+    experts, n, k = b.data.shape[0], b.data.shape[1], b.k
+    data = np.empty((experts, n, k), np.uint8)
+    scales = np.empty((experts, n, b.scales.shape[-1]), np.uint8)
+    for e in range(experts):
+        f = fold_operand(BlockScaled(b.data[e], b.scales[e], b.fmt), base_rows=KERNEL_WEIGHT_BASE_ROWS,
+                         min_base=FOLDED_MIN_BASE)
+        data[e], scales[e] = f.e4m3, _folded_or_raise(f, "weight")
+    return BlockScaled(data.view(E4M3), scales, get_format("mxfp8"))
+
+
 def fold_problem(problem: GroupedProblem) -> GroupedProblem:
     """An MXFP4 x MXFP4 ``problem`` as the same matmul in MXFP8 x MXFP8 whose scales are constant per 128-K chunk:
-    per token row, and per 128-row weight tile; a W4A8 one (MXFP8 tokens) with its weights folded alone, the tokens
-    as they are (the kernel then promotes every k32 step with the token block's scale) (``fold_operand`` with ``base_rows`` 128), so the E4M3 MMAs of a chunk
-    need one fp32 promotion with one factor per token row (``h200_wgmma.WgmmaSpec.chunk_scaled``). Every value is
-    the original's exactly (``fold_operand``), so the exact reference of the result is the problem's. The weights
-    fold once (twice their FP4 bytes); the tokens every call (on the GPU: ``gbs.numba_kernels.fold.fold_tokens``).
-    Bases never go below 2^-127 (``FOLDED_MIN_BASE``: a finite UE8M0 byte; the largest is 2^121). ValueError where
-    the fold is not exact: a live block 15 or more binades below its chunk's largest (in the weight tile, for
-    weights), or a promotion factor ``2^(e_token + e_tile)`` outside fp32's normal and subnormal range."""
+    per token row (``fold_operand``), and per 128-row weight tile (``fold_weights``), so the E4M3 MMAs of a chunk need
+    one fp32 promotion with one factor per token row (``h200_wgmma.WgmmaSpec.chunk_scaled``); a W4A8 one (MXFP8
+    tokens) with its weights folded alone, the tokens as they are (the kernel then promotes every k32 step with the
+    token block's scale). Every value is the original's exactly, so the exact reference of the result is the
+    problem's. The weights fold once (twice their FP4 bytes); the tokens every call (on the GPU:
+    ``gbs.numba_kernels.fold.fold_tokens``). Bases never go below 2^-127 (``FOLDED_MIN_BASE``: a finite UE8M0 byte;
+    the largest is 2^121). ValueError where the fold is not exact: a live block 15 or more binades below its chunk's
+    largest (in the weight tile, for weights), or a promotion factor ``2^(e_token + e_tile)`` outside fp32's normal
+    and subnormal range."""
     from .formats import get_format, pad_group_scales, swizzle_scales
     from .layouts import LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 
@@ -506,11 +528,9 @@ def fold_problem(problem: GroupedProblem) -> GroupedProblem:
         a_data, a_layout = a.e4m3.view(E4M3), LAYOUT_E4M3_FOLDED
         a_bytes = _folded_or_raise(a, "token")
         token_blocks = a_bytes[:, ::4].astype(np.int64)
-    b_data = np.empty((p.num_experts, p.n, p.k), np.uint8)
-    b_bytes = np.empty((p.num_experts, p.n, a_bytes.shape[1]), np.uint8)
-    for e in range(p.num_experts):
-        f = fold_operand(p.b_operand(e), base_rows=KERNEL_WEIGHT_BASE_ROWS, min_base=FOLDED_MIN_BASE)
-        b_data[e], b_bytes[e] = f.e4m3, _folded_or_raise(f, "weight")
+    weights = [p.b_operand(e) for e in range(p.num_experts)]
+    b = fold_weights(BlockScaled(np.stack([w.data for w in weights]), np.stack([w.scales for w in weights]), mxfp4))
+    b_bytes = b.scales
     if token_blocks.size:
         tiles = b_bytes.astype(np.int64)
         low = int(token_blocks.min()) + int(tiles.min()) - 2 * UE8M0_BIAS
@@ -518,7 +538,7 @@ def fold_problem(problem: GroupedProblem) -> GroupedProblem:
         if low < FP32_FACTOR_LOG2[0] or high > FP32_FACTOR_LOG2[1]:
             raise ValueError(f"promotion factors from 2^{low} to 2^{high} leave fp32 ({FP32_FACTOR_LOG2}): not folded")
     a_scales, a_scale_offsets = pad_group_scales(a_bytes, p.a_offsets)
-    return GroupedProblem(a_format=mxfp8, b_format=mxfp8, a=a_data.copy(), b=b_data.view(E4M3),
+    return GroupedProblem(a_format=mxfp8, b_format=mxfp8, a=a_data.copy(), b=b.data,
                           a_scales=a_scales, b_scales=swizzle_scales(b_bytes), a_offsets=p.a_offsets.copy(),
                           a_scale_offsets=a_scale_offsets, expert_ids=p.expert_ids.copy(),
                           expert_scales=p.expert_scales.copy(), num_active_experts=p.num_active_experts,

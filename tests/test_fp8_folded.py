@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from gbs import fp8_route as fr
-from gbs.formats import UE8M0_NAN_BYTE, swizzle_scales, unswizzle_scales
+from gbs.formats import UE8M0_NAN_BYTE, BlockScaled, swizzle_scales, unswizzle_scales
 from gbs.layouts import LAYOUT_E4M3_FOLDED
 from gbs.numba_kernels import fp8_decode as fd
 from gbs.numba_kernels import h200_launch as hl
@@ -93,6 +93,21 @@ def test_w4a8_fold_keeps_the_tokens_and_the_exact_reference(n, k):
     assert np.array_equal(folded.a.view(np.uint8), problem.a.view(np.uint8))
     assert np.array_equal(folded.a_scales, problem.a_scales)
     assert same_bits(reference_grouped_matmul(folded), reference_grouped_matmul(problem))
+
+
+def test_fold_weights_alone_is_the_problems_weight_fold():
+    """``fold_weights`` (a checkpoint's weights, once, without tokens) gives the bytes and scales ``fold_problem``
+    puts in ``b``; 2-D or non-MXFP4 weights are refused."""
+    problem = gaussian_problem(200, 448, seed=8, group_sizes=(3, 9), expert_ids=(1, 0), experts=2)
+    weights = [problem.b_operand(e) for e in range(2)]
+    stacked = BlockScaled(np.stack([w.data for w in weights]), np.stack([w.scales for w in weights]), weights[0].fmt)
+    folded_b = fr.fold_weights(stacked)
+    folded = fr.fold_problem(problem)
+    assert folded_b.fmt.name == "mxfp8"
+    assert np.array_equal(folded_b.data.view(np.uint8), folded.b.view(np.uint8))
+    assert np.array_equal(swizzle_scales(folded_b.scales), folded.b_scales)
+    with pytest.raises(ValueError, match="3-D"):
+        fr.fold_weights(weights[0])
 
 
 def test_fold_refuses_other_formats():
