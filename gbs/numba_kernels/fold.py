@@ -28,7 +28,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE
+from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, scale_byte_offset
 from gbs.fp8_route import E2M1_TO_E4M3_TABLES, E4M3_NAN, FOLD_WINDOW, FOLDED_MIN_BASE, MX_BLOCK, PROMOTION_CHUNK
 from gbs.numba_kernels.launch import device_view
 
@@ -36,7 +36,7 @@ THREADS = 128
 MAX_BLOCKS = 132 * 16            # a few waves of the H200's SMs; the grid-stride loop takes the rest
 BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
 BLOCK_WORDS = MX_BLOCK // 8      # FP4 words (8 elements) per 32-element block
-ATOM_LANES = 32                  # the atom's rows: [lane, slice, col] with row = 32 slice + lane
+CHUNK_WORDS = BLOCKS_PER_CHUNK * BLOCK_WORDS
 OUT_OF_WINDOW = 0x7F             # a table row that is no table (rows 0..14): the block becomes NaN bytes
 if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
     raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
@@ -55,11 +55,7 @@ def group_of(a_offsets, token):
     return lo
 
 
-@cuda.jit(device=True)
-def scale_word_index(padded_row, chunk, col_groups):
-    """Index, among the atoms' 32-bit words, of the 4 scale bytes of ``padded_row`` in 128-K chunk ``chunk``."""
-    band, r = padded_row // SF_ATOM_ROWS, padded_row % SF_ATOM_ROWS
-    return ((band * col_groups + chunk) * SF_ATOM_BYTES + (r % ATOM_LANES) * 16 + (r // ATOM_LANES) * 4) // 4
+atom_byte_offset = cuda.jit(device=True)(scale_byte_offset)
 
 
 def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_words, chunks, out_words,
@@ -68,16 +64,20 @@ def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, to
     ``row_words``), ``out_words`` their E4M3 words (tokens x 2 ``row_words``)."""
     start, stride = cuda.grid(1), cuda.gridsize(1)
     shifts = cuda.local.array(BLOCKS_PER_CHUNK, np.int32)
+    chunk_words = cuda.local.array(CHUNK_WORDS, np.uint32)
     for item in range(start, tokens * chunks, stride):
         token, chunk = item // chunks, item % chunks
         g = group_of(a_offsets, token)
         lo = a_offsets[g]
         padded = np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
                                                                       + np.uint32(a_scale_offsets[g]))
-        s_index = scale_word_index(np.int64(padded), chunk, chunks)   # an atom column group per chunk
+        # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
+        s_index = atom_byte_offset(np.int64(padded), chunk * SF_ATOM_COLS, chunks) // 4
         scale_word = scale_words[s_index]
-        first_word = chunk * BLOCKS_PER_CHUNK * BLOCK_WORDS
-        blocks = min(BLOCKS_PER_CHUNK, (row_words - first_word) // BLOCK_WORDS)   # a K tail: fewer blocks
+        first_word = token * row_words + chunk * CHUNK_WORDS
+        blocks = min(BLOCKS_PER_CHUNK, (row_words - chunk * CHUNK_WORDS) // BLOCK_WORDS)   # a K tail: fewer blocks
+        for w in range(CHUNK_WORDS):   # the chunk's FP4 words, read once (constant trips: registers, not stack)
+            chunk_words[w] = words[first_word + w] if w < blocks * BLOCK_WORDS else np.uint32(0)
         top = -(1 << 30)
         for b in range(BLOCKS_PER_CHUNK):   # the live blocks' largest exponent
             byte = (scale_word >> (8 * b)) & 0xFF
@@ -85,7 +85,7 @@ def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, to
             if b < blocks and byte != UE8M0_NAN_BYTE:
                 live = False
                 for w in range(BLOCK_WORDS):
-                    live = live or (words[token * row_words + first_word + b * BLOCK_WORDS + w] & 0x77777777) != 0
+                    live = live or (chunk_words[b * BLOCK_WORDS + w] & 0x77777777) != 0
                 if live:
                     shifts[b] = 1
                     top = max(top, np.int32(byte) - UE8M0_BIAS)
@@ -100,11 +100,13 @@ def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, to
                 shifts[b] = d - FOLD_WINDOW[0]
             else:
                 shifts[b] = -FOLD_WINDOW[0]   # d = 0: zeros keep their sign
-        for b in range(blocks):
+        for b in range(BLOCKS_PER_CHUNK):
+            if b >= blocks:
+                break
             row = shifts[b]
             for w in range(BLOCK_WORDS):
-                src = token * row_words + first_word + b * BLOCK_WORDS + w
-                word = words[src]
+                src = first_word + b * BLOCK_WORDS + w
+                word = chunk_words[b * BLOCK_WORDS + w]
                 lo_word = np.uint32(0)
                 hi_word = np.uint32(0)
                 for e in range(4):
