@@ -1461,13 +1461,12 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         hp.wgmma_commit_group()
         return acc
 
-    def slice_factors(st, m_sf_row, n_sf_row):
-        """The promotion factors of rows m_row and m_row + 8 for the slice in stage ``st``: the token rows' chunk
-        scale (block 0 of the chunk's 4, all equal) times the weight tile's (its first row's)."""
+    def stage_scales(st, m_sf_row, n_sf_row):
+        """The slice's scales in stage ``st``: the weight tile's byte (its first row's, block 0) and the 4 block
+        bytes of token rows m_row and m_row + 8."""
         tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
-        lo = np.int32(ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)) & 0xFF)
-        hi = np.int32(ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)) & 0xFF)
-        return f32_from_bits(np.uint32(factor_bits(lo, tile_byte))), f32_from_bits(np.uint32(factor_bits(hi, tile_byte)))
+        return (tile_byte, ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)),
+                ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)))
 
     def release(bar0, stage, lane):
         cuda.syncwarp()
@@ -1486,7 +1485,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         times the weight tile's."""
         return f32_from_bits(np.uint32(factor_bits(np.int32((token_word >> (8 * s)) & 0xFF), tile_byte)))
 
-    slice_mmas, slice_factors, release = _device(slice_mmas), _device(slice_factors), _device(release)
+    slice_mmas, stage_scales, release = _device(slice_mmas), _device(stage_scales), _device(release)
     step_mma, step_factor = _device(step_mma), _device(step_factor)
 
     def end_slice(last, total, f_lo, f_hi, bar0, lane, stage, phase, done, k_slices):
@@ -1513,8 +1512,9 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         """The next K slice into chunk set ``fresh``; then the slice before (in ``other``, its factors ``other_lo`` /
         ``other_hi``) is promoted and its stage ``held`` released, and after a tile's last slice ``fresh`` too."""
         CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-        st = np.uint32(base + stage * stage_bytes)
-        f_lo, f_hi = slice_factors(st, m_sf_row, n_sf_row)
+        # folded tokens: the chunk's 4 block scales are equal, block 0's is the row's
+        tile_byte, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
+        f_lo, f_hi = step_factor(lo_word, 0, tile_byte), step_factor(hi_word, 0, tile_byte)
         units = np.uint32(stage * STAGE_UNITS)
         fresh = slice_mmas(fresh, advance(desc_a0, units), advance(desc_b0, units))
         if done > 0:
@@ -1560,10 +1560,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         held = np.int64(0)    # the stage whose last step runs in set y
         while True:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            st = np.uint32(base + stage * stage_bytes)
-            tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
-            lo_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms))
-            hi_word = ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms))
+            tile_byte, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
             units = np.uint32(stage * STAGE_UNITS)
             a_desc, b_desc = advance(desc_a0, units), advance(desc_b0, units)
             set_x = step_mma(set_x, a_desc, b_desc, 0)
