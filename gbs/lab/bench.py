@@ -131,7 +131,7 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
     word order (``with_a_layout``, ``gbs.formats.word_order``: their quantizer would write it, and the
     quantization is not timed either), both untimed, before the runs (tiled weights stored padded to whole
     boxes where N or K needs it). ``relay_tokens``: the FP4 tokens arrive
-    packed instead, and each timed launch first re-lays them on the GPU (``TokenRelayLaunch``)."""
+    packed instead, and each timed launch first re-lays them on the GPU (``TokensFirstLaunch``)."""
     from ..numba_kernels import h200_launch
     from ..numba_kernels.launch import to_device
     from ..plan import plan_h200
@@ -158,8 +158,17 @@ def _load_h200_kernel(backend: str, layout: str = LAYOUT_PACKED, *, relay_tokens
             return launcher
         from numba import cuda
 
-        scales = (cuda.to_device(packed.a_scales), device.a_scales) if packed.a_format.scale_dtype == "ue4m3" else None
-        return TokenRelayLaunch(launcher, cuda.to_device(packed.a), device.a, scales)
+        from ..numba_kernels import relayout
+
+        packed_tokens = cuda.to_device(packed.a)
+        packed_scales = cuda.to_device(packed.a_scales) if packed.a_format.scale_dtype == "ue4m3" else None
+
+        def relay():   # UE4M3 scales into their H200 codes; MX scales stay as they are
+            relayout.to_e2m1_h200(packed_tokens, device.a)
+            if packed_scales is not None:
+                relayout.ue4m3_scales_to_h200(packed_scales, device.a_scales)
+
+        return TokensFirstLaunch(launcher, relay)
 
     return prepare
 
@@ -168,9 +177,9 @@ def _load_fp8_folded(fold_tokens_on_gpu: bool = False):
     """MXFP4 x MXFP4 folded ahead into E4M3 with one scale per 128-K chunk (``gbs.fp8_route.fold_problem``: the
     weights once, the tokens as their quantizer would write them; both untimed, as the quantization is), then
     ``gbs.plan.plan_h200``'s "auto" plan: the FP8 route from 33 tokens per expert, the folded operands as MXFP8
-    below; W4A8 folds its weights only and runs the route (``fp8=True``) on every case. ``fold_tokens_on_gpu``: the tokens arrive as MXFP4 instead, and each timed launch first folds them on the
-    GPU (``FoldTokensLaunch``). NotImplementedError for other formats; ValueError where a block does not fold
-    exactly."""
+    below; W4A8 folds its weights only and runs the route (``fp8=True``) on every case. ``fold_tokens_on_gpu``: the
+    tokens arrive as MXFP4 instead, and each timed launch first folds them on the GPU (``TokensFirstLaunch``).
+    NotImplementedError for other formats; ValueError where a block does not fold exactly."""
     from ..fp8_route import fold_problem
     from ..numba_kernels import h200_launch
     from ..numba_kernels.launch import to_device
@@ -188,48 +197,28 @@ def _load_fp8_folded(fold_tokens_on_gpu: bool = False):
         # W4A8's route on folded weights is not planned by "auto" (not measured yet): asked for here
         fp8 = True if problem.format_name == "w4a8" else None
         launcher = h200_launch.prepare(device, plan_h200(last[1], fp8=fp8))
-        return FoldTokensLaunch(launcher, to_device(problem), device) if fold_tokens_on_gpu else launcher
+        if not fold_tokens_on_gpu:
+            return launcher
+        from ..numba_kernels import fold
+
+        mxfp4 = to_device(problem)
+        return TokensFirstLaunch(launcher, lambda: fold.fold_tokens(
+            mxfp4.a, mxfp4.a_scales, mxfp4.a_offsets, mxfp4.a_scale_offsets, out=device.a, out_scales=device.a_scales))
 
     return prepare
 
 
-class FoldTokensLaunch:
-    """A prepared launch of a folded problem whose tokens arrive as MXFP4: each call folds ``mxfp4``'s tokens and
-    scale atoms into the launch's own (``folded``'s; ``gbs.numba_kernels.fold.fold_tokens``) on the GPU, then
-    enqueues the launch, on the same (default) stream, so a timing covers both. Other attributes are the
-    launch's."""
+class TokensFirstLaunch:
+    """A prepared launch whose tokens arrive in another form than the one it reads: each call first runs
+    ``prepare_tokens`` (GPU work writing the launch's own token arrays: ``relayout`` into ``E2M1H200Order``, or
+    ``fold.fold_tokens`` for the folded FP8 route), then enqueues the launch, on the same (default) stream, so a
+    timing covers both. Other attributes are the launch's."""
 
-    def __init__(self, launcher, mxfp4, folded):
-        self.launcher, self.mxfp4, self.folded = launcher, mxfp4, folded
-
-    def __call__(self):
-        from ..numba_kernels import fold
-
-        p = self.mxfp4
-        fold.fold_tokens(p.a, p.a_scales, p.a_offsets, p.a_scale_offsets, out=self.folded.a,
-                         out_scales=self.folded.a_scales)
-        return self.launcher()
-
-    def __getattr__(self, name):
-        return getattr(self.launcher, name)
-
-
-class TokenRelayLaunch:
-    """A prepared launch whose FP4 tokens arrive in ``pack_fp4`` order: each call re-lays ``packed_tokens``
-    into the launch's own token array (``tokens``, read in ``E2M1H200Order``) on the GPU
-    (``gbs.numba_kernels.relayout``), and ``scales`` = (UE4M3 scale bytes, the launch's scale array) into
-    their H200 codes (NVFP4; None for MX scales, which stay as they are), then enqueues the launch, on the
-    same (default) stream, so a timing covers all. Other attributes are the launch's."""
-
-    def __init__(self, launcher, packed_tokens, tokens, scales=None):
-        self.launcher, self.packed_tokens, self.tokens, self.scales = launcher, packed_tokens, tokens, scales
+    def __init__(self, launcher, prepare_tokens):
+        self.launcher, self.prepare_tokens = launcher, prepare_tokens
 
     def __call__(self):
-        from ..numba_kernels import relayout
-
-        relayout.to_e2m1_h200(self.packed_tokens, self.tokens)
-        if self.scales is not None:
-            relayout.ue4m3_scales_to_h200(*self.scales)
+        self.prepare_tokens()
         return self.launcher()
 
     def __getattr__(self, name):
