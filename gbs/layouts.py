@@ -421,7 +421,7 @@ class E4M3FoldedScales:
     @classmethod
     def _chunk_mismatch(cls, linear: np.ndarray) -> np.ndarray:
         """(..., blocks) -> bool (..., blocks): a block whose scale differs from its chunk's first block's."""
-        per_chunk = cls.CHUNK // 32
+        per_chunk = cls.CHUNK // get_format("mxfp8").block_size
         first = np.repeat(linear[..., ::per_chunk], per_chunk, axis=-1)[..., :linear.shape[-1]]
         return linear != first
 

@@ -260,13 +260,12 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
     route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
     operands exactly). Device problems are not checked on the host: such blocks give NaN outputs."""
     knobs = dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True)
-    if folded_operands(problem):
-        return knobs, [Rule("route", f"FP8 on operands folded ahead ({LAYOUT_E4M3_FOLDED}, gbs.fp8_route.fold_problem): "
-                                     f"E4M3 wgmma on both operands straight from the ring, fp32 promotion per 128 K "
-                                     f"with one factor per token row; 128 x {FP8_MMA_BN} tiles (two chunk sets and "
-                                     f"the total)", "fp8-fold-gpu")]
-    if layout_of(problem, "b") == LAYOUT_E4M3_FOLDED and _formats(problem) == ("mxfp8", "mxfp8") \
-            and layout_of(problem, "a") == LAYOUT_PACKED:
+    if layout_of(problem, "b") == LAYOUT_E4M3_FOLDED:   # folded ahead (WgmmaSpec refuses a pair it cannot run)
+        if folded_operands(problem):
+            return knobs, [Rule("route", f"FP8 on operands folded ahead ({LAYOUT_E4M3_FOLDED}, "
+                                         f"gbs.fp8_route.fold_problem): E4M3 wgmma on both operands straight from the "
+                                         f"ring, fp32 promotion per 128 K with one factor per token row; 128 x "
+                                         f"{FP8_MMA_BN} tiles (two chunk sets and the total)", "fp8-fold-gpu")]
         return knobs, [Rule("route", f"FP8 on weights folded ahead ({LAYOUT_E4M3_FOLDED}), MXFP8 tokens as quantized "
                                      f"(W4A8): E4M3 wgmma from the ring, fp32 promotion per k32 step with the token "
                                      f"block's scale; 128 x {FP8_MMA_BN} tiles; not yet measured on the GPU")]
@@ -275,8 +274,9 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
     if _formats(problem) not in FP8_ROUTE_FORMATS or (layout_of(problem, "a"), layout_of(problem, "b")) != want:
         raise ValueError(f"fp8=True (the FP8 route) reads MXFP4 weights in {LAYOUT_E2M1_E4M3!r} "
                          f"(GroupedProblem.with_b_layout) with MXFP4 tokens in it too (with_a_layout) or MXFP8 tokens "
-                         f"(W4A8) as they are, or a problem folded ahead (gbs.fp8_route.fold_problem); got {_formats(problem)[0]} ({layout_of(problem, 'a')!r}) x "
-                         f"{_formats(problem)[1]} ({layout_of(problem, 'b')!r})")
+                         f"(W4A8) as they are, or a problem folded ahead (gbs.fp8_route.fold_problem); got "
+                         f"{_formats(problem)[0]} ({layout_of(problem, 'a')!r}) x {_formats(problem)[1]} "
+                         f"({layout_of(problem, 'b')!r})")
     if isinstance(problem, GroupedProblem):
         from .fp8_route import kernel_window_violations
 
