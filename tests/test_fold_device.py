@@ -138,8 +138,8 @@ def test_kernel_assembles_for_sm90a():
     from gbs.ptx_inline import offline
 
     words, bytes2d = types.Array(types.uint32, 1, "C"), types.Array(types.uint8, 2, "C")
-    signature = (words, words, types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 1, "C"), bytes2d,
-                 types.int64, types.int64, types.int64, words, words)
+    signature = (words, words, words, words, bytes2d, types.int64, types.int64, types.int64,
+                 types.Array(types.uint64, 1, "C"), words)
     cubin = offline.compile_cubin(fold.fold_token_chunks, signature, offline.SM90A, launch_bounds=(fold.THREADS, 1))
     assert offline.resource_usage(cubin).registers > 0
 

@@ -7,12 +7,14 @@ quantizer that cannot write it itself; the device twin of the token half of ``gb
     problem = gbs.device_problem(a8, b8, a8_scales, b8_scales, ..., fmt="mxfp8", a_layout="e4m3_folded",
                                  b_layout="e4m3_folded")   # weights folded once: fp8_route.fold_problem
 
-One thread per (token row, 128-K chunk): it reads the chunk's 4 scale bytes (one word of the row's atom) and its 64
-FP4 bytes, marks the live blocks (a nonzero element, a finite scale), takes the base ``max(e) - 6`` over them (0 for a
-chunk without one; never below 2^-127, ``fp8_route.FOLDED_MIN_BASE``), writes each element's E2M1 value times
-``2^(e - base)`` as an E4M3 byte through the 16-entry table of its block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``),
-NaN bytes for a NaN-scale block, and the base byte as all 4 of the chunk's scales. Bit-identical to the host fold
-(``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the host refuses a live block more
+A block of ``THREADS`` threads folds ``CHUNKS_PER_BLOCK`` (token row, 128-K chunk) items at a time, one thread per
+FP4 word (8 elements), so a warp reads 128 contiguous bytes and writes 256: each thread marks whether its word has a
+nonzero element, one thread per 32-element block then gives the block's exponent if the block is live (a nonzero
+element, a finite scale), and every thread takes its chunk's base ``max(e) - 6`` over those (0 for a chunk without
+one; never below 2^-127, ``fp8_route.FOLDED_MIN_BASE``) and writes its word's elements times ``2^(e - base)`` as 8
+E4M3 bytes through the 16-entry table of its block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``, held in shared
+memory), NaN bytes for a NaN-scale block; the chunk's first thread writes the base byte as all 4 of its scales.
+Bit-identical to the host fold (``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the host refuses a live block more
 than 14 binades below its chunk's largest; here, where nothing can raise, such a block becomes NaN bytes, so the
 outputs it touches are NaN, never silently wrong.
 
@@ -32,12 +34,17 @@ from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, U
 from gbs.fp8_route import E2M1_TO_E4M3_TABLES, E4M3_NAN, FOLD_WINDOW, FOLDED_MIN_BASE, MX_BLOCK, PROMOTION_CHUNK
 from gbs.numba_kernels.launch import device_view
 
-THREADS = 128
-MAX_BLOCKS = 132 * 16            # a few waves of the H200's SMs; the grid-stride loop takes the rest
 BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
 BLOCK_WORDS = MX_BLOCK // 8      # FP4 words (8 elements) per 32-element block
-CHUNK_WORDS = BLOCKS_PER_CHUNK * BLOCK_WORDS
-OUT_OF_WINDOW = 0x7F             # a table row that is no table (rows 0..14): the block becomes NaN bytes
+CHUNK_WORDS = BLOCKS_PER_CHUNK * BLOCK_WORDS     # 16 threads per chunk
+THREADS = 256
+CHUNKS_PER_BLOCK = THREADS // CHUNK_WORDS
+BLOCK_EXPONENTS = CHUNKS_PER_BLOCK * BLOCKS_PER_CHUNK   # the 32-element blocks a thread block folds per step
+MAX_BLOCKS = 132 * 8             # a full H200 at 8 blocks per SM; the block-stride loop takes the rest
+TABLE_ROWS, TABLE_ENTRIES = E2M1_TO_E4M3_TABLES.shape
+OUT_OF_WINDOW = TABLE_ROWS       # a table row that is no table: the block becomes NaN bytes
+DEAD = -(1 << 30)                # the exponent of a block that does not set the base
+E4M3_NAN_WORD = E4M3_NAN * 0x01010101
 if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
     raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
 
@@ -58,70 +65,82 @@ def group_of(a_offsets, token):
 atom_byte_offset = cuda.jit(device=True)(scale_byte_offset)
 
 
-def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_words, chunks, out_words,
+@cuda.jit(device=True)
+def e4m3_word(table, row, nibbles):
+    """4 E2M1 nibbles (the low 16 bits of ``nibbles``) as 4 E4M3 bytes of table row ``row``, in one word."""
+    word = np.uint32(0)
+    for e in range(4):
+        word |= np.uint32(table[row, (nibbles >> np.uint32(4 * e)) & np.uint32(0xF)]) << np.uint32(8 * e)
+    return word
+
+
+def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_words, chunks, out_pairs,
                       out_scale_words):
-    """Kernel: (token, chunk) items over a grid-stride loop; ``words`` the tokens' FP4 words (tokens x
-    ``row_words``), ``out_words`` their E4M3 words (tokens x 2 ``row_words``)."""
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    shifts = cuda.local.array(BLOCKS_PER_CHUNK, np.int32)
-    chunk_words = cuda.local.array(CHUNK_WORDS, np.uint32)
-    for item in range(start, tokens * chunks, stride):
+    """Kernel: ``CHUNKS_PER_BLOCK`` (token, chunk) items per block and step of a block-stride loop (every thread of a
+    block takes the same steps: it synchronizes); ``words`` the tokens' FP4 words (tokens x ``row_words``),
+    ``out_pairs`` their E4M3 bytes as 8-byte pairs of words (tokens x ``row_words``)."""
+    table = cuda.shared.array((TABLE_ROWS, TABLE_ENTRIES), np.uint8)
+    nonzero = cuda.shared.array(THREADS, np.int32)                        # per word: a nonzero element
+    exponents = cuda.shared.array(BLOCK_EXPONENTS, np.int32)   # per 32-element block: e, or DEAD
+    tid = cuda.threadIdx.x
+    for i in range(tid, TABLE_ROWS * TABLE_ENTRIES, THREADS):
+        table[i // TABLE_ENTRIES, i % TABLE_ENTRIES] = tables[i // TABLE_ENTRIES, i % TABLE_ENTRIES]
+    lane = tid % CHUNK_WORDS      # the thread's word of its chunk
+    block = lane // BLOCK_WORDS   # the word's 32-element block
+    first_exponent = (tid // CHUNK_WORDS) * BLOCKS_PER_CHUNK
+    items = tokens * chunks
+    for first_item in range(cuda.blockIdx.x * CHUNKS_PER_BLOCK, items, cuda.gridDim.x * CHUNKS_PER_BLOCK):
+        item = first_item + tid // CHUNK_WORDS
         token, chunk = item // chunks, item % chunks
-        g = group_of(a_offsets, token)
-        lo = a_offsets[g]
-        padded = np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
-                                                                      + np.uint32(a_scale_offsets[g]))
-        # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
-        s_index = atom_byte_offset(np.int64(padded), chunk * SF_ATOM_COLS, chunks) // 4
-        scale_word = scale_words[s_index]
-        first_word = token * row_words + chunk * CHUNK_WORDS
-        blocks = min(BLOCKS_PER_CHUNK, (row_words - chunk * CHUNK_WORDS) // BLOCK_WORDS)   # a K tail: fewer blocks
-        for w in range(CHUNK_WORDS):   # the chunk's FP4 words, read once (constant trips: registers, not stack)
-            chunk_words[w] = words[first_word + w] if w < blocks * BLOCK_WORDS else np.uint32(0)
-        top = -(1 << 30)
-        for b in range(BLOCKS_PER_CHUNK):   # the live blocks' largest exponent
-            byte = (scale_word >> (8 * b)) & 0xFF
-            shifts[b] = 0
-            if b < blocks and byte != UE8M0_NAN_BYTE:
-                live = False
-                for w in range(BLOCK_WORDS):
-                    live = live or (chunk_words[b * BLOCK_WORDS + w] & 0x77777777) != 0
-                if live:
-                    shifts[b] = 1
-                    top = max(top, np.int32(byte) - UE8M0_BIAS)
-        base = top - FOLD_WINDOW[1] if top > -(1 << 30) else 0
-        base = max(base, FOLDED_MIN_BASE)
-        for b in range(BLOCKS_PER_CHUNK):   # each block's table row: its shift's, NaN's, or 0's for dead blocks
-            byte = (scale_word >> (8 * b)) & 0xFF
-            d = np.int32(byte) - UE8M0_BIAS - base
-            if byte == UE8M0_NAN_BYTE or (shifts[b] == 1 and d < FOLD_WINDOW[0]):
-                shifts[b] = OUT_OF_WINDOW
-            elif shifts[b] == 1:
-                shifts[b] = d - FOLD_WINDOW[0]
-            else:
-                shifts[b] = -FOLD_WINDOW[0]   # d = 0: zeros keep their sign
+        word = np.uint32(0)
+        scale_word = np.uint32(0)
+        s_index = 0
+        src = 0
+        chunk_words = 0           # the chunk's FP4 words: fewer in a K tail, none past the last item
+        if item < items:
+            g = group_of(a_offsets, token)
+            lo = a_offsets[g]
+            padded = np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
+                                                                          + np.uint32(a_scale_offsets[g]))
+            # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
+            s_index = atom_byte_offset(np.int64(padded), chunk * SF_ATOM_COLS, chunks) // 4
+            scale_word = scale_words[s_index]
+            chunk_words = min(CHUNK_WORDS, row_words - chunk * CHUNK_WORDS)
+            src = token * row_words + chunk * CHUNK_WORDS + lane
+            if lane < chunk_words:
+                word = words[src]
+        cuda.syncthreads()        # the last step's readers of nonzero / exponents are done (and the table is in)
+        nonzero[tid] = 1 if (word & np.uint32(0x77777777)) != 0 else 0
+        cuda.syncthreads()
+        byte = np.int32((scale_word >> np.uint32(8 * block)) & np.uint32(0xFF))
+        live = False
+        for w in range(BLOCK_WORDS):
+            live = live or nonzero[tid - lane % BLOCK_WORDS + w] != 0
+        live = live and byte != UE8M0_NAN_BYTE and block * BLOCK_WORDS < chunk_words
+        if lane % BLOCK_WORDS == 0:
+            exponents[first_exponent + block] = byte - UE8M0_BIAS if live else DEAD
+        cuda.syncthreads()
+        top = DEAD
         for b in range(BLOCKS_PER_CHUNK):
-            if b >= blocks:
-                break
-            row = shifts[b]
-            for w in range(BLOCK_WORDS):
-                src = first_word + b * BLOCK_WORDS + w
-                word = chunk_words[b * BLOCK_WORDS + w]
-                lo_word = np.uint32(0)
-                hi_word = np.uint32(0)
-                for e in range(4):
-                    if row == OUT_OF_WINDOW:
-                        lo_byte, hi_byte = np.uint32(E4M3_NAN), np.uint32(E4M3_NAN)
-                    else:
-                        lo_byte = np.uint32(tables[row, (word >> (4 * e)) & 0xF])
-                        hi_byte = np.uint32(tables[row, (word >> (4 * e + 16)) & 0xF])
-                    lo_word |= lo_byte << (8 * e)
-                    hi_word |= hi_byte << (8 * e)
-                out_words[2 * src] = lo_word
-                out_words[2 * src + 1] = hi_word
-        # the base as each real block's scale; a K tail's padding columns stay zero
-        mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - blocks))
-        out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
+            top = max(top, exponents[first_exponent + b])
+        base = max(top - FOLD_WINDOW[1] if top != DEAD else 0, FOLDED_MIN_BASE)
+        d = byte - UE8M0_BIAS - base
+        if byte == UE8M0_NAN_BYTE or (live and d < FOLD_WINDOW[0]):
+            row = OUT_OF_WINDOW
+        elif live:
+            row = d - FOLD_WINDOW[0]
+        else:
+            row = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
+        if lane < chunk_words:
+            if row == OUT_OF_WINDOW:
+                lo_word, hi_word = np.uint32(E4M3_NAN_WORD), np.uint32(E4M3_NAN_WORD)
+            else:
+                lo_word, hi_word = e4m3_word(table, row, word), e4m3_word(table, row, word >> np.uint32(16))
+            out_pairs[src] = np.uint64(lo_word) | (np.uint64(hi_word) << np.uint64(32))
+        if lane == 0 and chunk_words > 0:
+            # the base as each real block's scale; a K tail's padding columns stay zero
+            mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_words // BLOCK_WORDS))
+            out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
 
 
 @functools.cache
@@ -174,9 +193,9 @@ def fold_tokens(a, a_scales, a_offsets, a_scale_offsets, *, out=None, out_scales
     dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the items rewrite every token's
     items = tokens * chunks
     if items:
-        blocks = min(-(-items // THREADS), MAX_BLOCKS)
+        blocks = min(-(-items // CHUNKS_PER_BLOCK), MAX_BLOCKS)
         _kernel()[blocks, THREADS, stream](
             src.reshape(src.size).view(np.uint32), scales.reshape(scales.size).view(np.uint32), offsets,
-            scale_offsets, _device_tables(), tokens, row_bytes // 4, chunks, dst.reshape(dst.size).view(np.uint32),
+            scale_offsets, _device_tables(), tokens, row_bytes // 4, chunks, dst.reshape(dst.size).view(np.uint64),
             dst_scales.reshape(dst_scales.size).view(np.uint32))
     return dst, dst_scales
