@@ -137,8 +137,8 @@ def test_kernel_assembles_for_sm90a():
     from gbs.numba_kernels import fold
     from gbs.ptx_inline import offline
 
-    words, bytes2d = types.Array(types.uint32, 1, "C"), types.Array(types.uint8, 2, "C")
-    signature = (words, words, words, words, bytes2d, types.int64, types.int64, types.int64,
+    words, table = types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 2, "C")
+    signature = (types.Array(types.uint64, 1, "C"), words, words, words, table, types.int64, types.int64, types.int64,
                  types.Array(types.uint64, 1, "C"), words)
     cubin = offline.compile_cubin(fold.fold_token_chunks, signature, offline.SM90A, launch_bounds=(fold.THREADS, 1))
     assert offline.resource_usage(cubin).registers > 0

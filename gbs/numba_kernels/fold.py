@@ -7,16 +7,16 @@ quantizer that cannot write it itself; the device twin of the token half of ``gb
     problem = gbs.device_problem(a8, b8, a8_scales, b8_scales, ..., fmt="mxfp8", a_layout="e4m3_folded",
                                  b_layout="e4m3_folded")   # weights folded once: fp8_route.fold_problem
 
-A block of ``THREADS`` threads folds ``CHUNKS_PER_BLOCK`` (token row, 128-K chunk) items at a time, one thread per
-FP4 word (8 elements), so a warp reads 128 contiguous bytes and writes 256: each thread marks whether its word has a
-nonzero element, one thread per 32-element block then gives the block's exponent if the block is live (a nonzero
-element, a finite scale), and every thread takes its chunk's base ``max(e) - 6`` over those (0 for a chunk without
-one; never below 2^-127, ``fp8_route.FOLDED_MIN_BASE``) and writes its word's elements times ``2^(e - base)`` as 8
-E4M3 bytes through the 16-entry table of its block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``, held in shared
-memory), NaN bytes for a NaN-scale block; the chunk's first thread writes the base byte as all 4 of its scales.
-Bit-identical to the host fold (``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the host refuses a live block more
-than 14 binades below its chunk's largest; here, where nothing can raise, such a block becomes NaN bytes, so the
-outputs it touches are NaN, never silently wrong.
+A block of ``THREADS`` threads folds a token row, ``CHUNKS_PER_BLOCK`` of its 128-K chunks at a time, one thread per
+16 FP4 elements (8 bytes), so a warp reads 256 contiguous bytes and writes 512. Each thread marks whether its elements
+have a nonzero one; one thread per 32-element block then gives the block's exponent if the block is live (a nonzero
+element, a finite scale); every thread takes its chunk's base ``max(e) - 6`` over those (0 for a chunk without one;
+never below 2^-127, ``fp8_route.FOLDED_MIN_BASE``) and writes its elements times ``2^(e - base)`` as E4M3 bytes
+through the table row of its block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``: its 8 magnitudes, held in shared
+memory as 2 words, picked by byte permutes), NaN bytes for a NaN-scale block; the chunk's first thread writes the base
+byte as all 4 of its scales. Bit-identical to the host fold (``fold_problem``'s tokens), padding scale rows zero. One
+difference, by design: the host refuses a live block more than 14 binades below its chunk's largest; here, where
+nothing can raise, such a block becomes NaN bytes, so the outputs it touches are NaN, never silently wrong.
 
 Constraints (checked before any device work): device arrays (``__cuda_array_interface__``), C-contiguous; ``a``
 (tokens, K/2) bytes with K a multiple of 32; ``a_scales`` the (bands, ceil(K/128), 32, 4, 4) atoms of
@@ -28,25 +28,35 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
 from gbs.formats import SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, UE8M0_BIAS, UE8M0_NAN_BYTE, scale_byte_offset
 from gbs.fp8_route import E2M1_TO_E4M3_TABLES, E4M3_NAN, FOLD_WINDOW, FOLDED_MIN_BASE, MX_BLOCK, PROMOTION_CHUNK
 from gbs.numba_kernels.launch import device_view
+from gbs.ptx_inline.arith import prmt_b32, prmt_b32_host
 
 BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
-BLOCK_WORDS = MX_BLOCK // 8      # FP4 words (8 elements) per 32-element block
-CHUNK_WORDS = BLOCKS_PER_CHUNK * BLOCK_WORDS     # 16 threads per chunk
-THREADS = 256
-CHUNKS_PER_BLOCK = THREADS // CHUNK_WORDS
+PAIR_ELEMENTS = 16               # a thread's FP4 elements: 8 bytes, one 8-byte load
+BLOCK_PAIRS = MX_BLOCK // PAIR_ELEMENTS          # threads per 32-element block
+CHUNK_PAIRS = BLOCKS_PER_CHUNK * BLOCK_PAIRS     # threads per chunk
+THREADS = 128
+CHUNKS_PER_BLOCK = THREADS // CHUNK_PAIRS
 BLOCK_EXPONENTS = CHUNKS_PER_BLOCK * BLOCKS_PER_CHUNK   # the 32-element blocks a thread block folds per step
-MAX_BLOCKS = 132 * 8             # a full H200 at 8 blocks per SM; the block-stride loop takes the rest
-TABLE_ROWS, TABLE_ENTRIES = E2M1_TO_E4M3_TABLES.shape
+MAX_BLOCKS = 132 * 16            # a full H200 at 16 blocks per SM; the block-stride loop takes the rest
+# each table row's 8 magnitudes (E2M1 codes 0-7) as 2 words, for a byte permute; codes 8-15 are the same with E4M3's
+# sign bit, which a second permute sets from bit 3 of each code
+MAGNITUDE_WORDS = np.ascontiguousarray(E2M1_TO_E4M3_TABLES[:, :8]).view(np.uint32)
+TABLE_ROWS, TABLE_WORDS = MAGNITUDE_WORDS.shape
 OUT_OF_WINDOW = TABLE_ROWS       # a table row that is no table: the block becomes NaN bytes
+SIGN_BYTES = 0x80808080
 DEAD = -(1 << 30)                # the exponent of a block that does not set the base
-E4M3_NAN_WORD = E4M3_NAN * 0x01010101
+E4M3_NAN_PAIR = E4M3_NAN * 0x0101010101010101
 if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
     raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
+if (E2M1_TO_E4M3_TABLES[:, 8:] != E2M1_TO_E4M3_TABLES[:, :8] | 0x80).any():
+    raise AssertionError("a negative E2M1 code's E4M3 byte is its magnitude's with the sign bit")
+# the simulator runs no PTX: there the permute is its host twin
+byte_permute = prmt_b32_host if config.ENABLE_CUDASIM else prmt_b32
 
 
 @cuda.jit(device=True)
@@ -66,81 +76,95 @@ atom_byte_offset = cuda.jit(device=True)(scale_byte_offset)
 
 
 @cuda.jit(device=True)
-def e4m3_word(table, row, nibbles):
-    """4 E2M1 nibbles (the low 16 bits of ``nibbles``) as 4 E4M3 bytes of table row ``row``, in one word."""
-    word = np.uint32(0)
-    for e in range(4):
-        word |= np.uint32(table[row, (nibbles >> np.uint32(4 * e)) & np.uint32(0xF)]) << np.uint32(8 * e)
-    return word
+def e4m3_word(magnitudes_lo, magnitudes_hi, nibbles):
+    """4 E2M1 codes (the low 16 bits of ``nibbles``) as 4 E4M3 bytes in one word: two byte permutes, the magnitudes
+    from a table row's 2 words, the sign bits from each code's bit 3."""
+    magnitude = byte_permute(magnitudes_lo, magnitudes_hi, nibbles & np.uint32(0x7777))
+    sign = byte_permute(np.uint32(0), np.uint32(SIGN_BYTES), (nibbles >> np.uint32(1)) & np.uint32(0x4444))
+    return np.uint32(magnitude | sign)
 
 
-def fold_token_chunks(words, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_words, chunks, out_pairs,
+@cuda.jit(device=True)
+def e4m3_pair(magnitudes_lo, magnitudes_hi, word):
+    """An FP4 word's 8 E2M1 codes as 8 E4M3 bytes (``e4m3_word`` of each half), one 8-byte word."""
+    lo = e4m3_word(magnitudes_lo, magnitudes_hi, word)
+    hi = e4m3_word(magnitudes_lo, magnitudes_hi, word >> np.uint32(16))
+    return np.uint64(lo) | (np.uint64(hi) << np.uint64(32))
+
+
+def fold_token_chunks(pairs, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_pairs, chunks, out_pairs,
                       out_scale_words):
-    """Kernel: ``CHUNKS_PER_BLOCK`` (token, chunk) items per block and step of a block-stride loop (every thread of a
-    block takes the same steps: it synchronizes); ``words`` the tokens' FP4 words (tokens x ``row_words``),
-    ``out_pairs`` their E4M3 bytes as 8-byte pairs of words (tokens x ``row_words``)."""
-    table = cuda.shared.array((TABLE_ROWS, TABLE_ENTRIES), np.uint8)
-    nonzero = cuda.shared.array(THREADS, np.int32)                        # per word: a nonzero element
-    exponents = cuda.shared.array(BLOCK_EXPONENTS, np.int32)   # per 32-element block: e, or DEAD
-    tid = cuda.threadIdx.x
-    for i in range(tid, TABLE_ROWS * TABLE_ENTRIES, THREADS):
-        table[i // TABLE_ENTRIES, i % TABLE_ENTRIES] = tables[i // TABLE_ENTRIES, i % TABLE_ENTRIES]
-    lane = tid % CHUNK_WORDS      # the thread's word of its chunk
-    block = lane // BLOCK_WORDS   # the word's 32-element block
-    first_exponent = (tid // CHUNK_WORDS) * BLOCKS_PER_CHUNK
-    items = tokens * chunks
-    for first_item in range(cuda.blockIdx.x * CHUNKS_PER_BLOCK, items, cuda.gridDim.x * CHUNKS_PER_BLOCK):
-        item = first_item + tid // CHUNK_WORDS
-        token, chunk = item // chunks, item % chunks
-        word = np.uint32(0)
-        scale_word = np.uint32(0)
-        s_index = 0
-        src = 0
-        chunk_words = 0           # the chunk's FP4 words: fewer in a K tail, none past the last item
-        if item < items:
-            g = group_of(a_offsets, token)
-            lo = a_offsets[g]
-            padded = np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
-                                                                          + np.uint32(a_scale_offsets[g]))
-            # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
-            s_index = atom_byte_offset(np.int64(padded), chunk * SF_ATOM_COLS, chunks) // 4
-            scale_word = scale_words[s_index]
-            chunk_words = min(CHUNK_WORDS, row_words - chunk * CHUNK_WORDS)
-            src = token * row_words + chunk * CHUNK_WORDS + lane
-            if lane < chunk_words:
-                word = words[src]
-        cuda.syncthreads()        # the last step's readers of nonzero / exponents are done (and the table is in)
-        nonzero[tid] = 1 if (word & np.uint32(0x77777777)) != 0 else 0
-        cuda.syncthreads()
-        byte = np.int32((scale_word >> np.uint32(8 * block)) & np.uint32(0xFF))
-        live = False
-        for w in range(BLOCK_WORDS):
-            live = live or nonzero[tid - lane % BLOCK_WORDS + w] != 0
-        live = live and byte != UE8M0_NAN_BYTE and block * BLOCK_WORDS < chunk_words
-        if lane % BLOCK_WORDS == 0:
-            exponents[first_exponent + block] = byte - UE8M0_BIAS if live else DEAD
-        cuda.syncthreads()
-        top = DEAD
-        for b in range(BLOCKS_PER_CHUNK):
-            top = max(top, exponents[first_exponent + b])
-        base = max(top - FOLD_WINDOW[1] if top != DEAD else 0, FOLDED_MIN_BASE)
-        d = byte - UE8M0_BIAS - base
-        if byte == UE8M0_NAN_BYTE or (live and d < FOLD_WINDOW[0]):
-            row = OUT_OF_WINDOW
-        elif live:
-            row = d - FOLD_WINDOW[0]
-        else:
-            row = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
-        if lane < chunk_words:
-            if row == OUT_OF_WINDOW:
-                lo_word, hi_word = np.uint32(E4M3_NAN_WORD), np.uint32(E4M3_NAN_WORD)
+    """Kernel: a token row per block and step of a block-stride loop, ``CHUNKS_PER_BLOCK`` of its chunks at a time
+    (every thread of a block takes the same steps: it synchronizes); ``pairs`` the tokens' FP4 bytes as 8-byte words
+    (tokens x ``row_pairs``), ``out_pairs`` their E4M3 bytes in 8-byte words (tokens x 2 ``row_pairs``)."""
+    table = cuda.shared.array((TABLE_ROWS, TABLE_WORDS), np.uint32)
+    nonzero = cuda.shared.array(THREADS, np.int32)                 # per thread: a nonzero element
+    exponents = cuda.shared.array(BLOCK_EXPONENTS, np.int32)      # per 32-element block: e, or DEAD
+    tid = np.int32(cuda.threadIdx.x)
+    for i in range(tid, TABLE_ROWS * TABLE_WORDS, THREADS):
+        table[i // TABLE_WORDS, i % TABLE_WORDS] = tables[i // TABLE_WORDS, i % TABLE_WORDS]
+    lane = tid % CHUNK_PAIRS      # the thread's 16 elements of its chunk
+    block = lane // BLOCK_PAIRS   # their 32-element block
+    first_exponent = (tid // CHUNK_PAIRS) * BLOCKS_PER_CHUNK
+    chunks = np.int32(chunks)
+    row_pairs = np.int32(row_pairs)
+    for token in range(np.int32(cuda.blockIdx.x), np.int32(tokens), np.int32(cuda.gridDim.x)):
+        g = group_of(a_offsets, token)
+        lo = a_offsets[g]
+        padded = np.int32(np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
+                                                                               + np.uint32(a_scale_offsets[g])))
+        row_first = np.int64(token) * row_pairs
+        for first_chunk in range(np.int32(0), chunks, np.int32(CHUNKS_PER_BLOCK)):
+            chunk = first_chunk + tid // CHUNK_PAIRS
+            pair = np.uint64(0)
+            scale_word = np.uint32(0)
+            s_index = np.int32(0)
+            src = row_first
+            chunk_pairs = np.int32(0)   # the chunk's pairs: fewer in a K tail, none past the row's last chunk
+            if chunk < chunks:
+                # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
+                s_index = np.int32(atom_byte_offset(padded, chunk * SF_ATOM_COLS, chunks) // 4)
+                scale_word = scale_words[s_index]
+                chunk_pairs = min(np.int32(CHUNK_PAIRS), row_pairs - chunk * CHUNK_PAIRS)
+                src = row_first + chunk * CHUNK_PAIRS + lane
+                if lane < chunk_pairs:
+                    pair = pairs[src]
+            cuda.syncthreads()    # the last step's readers of nonzero / exponents are done (and the table is in)
+            nonzero[tid] = 1 if (pair & np.uint64(0x7777777777777777)) != 0 else 0
+            cuda.syncthreads()
+            byte = np.int32((scale_word >> np.uint32(8 * block)) & np.uint32(0xFF))
+            live = False
+            for w in range(BLOCK_PAIRS):
+                live = live or nonzero[tid - lane % BLOCK_PAIRS + w] != 0
+            live = live and byte != UE8M0_NAN_BYTE and block * BLOCK_PAIRS < chunk_pairs
+            if lane % BLOCK_PAIRS == 0:
+                exponents[first_exponent + block] = byte - UE8M0_BIAS if live else DEAD
+            cuda.syncthreads()
+            top = np.int32(DEAD)
+            for b in range(BLOCKS_PER_CHUNK):
+                top = max(top, exponents[first_exponent + b])
+            base = max(top - FOLD_WINDOW[1] if top != DEAD else 0, FOLDED_MIN_BASE)
+            d = byte - UE8M0_BIAS - base
+            if byte == UE8M0_NAN_BYTE or (live and d < FOLD_WINDOW[0]):
+                row = OUT_OF_WINDOW
+            elif live:
+                row = d - FOLD_WINDOW[0]
             else:
-                lo_word, hi_word = e4m3_word(table, row, word), e4m3_word(table, row, word >> np.uint32(16))
-            out_pairs[src] = np.uint64(lo_word) | (np.uint64(hi_word) << np.uint64(32))
-        if lane == 0 and chunk_words > 0:
-            # the base as each real block's scale; a K tail's padding columns stay zero
-            mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_words // BLOCK_WORDS))
-            out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
+                row = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
+            if lane < chunk_pairs:
+                out_lo = np.uint64(E4M3_NAN_PAIR)
+                out_hi = np.uint64(E4M3_NAN_PAIR)
+                if row != OUT_OF_WINDOW:
+                    magnitudes_lo, magnitudes_hi = table[row, 0], table[row, 1]
+                    words = (np.uint32(pair & np.uint64(0xFFFFFFFF)), np.uint32(pair >> np.uint64(32)))
+                    out_lo = e4m3_pair(magnitudes_lo, magnitudes_hi, words[0])
+                    out_hi = e4m3_pair(magnitudes_lo, magnitudes_hi, words[1])
+                out_pairs[2 * src] = out_lo
+                out_pairs[2 * src + 1] = out_hi
+            if lane == 0 and chunk_pairs > 0:
+                # the base as each real block's scale; a K tail's padding columns stay zero
+                mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_pairs // BLOCK_PAIRS))
+                out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
 
 
 @functools.cache
@@ -150,7 +174,7 @@ def _kernel():
 
 @functools.cache
 def _device_tables():
-    return cuda.to_device(np.ascontiguousarray(E2M1_TO_E4M3_TABLES))
+    return cuda.to_device(MAGNITUDE_WORDS)
 
 
 def _device(name: str, value, dtype, ndim: int):
@@ -193,9 +217,9 @@ def fold_tokens(a, a_scales, a_offsets, a_scale_offsets, *, out=None, out_scales
     dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the items rewrite every token's
     items = tokens * chunks
     if items:
-        blocks = min(-(-items // CHUNKS_PER_BLOCK), MAX_BLOCKS)
+        blocks = min(tokens, MAX_BLOCKS)
         _kernel()[blocks, THREADS, stream](
-            src.reshape(src.size).view(np.uint32), scales.reshape(scales.size).view(np.uint32), offsets,
-            scale_offsets, _device_tables(), tokens, row_bytes // 4, chunks, dst.reshape(dst.size).view(np.uint64),
+            src.reshape(src.size).view(np.uint64), scales.reshape(scales.size).view(np.uint32), offsets,
+            scale_offsets, _device_tables(), tokens, row_bytes // 8, chunks, dst.reshape(dst.size).view(np.uint64),
             dst_scales.reshape(dst_scales.size).view(np.uint32))
     return dst, dst_scales
