@@ -9,7 +9,8 @@
 Each case: a ragged problem (an empty group, a -1 slot, a 1-token group, N and group sizes that are
 not multiples of the tile), output poisoned before the launch, checked against the reference. FP4 tokens
 also run with both operands in the H200 order (``E2M1H200Order``: ``a_layout`` / ``b_layout``); MXFP4 also on the FP8
-routes (``E2M1E4M3Order``, and folded ahead: ``gbs.fp8_route.fold_problem``).
+routes (``E2M1E4M3Order``, and folded ahead: ``gbs.fp8_route.fold_problem``, its tokens also folded on the GPU by
+``gbs.numba_kernels.fold.fold_tokens``).
 Exit status 1 if any case fails the acceptance check. One line per case (``PASS`` / ``FAIL`` with its id);
 ``--junitxml PATH`` also writes them as JUnit XML (one testcase per case, the id as its name; a case that
 raises is an error there, written before the exception goes on), as ``scripts/gpu_run.sh sanitize`` does.
@@ -19,13 +20,13 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 
-from gbs.numba_kernels import h200_launch, simt
+from gbs.numba_kernels import fold, h200_launch, launch, simt
 from gbs.plan import plan_h200
 from gbs.problem import build_problem, random_activations, random_weights
 from gbs.fp8_route import fold_problem
 from gbs.layouts import (LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E2M1_H200_TILED,
                          LAYOUT_E4M3_FOLDED)
-from gbs.reference import check_acceptance
+from gbs.reference import check_acceptance, poison_output
 from gbs.schedule import TileConfig
 
 N, K = 200, 512
@@ -72,6 +73,21 @@ def wgmma(problem, mma_bn, *, tile_tokens=128, ab_swapped=False, k_splits=None):
     """The wgmma kernel with these knobs (deepest ring; split-K as its plan decides unless given)."""
     return h200_launch.run(problem, plan_h200(problem, backend="h200_wgmma", mma_bn=mma_bn, tile_tokens=tile_tokens,
                                               ab_swapped=ab_swapped, k_splits=k_splits))
+
+
+def folded_on_gpu(problem, folded):
+    """``folded`` (``fold_problem(problem)``) run with its tokens folded on the GPU from ``problem``'s MXFP4 tokens
+    (``fold.fold_tokens`` writing the launch's own token arrays, as the bench's relay does); C as bf16."""
+    from numba import cuda
+
+    device, mxfp4 = launch.to_device(folded), launch.to_device(problem)
+    fold.fold_tokens(mxfp4.a, mxfp4.a_scales, mxfp4.a_offsets, mxfp4.a_scale_offsets, out=device.a,
+                     out_scales=device.a_scales)
+    out = poison_output(problem.total_tokens, problem.n)
+    bits = cuda.to_device(out.view(np.uint16))
+    h200_launch.prepare(device, plan_h200(folded, fp8=True), bits)()
+    bits.copy_to_host(out.view(np.uint16))
+    return out
 
 
 def bf16_tokens_reader(kernel: str, knobs) -> bool:
@@ -184,6 +200,8 @@ def run_cases(args: set, results: list) -> int:
             folded = fold_problem(p)   # folded ahead: the chunk-scaled consumer, both operands from the ring
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED), folded,
                           lambda: h200_launch.run(folded, plan_h200(folded, fp8=True), None)))
+            cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED, "tokens folded on the GPU"), folded,
+                          lambda: folded_on_gpu(p, folded)))
         if fmt == "w4a8" and "h200_wgmma" in kernels:   # W4A8 on the FP8 route: tokens as the wgmma A operand
             w4a8_route = p.with_b_layout(LAYOUT_E2M1_E4M3)
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3, "fp8"), w4a8_route,
