@@ -289,3 +289,15 @@ def test_sanitize_small_runs_bf16_tokens_only_on_the_builds_that_read_them(monke
     assert wgmma and not any(swapped for _, swapped, _, _ in wgmma)
     assert {layout for *_, layout in stream} == {layout for *_, layout in wgmma} == {"packed", "e2m1_h200_fused"}
     assert capsys.readouterr().out.strip().endswith("0 failed")
+
+
+def test_fold_tokens_time_counts_the_bytes_the_fold_moves_and_refuses_unknown_cases():
+    """``scripts/fold_tokens_time.py``: FP4 bytes in, one E4M3 byte per element out, the atoms both ways; a case
+    name the bench does not have is refused before any GPU work."""
+    timer = load_script("fold_tokens_time")
+    from gbs.lab.cases import BENCH_CASES
+
+    p = BENCH_CASES["gptoss_prefill_down"].problem("mxfp4")
+    assert timer.moved_bytes(p) == p.total_tokens * p.k // 2 + p.total_tokens * p.k + 2 * p.a_scales.nbytes
+    with pytest.raises(SystemExit):
+        timer.main(["--cases", "no_such_case"])
