@@ -140,7 +140,7 @@ def test_kernel_assembles_for_sm90a():
     words, table = types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 2, "C")
     signature = (types.Array(types.uint64, 1, "C"), words, words, words, table, types.int64, types.int64, types.int64,
                  types.Array(types.uint64, 1, "C"), words)
-    cubin = offline.compile_cubin(fold.fold_token_chunks, signature, offline.SM90A, launch_bounds=(fold.THREADS, 1))
+    cubin = offline.compile_cubin(fold.fold_token_blocks, signature, offline.SM90A, launch_bounds=(fold.THREADS, 1))
     assert offline.resource_usage(cubin).registers > 0
 
 

@@ -7,16 +7,16 @@ quantizer that cannot write it itself; the device twin of the token half of ``gb
     problem = gbs.device_problem(a8, b8, a8_scales, b8_scales, ..., fmt="mxfp8", a_layout="e4m3_folded",
                                  b_layout="e4m3_folded")   # weights folded once: fp8_route.fold_problem
 
-A block of ``THREADS`` threads folds a token row, ``CHUNKS_PER_BLOCK`` of its 128-K chunks at a time, one thread per
-16 FP4 elements (8 bytes), so a warp reads 256 contiguous bytes and writes 512. Each thread marks whether its elements
-have a nonzero one; one thread per 32-element block then gives the block's exponent if the block is live (a nonzero
-element, a finite scale); every thread takes its chunk's base ``max(e) - 6`` over those (0 for a chunk without one;
-never below 2^-127, ``fp8_route.FOLDED_MIN_BASE``) and writes its elements times ``2^(e - base)`` as E4M3 bytes
-through the table row of its block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``: its 8 magnitudes, held in shared
-memory as 2 words, picked by byte permutes), NaN bytes for a NaN-scale block; the chunk's first thread writes the base
-byte as all 4 of its scales. Bit-identical to the host fold (``fold_problem``'s tokens), padding scale rows zero. One
-difference, by design: the host refuses a live block more than 14 binades below its chunk's largest; here, where
-nothing can raise, such a block becomes NaN bytes, so the outputs it touches are NaN, never silently wrong.
+One thread per 32-element block (16 bytes in, two 8-byte loads; 32 E4M3 bytes out), the threads of a launch laid
+over (token row, 128-K chunk, block) so that a warp reads 512 contiguous bytes of a row and writes 1 KB. Each thread
+gives its block's exponent if the block is live (a nonzero element, a finite scale) through shared memory; the 4
+threads of a chunk take its base ``max(e) - 6`` over those (0 for a chunk without one; never below 2^-127,
+``fp8_route.FOLDED_MIN_BASE``) and write their elements times ``2^(e - base)`` as E4M3 bytes through the table row of
+their block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``: its 8 magnitudes, held in shared memory as 2 words, picked by
+byte permutes), NaN bytes for a NaN-scale block; the chunk's first thread writes the base byte as all 4 of its scales.
+Bit-identical to the host fold (``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the
+host refuses a live block more than 14 binades below its chunk's largest; here, where nothing can raise, such a block
+becomes NaN bytes, so the outputs it touches are NaN, never silently wrong.
 
 Constraints (checked before any device work): device arrays (``__cuda_array_interface__``), C-contiguous; ``a``
 (tokens, K/2) bytes with K a multiple of 32; ``a_scales`` the (bands, ceil(K/128), 32, 4, 4) atoms of
@@ -36,13 +36,9 @@ from gbs.numba_kernels.launch import device_view
 from gbs.ptx_inline.arith import prmt_b32, prmt_b32_host
 
 BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
-PAIR_ELEMENTS = 16               # a thread's FP4 elements: 8 bytes, one 8-byte load
-BLOCK_PAIRS = MX_BLOCK // PAIR_ELEMENTS          # threads per 32-element block
-CHUNK_PAIRS = BLOCKS_PER_CHUNK * BLOCK_PAIRS     # threads per chunk
-THREADS = 128
-CHUNKS_PER_BLOCK = THREADS // CHUNK_PAIRS
-BLOCK_EXPONENTS = CHUNKS_PER_BLOCK * BLOCKS_PER_CHUNK   # the 32-element blocks a thread block folds per step
-MAX_BLOCKS = 132 * 16            # a full H200 at 16 blocks per SM; the block-stride loop takes the rest
+BLOCK_PAIRS = MX_BLOCK // 16     # a block's FP4 bytes as 8-byte words
+THREADS = 128                    # 32 chunks per thread block
+MAX_THREADS = 1 << 31            # the flat thread index is an int32
 # each table row's 8 magnitudes (E2M1 codes 0-7) as 2 words, for a byte permute; codes 8-15 are the same with E4M3's
 # sign bit, which a second permute sets from bit 3 of each code
 MAGNITUDE_WORDS = np.ascontiguousarray(E2M1_TO_E4M3_TABLES[:, :8]).view(np.uint32)
@@ -51,7 +47,7 @@ OUT_OF_WINDOW = TABLE_ROWS       # a table row that is no table: the block becom
 SIGN_BYTES = 0x80808080
 DEAD = -(1 << 30)                # the exponent of a block that does not set the base
 E4M3_NAN_PAIR = E4M3_NAN * 0x0101010101010101
-if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
+if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512) or THREADS % BLOCKS_PER_CHUNK:
     raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
 if (E2M1_TO_E4M3_TABLES[:, 8:] != E2M1_TO_E4M3_TABLES[:, :8] | 0x80).any():
     raise AssertionError("a negative E2M1 code's E4M3 byte is its magnitude's with the sign bit")
@@ -92,84 +88,77 @@ def e4m3_pair(magnitudes_lo, magnitudes_hi, word):
     return np.uint64(lo) | (np.uint64(hi) << np.uint64(32))
 
 
-def fold_token_chunks(pairs, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_pairs, chunks, out_pairs,
+def fold_token_blocks(pairs, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_pairs, chunks, out_pairs,
                       out_scale_words):
-    """Kernel: a token row per block and step of a block-stride loop, ``CHUNKS_PER_BLOCK`` of its chunks at a time
-    (every thread of a block takes the same steps: it synchronizes); ``pairs`` the tokens' FP4 bytes as 8-byte words
-    (tokens x ``row_pairs``), ``out_pairs`` their E4M3 bytes in 8-byte words (tokens x 2 ``row_pairs``)."""
+    """Kernel: thread ``t`` folds block ``t % 4`` of chunk ``t // 4 % chunks`` of token row ``t // (4 chunks)``;
+    ``pairs`` the tokens' FP4 bytes as 8-byte words (tokens x ``row_pairs``), ``out_pairs`` their E4M3 bytes in
+    8-byte words (tokens x 2 ``row_pairs``). Threads past the last row or the row's last block fold nothing but
+    reach the barrier."""
     table = cuda.shared.array((TABLE_ROWS, TABLE_WORDS), np.uint32)
-    nonzero = cuda.shared.array(THREADS, np.int32)                 # per thread: a nonzero element
-    exponents = cuda.shared.array(BLOCK_EXPONENTS, np.int32)      # per 32-element block: e, or DEAD
+    exponents = cuda.shared.array(THREADS, np.int32)      # per thread's block: e, or DEAD
     tid = np.int32(cuda.threadIdx.x)
     for i in range(tid, TABLE_ROWS * TABLE_WORDS, THREADS):
         table[i // TABLE_WORDS, i % TABLE_WORDS] = tables[i // TABLE_WORDS, i % TABLE_WORDS]
-    lane = tid % CHUNK_PAIRS      # the thread's 16 elements of its chunk
-    block = lane // BLOCK_PAIRS   # their 32-element block
-    first_exponent = (tid // CHUNK_PAIRS) * BLOCKS_PER_CHUNK
-    chunks = np.int32(chunks)
-    row_pairs = np.int32(row_pairs)
-    for token in range(np.int32(cuda.blockIdx.x), np.int32(tokens), np.int32(cuda.gridDim.x)):
+    row_slots = np.int32(chunks) * BLOCKS_PER_CHUNK
+    item = np.int32(cuda.blockIdx.x) * THREADS + tid
+    token = item // row_slots
+    chunk = item % row_slots // BLOCKS_PER_CHUNK
+    block = item % BLOCKS_PER_CHUNK
+    row_blocks = np.int32(row_pairs) // BLOCK_PAIRS
+    real = token < tokens and chunk * BLOCKS_PER_CHUNK + block < row_blocks
+    lo_pair = np.uint64(0)
+    hi_pair = np.uint64(0)
+    scale_word = np.uint32(0)
+    s_index = np.int32(0)
+    src = np.int64(0)
+    if token < tokens:
         g = group_of(a_offsets, token)
         lo = a_offsets[g]
         padded = np.int32(np.uint32(token - lo) + np.uint32(SF_ATOM_ROWS) * (np.uint32(lo // SF_ATOM_ROWS)
-                                                                               + np.uint32(a_scale_offsets[g])))
-        row_first = np.int64(token) * row_pairs
-        for first_chunk in range(np.int32(0), chunks, np.int32(CHUNKS_PER_BLOCK)):
-            chunk = first_chunk + tid // CHUNK_PAIRS
-            pair = np.uint64(0)
-            scale_word = np.uint32(0)
-            s_index = np.int32(0)
-            src = row_first
-            chunk_pairs = np.int32(0)   # the chunk's pairs: fewer in a K tail, none past the row's last chunk
-            if chunk < chunks:
-                # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
-                s_index = np.int32(atom_byte_offset(padded, chunk * SF_ATOM_COLS, chunks) // 4)
-                scale_word = scale_words[s_index]
-                chunk_pairs = min(np.int32(CHUNK_PAIRS), row_pairs - chunk * CHUNK_PAIRS)
-                src = row_first + chunk * CHUNK_PAIRS + lane
-                if lane < chunk_pairs:
-                    pair = pairs[src]
-            cuda.syncthreads()    # the last step's readers of nonzero / exponents are done (and the table is in)
-            nonzero[tid] = 1 if (pair & np.uint64(0x7777777777777777)) != 0 else 0
-            cuda.syncthreads()
-            byte = np.int32((scale_word >> np.uint32(8 * block)) & np.uint32(0xFF))
-            live = False
-            for w in range(BLOCK_PAIRS):
-                live = live or nonzero[tid - lane % BLOCK_PAIRS + w] != 0
-            live = live and byte != UE8M0_NAN_BYTE and block * BLOCK_PAIRS < chunk_pairs
-            if lane % BLOCK_PAIRS == 0:
-                exponents[first_exponent + block] = byte - UE8M0_BIAS if live else DEAD
-            cuda.syncthreads()
-            top = np.int32(DEAD)
-            for b in range(BLOCKS_PER_CHUNK):
-                top = max(top, exponents[first_exponent + b])
-            base = max(top - FOLD_WINDOW[1] if top != DEAD else 0, FOLDED_MIN_BASE)
-            d = byte - UE8M0_BIAS - base
-            if byte == UE8M0_NAN_BYTE or (live and d < FOLD_WINDOW[0]):
-                row = OUT_OF_WINDOW
-            elif live:
-                row = d - FOLD_WINDOW[0]
-            else:
-                row = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
-            if lane < chunk_pairs:
-                out_lo = np.uint64(E4M3_NAN_PAIR)
-                out_hi = np.uint64(E4M3_NAN_PAIR)
-                if row != OUT_OF_WINDOW:
-                    magnitudes_lo, magnitudes_hi = table[row, 0], table[row, 1]
-                    words = (np.uint32(pair & np.uint64(0xFFFFFFFF)), np.uint32(pair >> np.uint64(32)))
-                    out_lo = e4m3_pair(magnitudes_lo, magnitudes_hi, words[0])
-                    out_hi = e4m3_pair(magnitudes_lo, magnitudes_hi, words[1])
-                out_pairs[2 * src] = out_lo
-                out_pairs[2 * src + 1] = out_hi
-            if lane == 0 and chunk_pairs > 0:
-                # the base as each real block's scale; a K tail's padding columns stay zero
-                mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_pairs // BLOCK_PAIRS))
-                out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
+                                                                           + np.uint32(a_scale_offsets[g])))
+        # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
+        s_index = np.int32(atom_byte_offset(padded, chunk * SF_ATOM_COLS, chunks) // 4)
+        scale_word = scale_words[s_index]
+        if real:
+            src = np.int64(token) * row_pairs + (chunk * BLOCKS_PER_CHUNK + block) * BLOCK_PAIRS
+            lo_pair = pairs[src]
+            hi_pair = pairs[src + 1]
+    byte = np.int32((scale_word >> np.uint32(8 * block)) & np.uint32(0xFF))
+    live = real and ((lo_pair | hi_pair) & np.uint64(0x7777777777777777)) != 0 and byte != UE8M0_NAN_BYTE
+    exponents[tid] = byte - UE8M0_BIAS if live else DEAD
+    cuda.syncthreads()    # the chunk's 4 exponents (and the table) are in
+    top = np.int32(DEAD)
+    for b in range(BLOCKS_PER_CHUNK):
+        top = max(top, exponents[tid - block + b])
+    base = max(top - FOLD_WINDOW[1] if top != DEAD else 0, FOLDED_MIN_BASE)
+    d = byte - UE8M0_BIAS - base
+    if byte == UE8M0_NAN_BYTE or (live and d < FOLD_WINDOW[0]):
+        row = OUT_OF_WINDOW
+    elif live:
+        row = d - FOLD_WINDOW[0]
+    else:
+        row = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
+    if real:
+        out = (np.uint64(E4M3_NAN_PAIR), np.uint64(E4M3_NAN_PAIR), np.uint64(E4M3_NAN_PAIR),
+               np.uint64(E4M3_NAN_PAIR))
+        if row != OUT_OF_WINDOW:
+            magnitudes_lo, magnitudes_hi = table[row, 0], table[row, 1]
+            out = (e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(lo_pair & np.uint64(0xFFFFFFFF))),
+                   e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(lo_pair >> np.uint64(32))),
+                   e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(hi_pair & np.uint64(0xFFFFFFFF))),
+                   e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(hi_pair >> np.uint64(32))))
+        for w in range(4):
+            out_pairs[2 * src + w] = out[w]
+        if block == 0:
+            # the base as each real block's scale; a K tail's padding columns stay zero
+            chunk_blocks = min(np.int32(BLOCKS_PER_CHUNK), row_blocks - chunk * BLOCKS_PER_CHUNK)
+            mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_blocks))
+            out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
 
 
 @functools.cache
 def _kernel():
-    return cuda.jit(fold_token_chunks)
+    return cuda.jit(fold_token_blocks)
 
 
 @functools.cache
@@ -215,10 +204,11 @@ def fold_tokens(a, a_scales, a_offsets, a_scale_offsets, *, out=None, out_scales
         if tuple(dst_scales.shape) != tuple(scales.shape):
             raise ValueError(f"out_scales has shape {tuple(dst_scales.shape)}, a_scales {tuple(scales.shape)}")
     dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the items rewrite every token's
-    items = tokens * chunks
-    if items:
-        blocks = min(tokens, MAX_BLOCKS)
-        _kernel()[blocks, THREADS, stream](
+    threads = tokens * chunks * BLOCKS_PER_CHUNK
+    if threads >= MAX_THREADS:
+        raise ValueError(f"{tokens} tokens x K = {k}: more than {MAX_THREADS} blocks of 32; fold them in parts")
+    if threads:
+        _kernel()[-(-threads // THREADS), THREADS, stream](
             src.reshape(src.size).view(np.uint64), scales.reshape(scales.size).view(np.uint32), offsets,
             scale_offsets, _device_tables(), tokens, row_bytes // 8, chunks, dst.reshape(dst.size).view(np.uint64),
             dst_scales.reshape(dst_scales.size).view(np.uint32))
