@@ -249,6 +249,12 @@ def test_headline_gives_a_route_its_own_column_beside_its_format(tmp_path):
     assert "| 200.0: 2.00x / 0.25x, 50.0 % | 100.0: 4.00x / 0.50x, 100.0 % |" in headline
     without = report.render_headline(_bench_files(tmp_path / "without", {"run.csv": [rows[0], *rows[2:]]}))
     assert "folded" not in without and "| 200.0: 2.00x / 0.25x, 50.0 % |" in without
+    # a newer run of the route alone (and another opt-in route) fills the route's column, not the format's
+    newer = [_row("gbs_fp8_folded", "ours", 90.0, fmt="mxfp4", date="2026-12-02"),
+             _row("gbs_fp8_folded_relay", "ours", 95.0, fmt="mxfp4", date="2026-12-02"),
+             _row("torch_bf16", "peer", 360.0, fmt="mxfp4", date="2026-12-02")]
+    both = report.render_headline(_bench_files(tmp_path / "both", {"run.csv": rows, "zz.csv": newer}))
+    assert "| 200.0: 2.00x / 0.25x, 50.0 % | 90.0: 4.00x / -, 111.1 % |" in both
 
 
 def test_skipped_rows_show_their_reason(tmp_path):

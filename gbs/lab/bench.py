@@ -194,7 +194,7 @@ def _load_fp8_folded(fold_tokens_on_gpu: bool = False):
             last[:] = [None, None]
             last[:] = [problem, fold_problem(problem)]
         device = to_device(last[1])
-        # W4A8's route on folded weights is not planned by "auto" (not measured yet): asked for here
+        # W4A8's route on folded weights is not planned by "auto" (evidence: w4a8-fold-bench): asked for here
         fp8 = True if problem.format_name == "w4a8" else None
         launcher = h200_launch.prepare(device, plan_h200(last[1], fp8=fp8))
         if not fold_tokens_on_gpu:

@@ -43,6 +43,7 @@ FORMAT_NAMES = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "mxfp8": "MXFP8", "mxfp8_e5m
 # Methods the headline gives a column of their own beside their format's "auto" one: routes a user opts into by
 # preparing the operands differently (column -> (format, method)).
 HEADLINE_ROUTES = {"mxfp4_fp8_folded": ("mxfp4", "gbs_fp8_folded")}
+AUTO_PREFIX = "gbs_auto"   # gbs's methods that run a format's "auto" plan (the format's own column)
 # Headline peers: torch bf16, and torch FP8 (the fastest of the ``torch_fp8*`` methods a CSV holds).
 BF16_PEER = "torch_bf16"
 HUMMING_PEER = "humming"   # the strongest Hopper MoE peer: its own column in the headline where a CSV has it
@@ -183,7 +184,7 @@ def ours_row(rows) -> dict | None:
     """gbs's row of one (format, case): the first ``gbs_auto*`` method that ran (a skipped one, e.g. a weight layout
     that does not apply to the format, only where none ran), else the first ours."""
     ours = [r for r in rows if r.get("kind") == KIND_OURS]
-    auto = [r for r in ours if r.get("method", "").startswith("gbs_auto")]
+    auto = [r for r in ours if r.get("method", "").startswith(AUTO_PREFIX)]
     ran = [r for r in auto if r.get("status", STATUS_OK) == STATUS_OK]
     return (ran or auto or ours or [None])[0]
 
@@ -284,9 +285,12 @@ def headline_columns(f: BenchFile) -> list[str]:
 
 
 def headline_rows(f: BenchFile, column: str) -> list[dict]:
-    """``f``'s rows of a headline column: a format's, or a route's (its format's peers and the route's own rows)."""
+    """``f``'s rows of a headline column: a format's (its peers and its ``gbs_auto*`` rows: a route a user opts into,
+    timed alone in a run, never stands in for the format's plan), or a route's (its format's peers and the route's
+    own rows)."""
     if column not in HEADLINE_ROUTES:
-        return f.rows_of(column)
+        return [r for r in f.rows_of(column)
+                if r.get("kind") != KIND_OURS or r.get("method", "").startswith(AUTO_PREFIX)]
     fmt, method = HEADLINE_ROUTES[column]
     return [r for r in f.rows_of(fmt) if r.get("kind") != KIND_OURS or r.get("method") == method]
 

@@ -85,7 +85,8 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   ``wgmma m64n128k32 .e4m3`` per slice into one of two chunk sets, the other set promoted meanwhile with one factor
   per token row. 1.5x the bf16 route on large prefill (evidence: fp8-fold-bench); ``gbs.plan`` runs it for folded
   problems from 33 tokens per expert. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
-  quantized, each k32 step promoted with its token block's scale while the next runs (not yet run on the GPU).
+  quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no
+  faster than the bf16 route, evidence: w4a8-fold-bench).
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
