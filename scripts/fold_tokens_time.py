@@ -42,7 +42,8 @@ def time_case(name: str) -> dict:
 
     problem = BENCH_CASES[name].problem("mxfp4")
     host = fold_problem(problem)
-    copies = rotation_count(moved_bytes(problem), device_l2_bytes())
+    moved = moved_bytes(problem)
+    copies = rotation_count(moved, device_l2_bytes())
     inputs = [to_device(problem) for _ in range(copies)]
     outs = [(cuda.device_array((problem.total_tokens, problem.k), np.uint8),
              cuda.device_array(problem.a_scales.shape, np.uint8)) for _ in range(copies)]
@@ -59,8 +60,8 @@ def time_case(name: str) -> dict:
     timing = time_launches(launch, num_inputs=copies)
     return dict(case=name, tokens=problem.total_tokens, k=problem.k, copies=copies,
                 median_us=round(timing.median_us, 2), p10_us=round(timing.p10_us, 2),
-                p90_us=round(timing.p90_us, 2), moved_bytes=moved_bytes(problem),
-                tb_per_s=round(moved_bytes(problem) / timing.median_us / 1e6, 3), host_bound=timing.host_bound)
+                p90_us=round(timing.p90_us, 2), moved_bytes=moved,
+                tb_per_s=round(moved / timing.median_us / 1e6, 3), host_bound=timing.host_bound)
 
 
 def main(argv=None) -> int:

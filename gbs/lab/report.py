@@ -180,11 +180,16 @@ def case_rows(rows, case: str) -> list[dict]:
     return [r for r in rows if r["case"] == case]
 
 
+def runs_auto_plan(row: dict) -> bool:
+    """A gbs row whose method runs its format's "auto" plan (``AUTO_PREFIX``), not a route a user opts into."""
+    return row.get("kind") == KIND_OURS and row.get("method", "").startswith(AUTO_PREFIX)
+
+
 def ours_row(rows) -> dict | None:
     """gbs's row of one (format, case): the first ``gbs_auto*`` method that ran (a skipped one, e.g. a weight layout
     that does not apply to the format, only where none ran), else the first ours."""
     ours = [r for r in rows if r.get("kind") == KIND_OURS]
-    auto = [r for r in ours if r.get("method", "").startswith(AUTO_PREFIX)]
+    auto = [r for r in ours if runs_auto_plan(r)]
     ran = [r for r in auto if r.get("status", STATUS_OK) == STATUS_OK]
     return (ran or auto or ours or [None])[0]
 
@@ -289,8 +294,7 @@ def headline_rows(f: BenchFile, column: str) -> list[dict]:
     timed alone in a run, never stands in for the format's plan), or a route's (its format's peers and the route's
     own rows)."""
     if column not in HEADLINE_ROUTES:
-        return [r for r in f.rows_of(column)
-                if r.get("kind") != KIND_OURS or r.get("method", "").startswith(AUTO_PREFIX)]
+        return [r for r in f.rows_of(column) if r.get("kind") != KIND_OURS or runs_auto_plan(r)]
     fmt, method = HEADLINE_ROUTES[column]
     return [r for r in f.rows_of(fmt) if r.get("kind") != KIND_OURS or r.get("method") == method]
 

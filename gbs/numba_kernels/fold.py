@@ -37,6 +37,7 @@ from gbs.ptx_inline.arith import prmt_b32, prmt_b32_host
 
 BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
 BLOCK_PAIRS = MX_BLOCK // 16     # a block's FP4 bytes as 8-byte words
+OUT_PAIRS = 2 * BLOCK_PAIRS      # its E4M3 bytes as 8-byte words
 THREADS = 128                    # 32 chunks per thread block
 MAX_THREADS = 1 << 31            # the flat thread index is an int32
 # each table row's 8 magnitudes (E2M1 codes 0-7) as 2 words, for a byte permute; codes 8-15 are the same with E4M3's
@@ -47,8 +48,10 @@ OUT_OF_WINDOW = TABLE_ROWS       # a table row that is no table: the block becom
 SIGN_BYTES = 0x80808080
 DEAD = -(1 << 30)                # the exponent of a block that does not set the base
 E4M3_NAN_PAIR = E4M3_NAN * 0x0101010101010101
-if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512) or THREADS % BLOCKS_PER_CHUNK:
+if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
     raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
+if THREADS % BLOCKS_PER_CHUNK:
+    raise AssertionError("a thread block holds whole chunks: their 4 exponents meet in its shared memory")
 if (E2M1_TO_E4M3_TABLES[:, 8:] != E2M1_TO_E4M3_TABLES[:, :8] | 0x80).any():
     raise AssertionError("a negative E2M1 code's E4M3 byte is its magnitude's with the sign bit")
 # the simulator runs no PTX: there the permute is its host twin
@@ -147,7 +150,7 @@ def fold_token_blocks(pairs, scale_words, a_offsets, a_scale_offsets, tables, to
                    e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(lo_pair >> np.uint64(32))),
                    e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(hi_pair & np.uint64(0xFFFFFFFF))),
                    e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(hi_pair >> np.uint64(32))))
-        for w in range(4):
+        for w in range(OUT_PAIRS):
             out_pairs[2 * src + w] = out[w]
         if block == 0:
             # the base as each real block's scale; a K tail's padding columns stay zero
@@ -203,7 +206,7 @@ def fold_tokens(a, a_scales, a_offsets, a_scale_offsets, *, out=None, out_scales
         dst_scales = _device("out_scales", out_scales, np.uint8, 5)
         if tuple(dst_scales.shape) != tuple(scales.shape):
             raise ValueError(f"out_scales has shape {tuple(dst_scales.shape)}, a_scales {tuple(scales.shape)}")
-    dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the items rewrite every token's
+    dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the kernel rewrites every token's
     threads = tokens * chunks * BLOCKS_PER_CHUNK
     if threads >= MAX_THREADS:
         raise ValueError(f"{tokens} tokens x K = {k}: more than {MAX_THREADS} blocks of 32; fold them in parts")
