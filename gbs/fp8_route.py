@@ -498,6 +498,27 @@ def fold_weights(b: BlockScaled) -> BlockScaled:
     return BlockScaled(data.view(E4M3), scales, get_format("mxfp8"))
 
 
+def _fold_tokens(p: GroupedProblem) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 tokens folded per row and 128-K chunk: (E4M3 bytes (tokens, K) uint8, linear UE8M0 bytes per block)."""
+    a = fold_operand(p.a_operand(), min_base=FOLDED_MIN_BASE)
+    return a.e4m3, _folded_or_raise(a, "token")
+
+
+def fold_problem_tokens(problem: GroupedProblem) -> tuple[np.ndarray, np.ndarray]:
+    """The token half of ``fold_problem`` for an MXFP4 x MXFP4 ``problem``, without folding its weights: (E4M3 bytes
+    (tokens, K) uint8, scale atoms shaped as ``problem.a_scales``), what ``gbs.numba_kernels.fold.fold_tokens``
+    computes on the GPU. ValueError where the fold is not exact."""
+    from .formats import get_format, pad_group_scales
+    from .layouts import LAYOUT_PACKED
+
+    mxfp4 = get_format("mxfp4")
+    if (problem.a_format, problem.b_format) != (mxfp4, mxfp4) or problem.a_layout != LAYOUT_PACKED:
+        raise ValueError(f"fold_problem_tokens folds MXFP4 tokens in packed order, got {problem.a_format.name} "
+                         f"({problem.a_layout!r}) x {problem.b_format.name}")
+    data, scale_bytes = _fold_tokens(problem)
+    return data, pad_group_scales(scale_bytes, problem.a_offsets)[0]
+
+
 def fold_problem(problem: GroupedProblem) -> GroupedProblem:
     """An MXFP4 x MXFP4 ``problem`` as the same matmul in MXFP8 x MXFP8 whose scales are constant per 128-K chunk:
     per token row (``fold_operand``), and per 128-row weight tile (``fold_weights``), so the E4M3 MMAs of a chunk need
@@ -524,9 +545,8 @@ def fold_problem(problem: GroupedProblem) -> GroupedProblem:
         a_bytes = p.a_operand().scales
         token_blocks = a_bytes[a_bytes != UE8M0_NAN_BYTE].astype(np.int64)
     else:
-        a = fold_operand(p.a_operand(), min_base=FOLDED_MIN_BASE)
-        a_data, a_layout = a.e4m3.view(E4M3), LAYOUT_E4M3_FOLDED
-        a_bytes = _folded_or_raise(a, "token")
+        a_data, a_bytes = _fold_tokens(p)
+        a_data, a_layout = a_data.view(E4M3), LAYOUT_E4M3_FOLDED
         token_blocks = a_bytes[:, ::4].astype(np.int64)
     weights = [p.b_operand(e) for e in range(p.num_experts)]
     b = fold_weights(BlockScaled(np.stack([w.data for w in weights]), np.stack([w.scales for w in weights]), mxfp4))

@@ -6,7 +6,7 @@
 Why: the folded FP8 route reads tokens folded into E4M3 with one scale per 128-K chunk; where they arrive as MXFP4
 the bench method ``gbs_fp8_folded_relay`` folds them inside each timed call, and this says what that fold alone
 costs, against the bytes it must move (FP4 bytes and scale atoms in, E4M3 bytes and atoms out).
-Per case: the fold is checked bit-identical to the host fold (``gbs.fp8_route.fold_problem``'s tokens) first, then
+Per case: the fold is checked bit-identical to the host fold (``gbs.fp8_route.fold_problem_tokens``) first, then
 timed with CUDA events after warm-up (``gbs.lab.timing.time_launches``), its inputs and outputs rotated over copies
 spanning 4x the L2. One CSV row per case (GPU, date, commit, median / p10 / p90 us, TB/s of the bytes moved).
 
@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from gbs.fp8_route import fold_problem
+from gbs.fp8_route import fold_problem_tokens
 from gbs.lab.bench import write_csv
 from gbs.lab.cases import BENCH_CASES
 from gbs.lab.environment import environment_fields
@@ -41,7 +41,7 @@ def time_case(name: str) -> dict:
     from gbs.numba_kernels.launch import to_device
 
     problem = BENCH_CASES[name].problem("mxfp4")
-    host = fold_problem(problem)
+    host_a, host_scales = fold_problem_tokens(problem)
     moved = moved_bytes(problem)
     copies = rotation_count(moved, device_l2_bytes())
     inputs = [to_device(problem) for _ in range(copies)]
@@ -54,8 +54,7 @@ def time_case(name: str) -> dict:
 
     launch(0)
     cuda.synchronize()
-    if not ((outs[0][0].copy_to_host() == host.a.view(np.uint8)).all()
-            and (outs[0][1].copy_to_host() == host.a_scales).all()):
+    if not ((outs[0][0].copy_to_host() == host_a).all() and (outs[0][1].copy_to_host() == host_scales).all()):
         raise SystemExit(f"{name}: the GPU fold differs from the host fold: not timed")
     timing = time_launches(launch, num_inputs=copies)
     return dict(case=name, tokens=problem.total_tokens, k=problem.k, copies=copies,

@@ -3,7 +3,7 @@
 
 Simulator runs (a worker subprocess with ``NUMBA_ENABLE_CUDASIM=1``): bit-identical E4M3 bytes and scale atoms on
 ragged groups (an empty group, a -1 slot, a 1-token group, groups past 128 rows), a K tail (gpt-oss K = 2880: a
-chunk of 2 blocks), blocks at both ends of the window, NaN-scale blocks, chunks whose largest block is below 2^-121
+chunk of 2 blocks), blocks at both ends of the window, blocks whose one nonzero word sets their chunk's base, NaN-scale blocks, chunks whose largest block is below 2^-121
 (the base stops at 2^-127); a block beyond the window becomes NaN bytes where the host refuses it; into given
 ``out`` arrays; bad input refused before any launch; the SIMT kernel runs a folded problem exactly (its bytes are
 MXFP8's as quantized). Offline: the kernel assembles for sm_90a.
@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 _SIMULATOR_SCRIPT = r"""
-import json, sys
+import dataclasses, json, sys
 import numpy as np
 from numba import cuda
 from gbs import fp8_route as fr
@@ -58,6 +58,16 @@ a[:, 1::4] = 130 - 14
 a[4, 9] = UE8M0_NAN_BYTE
 a[5, 4:8] = 3          # a chunk below 2^-121: the base stops at 2^-127
 results["edges"] = compare(with_scales(edges, a_linear=a))
+# blocks whose one nonzero word (each of the 4 in turn) holds the chunk's largest scale: it alone sets the base
+lone = edges.a.copy()
+lone_scales = edges.a_operand().scales.copy()
+for q in range(4):
+    word = lone[10 + q, 16 + 4 * q:20 + 4 * q] | 0x11
+    lone[10 + q, 16:32] = 0
+    lone[10 + q, 16 + 4 * q:20 + 4 * q] = word
+    lone_scales[10 + q, :4] = 130
+    lone_scales[10 + q, 1] = 138
+results["lone_words"] = compare(with_scales(dataclasses.replace(edges, a=lone), a_linear=lone_scales))
 twin = fr.fold_problem(with_scales(edges, a_linear=a)).a.view(np.uint8)   # blocks 14 below: in the window
 results["host_refuses"], results["beyond_nan"], results["beyond_rest"] = [], [], []
 for gap in (15, 20):   # below the window: the host refuses, the device writes NaN bytes
@@ -109,7 +119,7 @@ def simulated():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["ragged", "ragged_out", "k_tail", "edges"])
+@pytest.mark.parametrize("case", ["ragged", "ragged_out", "k_tail", "edges", "lone_words"])
 def test_device_fold_is_the_host_fold_bit_for_bit(simulated, case):
     counts = simulated[case]
     assert counts["elements"] > 0 and counts["bytes"] == 0 and counts["scales"] == 0, counts
@@ -138,11 +148,11 @@ def test_kernel_assembles_for_sm90a():
     from gbs.ptx_inline import offline
 
     words, table = types.Array(types.uint32, 1, "C"), types.Array(types.uint32, 2, "C")
-    signature = (types.Array(types.uint64, 1, "C"), words, words, words, table, types.int64, types.int64, types.int64,
+    signature = (words, words, words, words, table, types.int64, types.int64, types.int64,
                  types.Array(types.uint64, 1, "C"), words)
-    cubin = offline.compile_cubin(fold.fold_token_blocks, signature, offline.SM90A, launch_bounds=(fold.THREADS, 1))
+    cubin = offline.compile_cubin(fold.fold_token_tiles, signature, offline.SM90A, launch_bounds=(fold.THREADS, 1))
     usage = offline.resource_usage(cubin)
-    # the block's 4 output words stay in registers (a dynamically indexed tuple could spill to local memory)
+    # the thread's 4 words and their destinations stay in registers (local arrays indexed in unrolled loops)
     assert usage.registers > 0 and usage.local_bytes == 0 and usage.stack_bytes == 0, usage
 
 

@@ -53,6 +53,16 @@ def test_fold_keeps_the_exact_reference_bit_for_bit(n, k):
     assert same_bits(reference_grouped_matmul(folded), reference_grouped_matmul(problem))
 
 
+def test_the_tokens_alone_fold_as_in_the_whole_problem():
+    problem = gaussian_problem(320, 2880, seed=11, group_sizes=(3, 0, 1, 150), expert_ids=(0, 2, -1, 1), experts=3)
+    data, atoms = fr.fold_problem_tokens(problem)
+    folded = fr.fold_problem(problem)
+    assert data.dtype == np.uint8 and np.array_equal(data, folded.a.view(np.uint8))
+    assert np.array_equal(atoms, folded.a_scales)
+    with pytest.raises(ValueError, match="MXFP4 tokens"):
+        fr.fold_problem_tokens(random_problem("nvfp4", n=64, k=128, num_experts=2, total_tokens=9, num_active_experts=2, seed=1))
+
+
 def test_fold_keeps_blocks_at_both_ends_of_the_window_and_nan_blocks():
     edge = window_edges(seed=3)
     folded = fr.fold_problem(edge)
