@@ -424,7 +424,8 @@ def _build_spec(kernel: str, problem, knobs: dict, trace: bool):
     if trace:
         raise ValueError("trace=True is the streaming kernel's diagnostic build")
     return WgmmaSpec(a, b, knobs["mma_bn"], knobs["stages"], tile_tokens=knobs.get("tile_tokens", TILE_TOKENS[0]),
-                     ab_swapped=knobs.get("ab_swapped", False), fp8=knobs.get("fp8", False), **layouts)
+                     ab_swapped=knobs.get("ab_swapped", False), fp8=knobs.get("fp8", False),
+                     cta_group=knobs.get("cta_group", 1), **layouts)
 
 
 def _resolve_stages(kernel: str, problem, knobs: dict, capped: bool) -> tuple[int, Rule | None]:
@@ -507,11 +508,15 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         fp8 = fired is not None
         rules += [fired] if fired else []
     if fp8:
+        pair = tile.pop("cta_group", None)
         if backend == "h200_stream" or config is not None or tile:
             raise ValueError("fp8=True is the wgmma kernel's FP8 route with its own tile: backend 'auto' or "
-                             "'h200_wgmma', no config or other knob constraints")
+                             "'h200_wgmma', no config, no knob constraints but cta_group")
         route_knobs, fired = fp8_route_knobs(problem)
         rules += fired
+        if pair is not None and route_knobs is not None:
+            route_knobs["cta_group"] = pair
+            rules.append(Rule("pair", f"cta_group={pair} as asked"))
     kernel = "h200_wgmma" if route_knobs is not None else backend
     if not get_format(problem.a_format).scaled:
         rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "

@@ -209,25 +209,63 @@ def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memo
     assert ops["FFMA"] >= promotions * 64, "the promotions: one FFMA per accumulator"
 
 
+def test_a_cta_pair_shares_the_weight_tile():
+    """cta_group=2 (folded route only): a 256-token tile over two CTAs, each loading its own 128 token rows and half
+    the weight rows multicast to both; the stage's boxes tile it and sum to the bytes its barrier expects."""
+    folded = fr.fold_problem(gaussian_problem(320, 512, seed=1))
+    single, pair = plan_h200(folded, fp8=True), plan_h200(folded, fp8=True, cta_group=2)
+    assert (single.spec.cta_group, pair.spec.cta_group) == (1, 2) and pair.num_ctas % 2 == 0
+    ring = pair.spec.ring
+    assert (ring.tile_shape.tokens, ring.tile_shape.weight_rows) == (256, 128)
+    assert ring.weight_box[1] == 64 and ring.token_box[1] == 128 and ring.tx_bytes == single.spec.ring.tx_bytes
+    loads = hr.stage_loads(ring)
+    assert sum(size for _, _, size, _ in loads) == ring.tx_bytes
+    assert {what for what, _, _, multicast in loads if multicast} == {"weights", "weight scales"}
+    spans = sorted((offset, offset + size) for _, offset, size, _ in loads)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), spans
+    assert max(hi for _, hi in spans) <= ring.smem.stage_bytes
+    with pytest.raises(ValueError, match="folded weights only"):
+        hw.WgmmaSpec("mxfp4", "mxfp4", 128, 4, cta_group=2)
+    with pytest.raises(ValueError, match="cta_group must be 1 or 2"):
+        hw.WgmmaSpec("mxfp8", "mxfp8", 128, 4, fp8=True, cta_group=4, a_layout=LAYOUT_E4M3_FOLDED,
+                     b_layout=LAYOUT_E4M3_FOLDED)
+
+
+def test_the_pair_build_multicasts_weights_and_releases_both_ctas():
+    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, fp8=True, a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED,
+                        cta_group=2)
+    assert hl.max_pipeline_stages(spec) == 6
+    cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
+                                  launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+    assert offline.resource_usage(cubin).local_bytes == 0
+    ops = collections.Counter(ins.split()[0] for ins in offline.sass_instructions(offline.disassemble(cubin)))
+    assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == 8
+    assert ops["UTMALDG.3D.MULTICAST"] >= 2 and ops["UTMALDG.2D"] >= 1   # weight halves (and scales); own tokens
+    assert ops["UCGABAR_ARV"] >= 2 and ops["UCGABAR_WAIT"] >= 2          # the pair meets after init, before exit
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
-def _run_folded(problem):
+def _run_folded(problem, cta_group=None):
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     folded = fr.fold_problem(problem)
-    plan = plan_h200(folded, fp8=True)
+    plan = plan_h200(folded, fp8=True, **({} if cta_group is None else dict(cta_group=cta_group)))
     assert plan.spec.chunk_scaled and plan.spec.step_scaled == (not problem.a_format.packed)
+    assert cta_group is None or plan.spec.cta_group == cta_group
     return hl.run(folded, plan, None)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cta_group", [1, 2])
 @pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168), (128, 256)])
-def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k):
+def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k, cta_group):
     """Ragged groups: an empty group, a -1 slot (its rows keep the poison), a 1-token group, groups past 256 tokens
-    and not multiples of 128; N and K tails (gpt-oss K = 2880: a partial last chunk)."""
+    and not multiples of 128 (a pair's second CTA has part of a tile, or none); N and K tails (gpt-oss K = 2880: a
+    partial last chunk); one CTA per tile, and a CTA pair sharing the weight tile."""
     problem = gaussian_problem(n, k, seed=zlib.crc32(f"folded/{n}/{k}".encode()))
-    counts = check_route(problem, _run_folded(problem))
+    counts = check_route(problem, _run_folded(problem, cta_group))
     assert counts["asserted"] > 0.5 * counts["elements"], counts   # Gaussian data: mostly exact chunk sums
     print(counts)
 

@@ -33,12 +33,14 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
   ``SCHEDULE_COUNTER_WORDS`` words of the same counter array; the last producer to finish zeroes it.
 * The routing (a_offsets, expert_ids; up to ``ROUTING_SMEM_SLOTS`` slots) is copied into shared memory at
   launch, so the tile walk does not pay one dependent global load per slot it steps over.
-* ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile. Each CTA
-  loads half of the token rows and multicasts them (``.multicast::cluster``) to both; the token scale atoms
-  are multicast too. Every consumer warp releases a stage on the ``empty`` barriers of both CTAs (a multicast
-  writes into the peer); the producers wait with cluster-scope acquire. Both CTAs of a pair take the same
-  (static) items, so they run the same number of stages; a cluster barrier follows the mbarrier init and
-  precedes exit.
+* ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile (swapped). Each
+  CTA loads half of the token rows and multicasts them (``.multicast::cluster``) to both; the token scale atoms
+  are multicast too. Not swapped (the wgmma kernel's pair, ``StreamSpec.shares_weights``), the pair covers ``2 x
+  128`` token rows that share one weight tile: each CTA loads its own 128 token rows, and half of the weight rows
+  (and one of the weight scale bands) multicast to both. Every consumer warp releases a stage on the ``empty``
+  barriers of both CTAs (a multicast writes into the peer); the producers wait with cluster-scope acquire. Both
+  CTAs of a pair take the same (static) items, so they run the same number of stages; a cluster barrier follows
+  the mbarrier init and precedes exit.
 * Token rows wider than 128 bytes per K slice (bf16 tokens, W4A16: 256 bytes per 128 K; FP8 and bf16 tokens in the
   streaming kernel's 256-K slices: 256 or 512 bytes) arrive as 128-byte TMA boxes (the 128B swizzle's widest)
   stored one after the other (``StreamSpec.token_region_bytes`` apart), each a wgmma K-major operand of 64 bf16 K
@@ -359,7 +361,12 @@ class StreamSpec:
         if pair not in PROBLEM_FORMATS.values():
             raise ValueError(f"unsupported operand formats A={pair[0]} x B={pair[1]}; "
                              f"supported: {sorted(PROBLEM_FORMATS.values())}")
-        schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group)
+        # the SM100 tile rules; the wgmma kernel's pair shares weights, a tile the SM100 family does not have
+        schedule.TileConfig(self.ab_swapped, self.mma_bn, 1 if self.shares_weights else self.cta_group)
+        if self.shares_weights and (not self.warpgroup_consumers or self.tiled_weights):
+            raise ValueError(f"cta_group={self.cta_group} not swapped (a pair of token tiles sharing the weight tile) "
+                             f"is the wgmma kernel's, with the weights in rows (not tiled); got "
+                             f"b_layout={self.b_layout!r}")
         check_layout(self.b_layout, get_format(self.b_format), "b")
         check_layout(self.a_layout, get_format(self.a_format), "a")
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
@@ -409,8 +416,17 @@ class StreamSpec:
 
     @property
     def tile_shape(self) -> schedule.TileShape:
+        if self.shares_weights:
+            return schedule.TileShape(tokens=self.cta_group * self.m_rows, weight_rows=self.mma_bn,
+                                      cta_group=self.cta_group)
         shape = schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group).tile_shape
         return dataclasses.replace(shape, tokens=self.m_rows) if self.m_rows != TILE_M_ROWS else shape
+
+    @property
+    def shares_weights(self) -> bool:
+        """A CTA pair whose two token tiles share one weight tile (not swapped: the wgmma kernel's pair): each CTA
+        loads its own token rows and multicasts half of the weight rows."""
+        return self.cta_group > 1 and not self.ab_swapped
 
     @property
     def dynamic_items(self) -> bool:
@@ -560,9 +576,10 @@ class StreamSpec:
 
     @property
     def weight_box(self) -> tuple[int, int, int]:
-        """(bytes, rows, experts) of the weight slice each CTA loads."""
+        """(bytes, rows, experts) of the weight slice each CTA loads (half the tile's rows in a pair that shares
+        them)."""
         side = self.weight_side
-        return side.row_bytes, (TILE_M_ROWS if self.ab_swapped else self.mma_bn), 1
+        return side.row_bytes, (TILE_M_ROWS if self.ab_swapped else self.mma_bn // self.cta_group), 1
 
     @property
     def tiled_weights(self) -> bool:
@@ -607,25 +624,27 @@ def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
     """The TMA boxes one stage receives in each CTA: (what, stage offset, bytes, multicast).
 
     Every CTA of a pair receives the same boxes: its own loads plus what the peer multicasts (the
-    token rows' halves; token scale bands). The producer issues exactly these (scales one band per
-    box); the tests check that they tile the stage and sum to ``tx_bytes``.
+    token rows' halves and token scale bands; not swapped, the weight rows' halves and weight scale bands). The
+    producer issues exactly these (scales one band per box); the tests check that they tile the stage and sum to
+    ``tx_bytes``.
     """
     lay, cg = spec.smem, spec.cta_group
     tokens_m = not spec.ab_swapped
+    shares_tokens, shares_weights = cg > 1 and spec.ab_swapped, spec.shares_weights
     tok_data = lay.m_data if tokens_m else lay.n_data
     tok_sf = lay.m_scales if tokens_m else lay.n_scales
     w_data = lay.n_data if tokens_m else lay.m_data
     w_sf = lay.n_scales if tokens_m else lay.m_scales
     band_bytes = spec.scale_band_bytes
-    parts = spec.tiled_weight_loads if spec.tiled_weights else 1
-    part_bytes = math.prod(spec.weight_box) // parts
-    loads = [("weights", w_data + p * part_bytes, part_bytes, False) for p in range(parts)]
-    loads += [("weight scales", w_sf + b * band_bytes, band_bytes, False)
+    parts = cg if shares_weights else spec.tiled_weight_loads if spec.tiled_weights else 1
+    part_bytes = math.prod(spec.weight_box) // (1 if shares_weights else parts)
+    loads = [("weights", w_data + p * part_bytes, part_bytes, shares_weights) for p in range(parts)]
+    loads += [("weight scales", w_sf + b * band_bytes, band_bytes, shares_weights)
               for b in range(spec.weight_side.scale_bands)]
     box_bytes = math.prod(spec.token_box)
-    loads += [("tokens", tok_data + p * spec.token_region_bytes + r * box_bytes, box_bytes, cg > 1)
-              for p in range(spec.token_side.boxes) for r in range(cg)]
-    loads += [("token scales", tok_sf + b * band_bytes, band_bytes, cg > 1)
+    loads += [("tokens", tok_data + p * spec.token_region_bytes + r * box_bytes, box_bytes, shares_tokens)
+              for p in range(spec.token_side.boxes) for r in range(cg if shares_tokens else 1)]
+    loads += [("token scales", tok_sf + b * band_bytes, band_bytes, shares_tokens)
               for b in range(spec.token_side.scale_bands)]
     return loads
 
@@ -725,6 +744,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     tok_boxes, tok_box_row_bytes, tok_region_bytes = spec.token_side.boxes, spec.token_box[0], spec.token_region_bytes
     tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
     empty_count = spec.consumer_warps * cta_group
+    shares_tokens, shares_weights = cta_group > 1 and swapped, spec.shares_weights
+    w_box_rows, w_box_bytes = spec.weight_box[1], math.prod(spec.weight_box)
     token_band_of = inline_device(token_scale_band)
     weight_band_of = inline_device(weight_scale_band)
     trace = h200_trace.make_trace(spec.trace)
@@ -891,7 +912,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                 if slot < 0:
                     break
                 group_start = np.int64(walk_offsets[slot])
-                token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t0)
+                t_own = t0 + rank * TILE_M_ROWS if shares_weights else t0   # the CTA's own token rows
+                token_band = token_band_of(group_start, np.int64(a_scale_offsets[slot]), t_own)
                 w_row0 = r0 + rank * TILE_M_ROWS if swapped else r0
                 w_band = weight_band_of(expert, weight_bands_per_expert, w_row0)
                 for s in range(s_begin, min(s_begin + slices_per_split, k_slices)):
@@ -910,7 +932,16 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     dst = np.uint32(base + stage * stage_bytes)
                     sf_row = s * sf_rows_per_slice   # atoms of slice s, as rows of the scale maps
                     k_byte = s * w_slice_bytes
-                    if tiled:
+                    if shares_weights:   # each CTA loads its half of the weights for both
+                        cp.tma_load_3d_multicast(dst + w_data_off + rank * w_box_bytes, map_weights, k_byte,
+                                                 w_row0 + rank * w_box_rows, expert, full, MULTICAST_PAIR)
+                        if w_bands > 1:
+                            cp.tma_load_3d_multicast(dst + w_sf_off + rank * sf_band_bytes, map_weight_sf, 0, sf_row,
+                                                     w_band + rank, full, MULTICAST_PAIR)
+                        elif rank == 0:
+                            cp.tma_load_3d_multicast(dst + w_sf_off, map_weight_sf, 0, sf_row, w_band, full,
+                                                     MULTICAST_PAIR)
+                    elif tiled:
                         for p in range(tiled_loads):
                             w_row = tiled_row_of(np.int64(expert), w_row0 + p * TILED_BOX_ROWS, k_byte,
                                                  weight_row_tiles, weight_k_boxes, chunk_rows)
@@ -918,7 +949,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                                            k_byte % TILED_BOX_BYTES, w_row, full)
                     else:
                         cp.tma_load_3d(dst + w_data_off, map_weights, k_byte, w_row0, expert, full)
-                    for b in range(w_bands):
+                    for b in range(0 if shares_weights else w_bands):
                         if fused:   # the atoms after the box of band b's rows; W4A8: after the other half's
                             chunk = tiled_row_of(np.int64(expert), (w_row0 // TILED_BOX_ROWS + b) * TILED_BOX_ROWS,
                                                  k_byte, weight_row_tiles, weight_k_boxes, chunk_rows)
@@ -928,7 +959,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                         else:
                             cp.tma_load_3d(dst + w_sf_off + b * sf_band_bytes, map_weight_sf, 0, sf_row,
                                            w_band + b, full)
-                    if cta_group > 1:   # each CTA loads its half of the tokens for both
+                    if shares_tokens:   # each CTA loads its half of the tokens for both
                         for p in range(tok_boxes):
                             cp.tma_load_2d_multicast(dst + tok_data_off + p * tok_region_bytes + rank * tok_box_bytes,
                                                      map_tokens, s * tok_slice_bytes + p * tok_box_row_bytes,
@@ -942,7 +973,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     else:
                         for p in range(tok_boxes):   # rows wider than 128 bytes: a box per region
                             cp.tma_load_2d(dst + tok_data_off + p * tok_region_bytes, map_tokens,
-                                           s * tok_slice_bytes + p * tok_box_row_bytes, t0, full)
+                                           s * tok_slice_bytes + p * tok_box_row_bytes, t_own, full)
                         for b in range(tok_bands):
                             cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
                                            token_band + b, full)

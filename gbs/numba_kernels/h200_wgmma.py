@@ -84,7 +84,10 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   ``_make_chunk_scaled_consumer``): both operands are wgmma's shared-memory operands straight from the ring, 4 x
   ``wgmma m64n128k32 .e4m3`` per slice into one of two chunk sets, the other set promoted meanwhile with one factor
   per token row. 1.5x the bf16 route on large prefill (evidence: fp8-fold-bench); ``gbs.plan`` runs it for folded
-  problems from 33 tokens per expert. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  problems from 33 tokens per expert. ``WgmmaSpec.cta_group`` = 2: a CTA pair (a cluster) takes a 256-token tile,
+  128 token rows each, and shares its weight tile: each CTA loads half the weight rows and multicasts them to both
+  (the ring's ``StreamSpec.shares_weights``), so a CTA reads 24 instead of 32 KB per 128-K chunk from L2; each
+  warp releases a stage in both CTAs. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
   quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no
   faster than the bf16 route, evidence: w4a8-fold-bench).
 
@@ -113,7 +116,7 @@ a 128-register launch bound; evidence: decoder-warpgroup).
 MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and promoting each 32-element
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
-Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1; ``mma_bn`` 128 or 256, or with
+Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128 or 256, or with
 ``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
 FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
@@ -133,6 +136,7 @@ from gbs.numba_kernels import h200_decode as hd
 from gbs.numba_kernels import h200_ring as hr
 from gbs.numba_kernels.h200_ring import CONSUMER_WAIT
 from gbs.numba_kernels.simt import scale_byte_offset
+from gbs.ptx_inline import cluster as cl
 from gbs.ptx_inline import common as cm
 from gbs.ptx_inline import hopper as hp
 from gbs.ptx_inline import mbarrier as mb
@@ -219,6 +223,7 @@ class WgmmaSpec:
     ab_swapped: bool = False
     split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
     fp8: bool = False       # the FP8 route's E4M3 consumer (``_make_fp8_consumer``), else the bf16 one
+    cta_group: int = 1      # 2: a CTA pair's two token tiles share the weight tile (``chunk_scaled`` only)
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
@@ -241,6 +246,12 @@ class WgmmaSpec:
         if self.split_k and not self.ab_swapped:
             raise ValueError("split_k=True is the swapped tiles' epilogue (few tiles of 128 weight rows): "
                              "ab_swapped must be True")
+        if self.cta_group not in (1, 2) or isinstance(self.cta_group, (bool, np.bool_)):
+            raise ValueError(f"cta_group must be 1 or 2, got {self.cta_group!r}")
+        object.__setattr__(self, "cta_group", int(self.cta_group))
+        if self.cta_group != 1 and not (self.fp8 and self.b_layout == LAYOUT_E4M3_FOLDED):
+            raise ValueError("cta_group=2 (two CTAs' token tiles sharing the weight tile) is built for the FP8 route on "
+                             f"folded weights only ({LAYOUT_E4M3_FOLDED!r}, fp8=True)")
         self.ring   # format pair, layout and stage checks
         if not isinstance(self.fp8, (bool, np.bool_)):
             raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
@@ -274,7 +285,7 @@ class WgmmaSpec:
     def ring(self) -> hr.StreamSpec:
         """The TMA ring's spec: the streaming kernel's tile in this orientation with a producer warpgroup and 8
         consumer warps (its readers also decode for this kernel, in the operands' layouts)."""
-        return hr.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, 1, self.stages,
+        return hr.StreamSpec(self.a_format, self.b_format, self.ab_swapped, self.mma_bn, self.cta_group, self.stages,
                              b_layout=self.b_layout, m_rows=self.tile_tokens, a_layout=self.a_layout,
                              warpgroup_consumers=True, split_k=self.split_k)
 
@@ -300,10 +311,6 @@ class WgmmaSpec:
     def bf16_tokens(self) -> bool:
         """Tokens without block scales (W4A16): ``_make_bf16_tokens_consumer``."""
         return not get_format(self.a_format).scaled
-
-    @property
-    def cta_group(self) -> int:
-        return 1
 
     @property
     def threads(self) -> int:
@@ -506,6 +513,7 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
     if not ring_spec.uses_setmaxnreg:
         raise AssertionError("the wgmma kernel's ring has a producer warpgroup (8 consumer warps)")
     two_m_tiles = spec.m_tiles == 2
+    cta_group = spec.cta_group
     producer_regs = hp.setmaxnreg_dec(PRODUCER_REGISTERS_TWO_M_TILES if two_m_tiles else PRODUCER_REGISTERS)
     consumer_regs = hp.setmaxnreg_inc(CONSUMER_REGISTERS_TWO_M_TILES if two_m_tiles else CONSUMER_REGISTERS)
     barrier_words = ring_spec.smem.barrier_words
@@ -532,6 +540,9 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
             block_sync()   # the mbarriers are initialised
             consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles, split_sums,
                     split_counters, k_splits, slices_per_split)
+        if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
+            cl.cluster_arrive_release()
+            cl.cluster_wait_acquire()
 
     return grouped_matmul_h200_wgmma
 
@@ -1435,7 +1446,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         raise AssertionError("the chunk-scaled route reads 128-byte E4M3 rows of both operands per 128-K slice")
     if m_data_off % SW128_ATOM_BYTES or n_data_off % SW128_ATOM_BYTES or stage_bytes % SW128_ATOM_BYTES:
         raise AssertionError("both operands' stage rows must be 1024-byte aligned: they are wgmma operands")
-    mma_bn = spec.mma_bn
+    mma_bn, cta_group = spec.mma_bn, spec.cta_group
     num_acc = mma_bn // 2
     mma = hp.wgmma_e4m3_ss(mma_bn)
     zero_acc = hp.wgmma_zero_accumulators(mma_bn)
@@ -1448,6 +1459,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     UNIT, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES
     TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
     ROW_BYTES, STEP_UNITS = E4M3_ROW_BYTES, WGMMA_K_E4M3 // hp.DESCRIPTOR_UNIT_BYTES
+    ROWS_PER_CTA = ring_spec.m_rows
     STAGE_UNITS = stage_bytes // UNIT
     if FP8_CHUNK // WGMMA_K_E4M3 != 4:
         raise AssertionError("the consumer writes out 4 k32 steps per slice")
@@ -1470,9 +1482,16 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
                 ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)))
 
     def release(bar0, stage, lane):
+        """One arrival per warp on the stage's ``empty`` barrier, in both CTAs of a pair (the peer's producer
+        multicasts into this CTA's stage too)."""
         cuda.syncwarp()
         if lane == 0:
-            mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
+            empty = np.uint32(bar0 + MBARRIER_BYTES * (stages + stage))
+            if cta_group > 1:
+                for peer in range(cta_group):
+                    mb.mbarrier_arrive_remote_cluster(cl.mapa_shared_cluster(empty, peer))
+            else:
+                mb.mbarrier_arrive(empty)
 
     def step_mma(acc, a_desc, b_desc, s):
         """k32 step ``s`` of the slice into a fresh chunk set, one wgmma group."""
@@ -1615,11 +1634,14 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         stage = np.int64(0)
         phase = np.int64(0)
         item = np.int64(0)
+        # a pair's tile is 2 x 128 tokens: this CTA's are the rank-th 128 (none where the group ends before)
+        own_offset = np.uint32(cl.cluster_ctarank() * ROWS_PER_CTA) if cta_group > 1 else np.uint32(0)
         while item < max_tiles:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
             expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
             if expert < 0:
                 break
+            t0 = np.uint32(t0 + own_offset)
             m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
             n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
             total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, lane, stage, phase,
