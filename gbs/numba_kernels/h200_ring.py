@@ -362,11 +362,11 @@ class StreamSpec:
             raise ValueError(f"unsupported operand formats A={pair[0]} x B={pair[1]}; "
                              f"supported: {sorted(PROBLEM_FORMATS.values())}")
         # the SM100 tile rules; the wgmma kernel's pair shares weights, a tile the SM100 family does not have
-        schedule.TileConfig(self.ab_swapped, self.mma_bn, 1 if self.shares_weights else self.cta_group)
-        if self.shares_weights and (not self.warpgroup_consumers or self.tiled_weights):
-            raise ValueError(f"cta_group={self.cta_group} not swapped (a pair of token tiles sharing the weight tile) "
-                             f"is the wgmma kernel's, with the weights in rows (not tiled); got "
-                             f"b_layout={self.b_layout!r}")
+        wgmma_pair = self.shares_weights and self.warpgroup_consumers
+        schedule.TileConfig(self.ab_swapped, self.mma_bn, 1 if wgmma_pair else self.cta_group)
+        if wgmma_pair and self.tiled_weights:
+            raise ValueError(f"cta_group={self.cta_group} not swapped (the wgmma kernel's pair of token tiles sharing "
+                             f"the weight tile) takes the weights in rows, not tiled; got b_layout={self.b_layout!r}")
         check_layout(self.b_layout, get_format(self.b_format), "b")
         check_layout(self.a_layout, get_format(self.a_format), "a")
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \
