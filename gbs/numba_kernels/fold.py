@@ -7,18 +7,16 @@ quantizer that cannot write it itself; the device twin of the token half of ``gb
     problem = gbs.device_problem(a8, b8, a8_scales, b8_scales, ..., fmt="mxfp8", a_layout="e4m3_folded",
                                  b_layout="e4m3_folded")   # weights folded once: fp8_route.fold_problem
 
-A thread block per tile of 512 FP4 words (4 bytes, 8 elements each) of the flat (token row, word) index, rows padded
-to whole 128-K chunks, so 32 chunks a tile. Each thread loads 4 words, strided by the thread block so that every warp
-load reads 128 contiguous bytes and every warp store writes 256, and flags the nonzero ones in shared memory; then it
-decides one block of the tile: its exponent if the block is live (a nonzero element, a finite scale), through shared
-memory to the 4 threads of its chunk, which take the base ``max(e) - 6`` over those (0 for a chunk without one; never
-below 2^-127, ``fp8_route.FOLDED_MIN_BASE``) and give the block's table row for its shift
-(``fp8_route.E2M1_TO_E4M3_TABLES``: its 8 magnitudes, held in shared memory as 2 words, picked by byte permutes), or
-NaN bytes for a NaN-scale block; the chunk's first thread writes the base byte as all 4 of its scales. Last, each
-thread writes its words' elements times ``2^(e - base)`` as E4M3 bytes through their block's row. Bit-identical to
-the host fold (``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the host refuses a
-live block more than 14 binades below its chunk's largest; here, where nothing can raise, such a block becomes NaN
-bytes, so the outputs it touches are NaN, never silently wrong.
+One thread per 32-element block (16 bytes in, two 8-byte loads; 32 E4M3 bytes out), the threads of a launch laid
+over (token row, 128-K chunk, block) so that a warp reads 512 contiguous bytes of a row and writes 1 KB. Each thread
+gives its block's exponent if the block is live (a nonzero element, a finite scale) through shared memory; the 4
+threads of a chunk take its base ``max(e) - 6`` over those (0 for a chunk without one; never below 2^-127,
+``fp8_route.FOLDED_MIN_BASE``) and write their elements times ``2^(e - base)`` as E4M3 bytes through the table row of
+their block's shift (``fp8_route.E2M1_TO_E4M3_TABLES``: its 8 magnitudes, held in shared memory as 2 words, picked by
+byte permutes), NaN bytes for a NaN-scale block; the chunk's first thread writes the base byte as all 4 of its scales.
+Bit-identical to the host fold (``fold_problem``'s tokens), padding scale rows zero. One difference, by design: the
+host refuses a live block more than 14 binades below its chunk's largest; here, where nothing can raise, such a block
+becomes NaN bytes, so the outputs it touches are NaN, never silently wrong.
 
 Constraints (checked before any device work): device arrays (``__cuda_array_interface__``), C-contiguous; ``a``
 (tokens, K/2) bytes with K a multiple of 32; ``a_scales`` the (bands, ceil(K/128), 32, 4, 4) atoms of
@@ -38,13 +36,10 @@ from gbs.numba_kernels.launch import device_view
 from gbs.ptx_inline.arith import prmt_b32, prmt_b32_host
 
 BLOCKS_PER_CHUNK = PROMOTION_CHUNK // MX_BLOCK   # 4: one word of the row's scale atom
-WORD_ELEMENTS = 8                # E2M1 codes in a 4-byte FP4 word (8 E4M3 bytes out: one 8-byte word)
-BLOCK_WORDS = MX_BLOCK // WORD_ELEMENTS
-CHUNK_WORDS = PROMOTION_CHUNK // WORD_ELEMENTS
-THREADS = 128                    # one block of the tile per thread once the words are in: 32 chunks
-WORDS_PER_THREAD = BLOCK_WORDS
-TILE_WORDS = THREADS * WORDS_PER_THREAD
-MAX_SLOTS = 1 << 31              # the flat slot index is an int32
+BLOCK_PAIRS = MX_BLOCK // 16     # a block's FP4 bytes as 8-byte words
+OUT_PAIRS = 2 * BLOCK_PAIRS      # its E4M3 bytes as 8-byte words
+THREADS = 128                    # 32 chunks per thread block
+MAX_THREADS = 1 << 31            # the flat thread index is an int32
 # each table row's 8 magnitudes (E2M1 codes 0-7) as 2 words, for a byte permute; codes 8-15 are the same with E4M3's
 # sign bit, which a second permute sets from bit 3 of each code
 MAGNITUDE_WORDS = np.ascontiguousarray(E2M1_TO_E4M3_TABLES[:, :8]).view(np.uint32)
@@ -55,8 +50,8 @@ DEAD = -(1 << 30)                # the exponent of a block that does not set the
 E4M3_NAN_PAIR = E4M3_NAN * 0x0101010101010101
 if (SF_ATOM_COLS, SF_ATOM_ROWS, SF_ATOM_BYTES) != (BLOCKS_PER_CHUNK, 128, 512):
     raise AssertionError("a 128-K chunk's scales are one word of its row in a 128x4 atom")
-if TILE_WORDS % CHUNK_WORDS or THREADS != TILE_WORDS // BLOCK_WORDS:
-    raise AssertionError("a tile holds whole chunks and one block per thread: their exponents meet in shared memory")
+if THREADS % BLOCKS_PER_CHUNK:
+    raise AssertionError("a thread block holds whole chunks: their 4 exponents meet in its shared memory")
 if (E2M1_TO_E4M3_TABLES[:, 8:] != E2M1_TO_E4M3_TABLES[:, :8] | 0x80).any():
     raise AssertionError("a negative E2M1 code's E4M3 byte is its magnitude's with the sign bit")
 # the simulator runs no PTX: there the permute is its host twin
@@ -96,42 +91,29 @@ def e4m3_pair(magnitudes_lo, magnitudes_hi, word):
     return np.uint64(lo) | (np.uint64(hi) << np.uint64(32))
 
 
-def fold_token_tiles(words, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_words, chunks, out_pairs,
-                     out_scale_words):
-    """Kernel: thread block ``c`` folds the ``TILE_WORDS`` slots from ``c * TILE_WORDS`` on of the flat (token row,
-    FP4 word) index, each row padded to whole chunks; ``words`` the tokens' FP4 bytes as 4-byte words (tokens x
-    ``row_words``), ``out_pairs`` their E4M3 bytes as 8-byte words (the same shape). Slots past the last row or a
-    row's last word fold nothing but reach the barriers."""
+def fold_token_blocks(pairs, scale_words, a_offsets, a_scale_offsets, tables, tokens, row_pairs, chunks, out_pairs,
+                      out_scale_words):
+    """Kernel: thread ``t`` folds block ``t % 4`` of chunk ``t // 4 % chunks`` of token row ``t // (4 chunks)``;
+    ``pairs`` the tokens' FP4 bytes as 8-byte words (tokens x ``row_pairs``), ``out_pairs`` their E4M3 bytes in
+    8-byte words (tokens x 2 ``row_pairs``). Threads past the last row or the row's last block fold nothing but
+    reach the barrier."""
     table = cuda.shared.array((TABLE_ROWS, TABLE_WORDS), np.uint32)
-    nonzero = cuda.shared.array(TILE_WORDS, np.uint8)     # per slot: a nonzero E2M1 magnitude
-    exponents = cuda.shared.array(THREADS, np.int32)      # per block: e, or DEAD
-    rows = cuda.shared.array(THREADS, np.int32)           # per block: its table row
+    exponents = cuda.shared.array(THREADS, np.int32)      # per thread's block: e, or DEAD
     tid = np.int32(cuda.threadIdx.x)
     for i in range(tid, TABLE_ROWS * TABLE_WORDS, THREADS):
         table[i // TABLE_WORDS, i % TABLE_WORDS] = tables[i // TABLE_WORDS, i % TABLE_WORDS]
-    row_slots = np.int32(chunks) * CHUNK_WORDS
-    tile = np.int32(cuda.blockIdx.x) * TILE_WORDS
-    # the thread's words: slot tile + j THREADS + tid, so that each load and store of a warp is contiguous
-    word = cuda.local.array(WORDS_PER_THREAD, np.uint32)
-    dst = cuda.local.array(WORDS_PER_THREAD, np.int64)    # the word's index in out_pairs, or -1: no word
-    for j in range(WORDS_PER_THREAD):
-        slot = tile + j * THREADS + tid
-        token = slot // row_slots
-        w = slot - token * row_slots
-        word[j] = 0
-        dst[j] = -1
-        if token < tokens and w < row_words:
-            dst[j] = np.int64(token) * row_words + w
-            word[j] = words[dst[j]]
-        nonzero[j * THREADS + tid] = 1 if word[j] & np.uint32(0x77777777) else 0
-    # the block the thread decides: block tid % 4 of the tile's chunk tid // 4, its scale byte
-    block = tid % BLOCKS_PER_CHUNK
-    chunk_slot = tile + tid // BLOCKS_PER_CHUNK * CHUNK_WORDS
-    token = chunk_slot // row_slots
-    chunk_word = chunk_slot - token * row_slots
-    chunk = chunk_word // CHUNK_WORDS
+    row_slots = np.int32(chunks) * BLOCKS_PER_CHUNK
+    item = np.int32(cuda.blockIdx.x) * THREADS + tid
+    token = item // row_slots
+    chunk = item % row_slots // BLOCKS_PER_CHUNK
+    block = item % BLOCKS_PER_CHUNK
+    row_blocks = np.int32(row_pairs) // BLOCK_PAIRS
+    real = token < tokens and chunk * BLOCKS_PER_CHUNK + block < row_blocks
+    lo_pair = np.uint64(0)
+    hi_pair = np.uint64(0)
     scale_word = np.uint32(0)
     s_index = np.int32(0)
+    src = np.int64(0)
     if token < tokens:
         g = group_of(a_offsets, token)
         lo = a_offsets[g]
@@ -140,43 +122,46 @@ def fold_token_tiles(words, scale_words, a_offsets, a_scale_offsets, tables, tok
         # the chunk's 4 scale bytes: one word of the row's atom (an atom column group per chunk)
         s_index = np.int32(atom_byte_offset(padded, chunk * SF_ATOM_COLS, chunks) // 4)
         scale_word = scale_words[s_index]
+        if real:
+            src = np.int64(token) * row_pairs + (chunk * BLOCKS_PER_CHUNK + block) * BLOCK_PAIRS
+            lo_pair = pairs[src]
+            hi_pair = pairs[src + 1]
     byte = np.int32((scale_word >> np.uint32(8 * block)) & np.uint32(0xFF))
-    real = token < tokens and chunk_word + block * BLOCK_WORDS < row_words
-    cuda.syncthreads()    # the tile's nonzero flags (and the table) are in
-    first = tid * BLOCK_WORDS
-    live = (real and byte != UE8M0_NAN_BYTE
-            and (nonzero[first] | nonzero[first + 1] | nonzero[first + 2] | nonzero[first + 3]) != 0)
+    live = real and ((lo_pair | hi_pair) & np.uint64(0x7777777777777777)) != 0 and byte != UE8M0_NAN_BYTE
     exponents[tid] = byte - UE8M0_BIAS if live else DEAD
-    cuda.syncthreads()    # the chunk's 4 exponents are in
+    cuda.syncthreads()    # the chunk's 4 exponents (and the table) are in
     top = np.int32(DEAD)
     for b in range(BLOCKS_PER_CHUNK):
         top = max(top, exponents[tid - block + b])
     base = max(top - FOLD_WINDOW[1] if top != DEAD else 0, FOLDED_MIN_BASE)
     d = byte - UE8M0_BIAS - base
     if byte == UE8M0_NAN_BYTE or (live and d < FOLD_WINDOW[0]):
-        rows[tid] = OUT_OF_WINDOW
+        row = OUT_OF_WINDOW
     elif live:
-        rows[tid] = d - FOLD_WINDOW[0]
+        row = d - FOLD_WINDOW[0]
     else:
-        rows[tid] = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
-    if real and block == 0:
-        # the base as each real block's scale; a K tail's padding columns stay zero
-        chunk_blocks = min(np.int32(BLOCKS_PER_CHUNK), (row_words - chunk_word) // BLOCK_WORDS)
-        mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_blocks))
-        out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
-    cuda.syncthreads()    # every block's table row is in
-    for j in range(WORDS_PER_THREAD):
-        if dst[j] >= 0:
-            row = rows[(j * THREADS + tid) // BLOCK_WORDS]
-            out = np.uint64(E4M3_NAN_PAIR)
-            if row != OUT_OF_WINDOW:
-                out = e4m3_pair(table[row, 0], table[row, 1], word[j])
-            out_pairs[dst[j]] = out
+        row = -FOLD_WINDOW[0]     # a dead block: d = 0, zeros keep their sign
+    if real:
+        out = (np.uint64(E4M3_NAN_PAIR), np.uint64(E4M3_NAN_PAIR), np.uint64(E4M3_NAN_PAIR),
+               np.uint64(E4M3_NAN_PAIR))
+        if row != OUT_OF_WINDOW:
+            magnitudes_lo, magnitudes_hi = table[row, 0], table[row, 1]
+            out = (e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(lo_pair & np.uint64(0xFFFFFFFF))),
+                   e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(lo_pair >> np.uint64(32))),
+                   e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(hi_pair & np.uint64(0xFFFFFFFF))),
+                   e4m3_pair(magnitudes_lo, magnitudes_hi, np.uint32(hi_pair >> np.uint64(32))))
+        for w in range(OUT_PAIRS):
+            out_pairs[2 * src + w] = out[w]
+        if block == 0:
+            # the base as each real block's scale; a K tail's padding columns stay zero
+            chunk_blocks = min(np.int32(BLOCKS_PER_CHUNK), row_blocks - chunk * BLOCKS_PER_CHUNK)
+            mask = np.uint32(0xFFFFFFFF) >> np.uint32(8 * (BLOCKS_PER_CHUNK - chunk_blocks))
+            out_scale_words[s_index] = (np.uint32(base + UE8M0_BIAS) * np.uint32(0x01010101)) & mask
 
 
 @functools.cache
 def _kernel():
-    return cuda.jit(fold_token_tiles)
+    return cuda.jit(fold_token_blocks)
 
 
 @functools.cache
@@ -222,12 +207,12 @@ def fold_tokens(a, a_scales, a_offsets, a_scale_offsets, *, out=None, out_scales
         if tuple(dst_scales.shape) != tuple(scales.shape):
             raise ValueError(f"out_scales has shape {tuple(dst_scales.shape)}, a_scales {tuple(scales.shape)}")
     dst_scales.copy_to_device(scales, stream=stream)   # padding rows stay zero; the kernel rewrites every token's
-    slots = tokens * chunks * CHUNK_WORDS
-    if slots >= MAX_SLOTS:
-        raise ValueError(f"{tokens} tokens x K = {k}: more than {MAX_SLOTS} FP4 words; fold them in parts")
-    if slots:
-        _kernel()[-(-slots // TILE_WORDS), THREADS, stream](
-            src.reshape(src.size).view(np.uint32), scales.reshape(scales.size).view(np.uint32), offsets,
-            scale_offsets, _device_tables(), tokens, row_bytes // 4, chunks, dst.reshape(dst.size).view(np.uint64),
+    threads = tokens * chunks * BLOCKS_PER_CHUNK
+    if threads >= MAX_THREADS:
+        raise ValueError(f"{tokens} tokens x K = {k}: more than {MAX_THREADS} blocks of 32; fold them in parts")
+    if threads:
+        _kernel()[-(-threads // THREADS), THREADS, stream](
+            src.reshape(src.size).view(np.uint64), scales.reshape(scales.size).view(np.uint32), offsets,
+            scale_offsets, _device_tables(), tokens, row_bytes // 8, chunks, dst.reshape(dst.size).view(np.uint64),
             dst_scales.reshape(dst_scales.size).view(np.uint32))
     return dst, dst_scales

@@ -38,7 +38,9 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
   are multicast too. Not swapped (the wgmma kernel's pair, ``StreamSpec.shares_weights``), the pair covers ``2 x
   128`` token rows that share one weight tile: each CTA loads its own 128 token rows, and half of the weight rows
   (and one of the weight scale bands) multicast to both. Every consumer warp releases a stage on the ``empty``
-  barriers of both CTAs (a multicast writes into the peer); the producers wait with cluster-scope acquire. Both
+  barriers of both CTAs (a multicast writes into the peer); the producers wait with cluster-scope acquire (the
+  weight-sharing pair: CTA scope on both sides, as CUTLASS's multicast pipelines, since only TMA and wgmma touch its
+  stages; cluster scope cost GPU-scope fences and L1 invalidations in the loop: evidence fold-pair-ab). Both
   CTAs of a pair take the same (static) items, so they run the same number of stages; a cluster barrier follows
   the mbarrier init and precedes exit.
 * Token rows wider than 128 bytes per K slice (bf16 tokens, W4A16: 256 bytes per 128 K; FP8 and bf16 tokens in the
@@ -919,7 +921,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                 for s in range(s_begin, min(s_begin + slices_per_split, k_slices)):
                     full = np.uint32(bar0 + MBARRIER_BYTES * stage)
                     empty = np.uint32(full + MBARRIER_BYTES * stages)
-                    if cta_group > 1:   # the peer's consumers released it too (cluster acquire)
+                    if shares_tokens:   # the peer's consumers released it too (cluster acquire)
                         wait_parity_cluster_or_trap(empty, phase ^ 1)
                     else:
                         wait_parity_or_trap(empty, phase ^ 1)
@@ -989,7 +991,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
             # no more work: a record that says so, armed with no bytes
             full = np.uint32(bar0 + MBARRIER_BYTES * stage)
             empty = np.uint32(full + MBARRIER_BYTES * stages)
-            if cta_group > 1:
+            if shares_tokens:
                 wait_parity_cluster_or_trap(empty, phase ^ 1)
             else:
                 wait_parity_or_trap(empty, phase ^ 1)

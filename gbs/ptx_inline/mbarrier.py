@@ -96,6 +96,15 @@ mbarrier_arrive_remote_cluster = ptx_intrinsic(
 (a local shared::cta address is also valid in the cluster window and names this CTA's barrier).
 The consumer waits with ``mbarrier_wait_parity_acquire_cluster``.""")
 
+mbarrier_arrive_remote = ptx_intrinsic(
+    "mbarrier_arrive_remote",
+    "mbarrier.arrive.shared::cluster.b64 _, [$0];",
+    [("remote_mbar", "u32")],
+    doc="""Arrive once on an mbarrier of a CTA of the cluster with the default semantics (release at CTA scope), as
+CUTLASS's ``ClusterBarrier::arrive(cta_id)`` does for a multicast pipeline's consumer release: no GPU-scope fence
+(``mbarrier_arrive_remote_cluster``'s release at cluster scope compiles to ``MEMBAR.ALL.GPU`` before each arrival).
+For releasing shared memory that only the async proxy (TMA, wgmma) touches.""")
+
 mbarrier_wait_parity_acquire_cluster = ptx_intrinsic(
     "mbarrier_wait_parity_acquire_cluster",
     "{\n .reg .pred done;\n wait_parity_cluster_retry:\n"
