@@ -1486,13 +1486,12 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         multicasts into this CTA's stage too), CTA-scope release as CUTLASS's multicast pipelines: the cluster-scope
         release put a GPU-scope fence before every arrival and the pair ran 2.3x slower (evidence: fold-pair-ab)."""
         cuda.syncwarp()
-        if lane == 0:
-            empty = np.uint32(bar0 + MBARRIER_BYTES * (stages + stage))
-            if cta_group > 1:
-                for peer in range(cta_group):
-                    mb.mbarrier_arrive_remote(cl.mapa_shared_cluster(empty, peer))
-            else:
-                mb.mbarrier_arrive(empty)
+        empty = np.uint32(bar0 + MBARRIER_BYTES * (stages + stage))
+        if cta_group > 1:
+            if lane < cta_group:   # lane r arrives in CTA r
+                mb.mbarrier_arrive_remote(cl.mapa_shared_cluster(empty, lane))
+        elif lane == 0:
+            mb.mbarrier_arrive(empty)
 
     def step_mma(acc, a_desc, b_desc, s):
         """k32 step ``s`` of the slice into a fresh chunk set, one wgmma group."""
