@@ -425,6 +425,13 @@ class StreamSpec:
         return dataclasses.replace(shape, tokens=self.m_rows) if self.m_rows != TILE_M_ROWS else shape
 
     @property
+    def empty_arrivals_per_cta(self) -> int:
+        """Arrivals each CTA's consumers give a stage's ``empty`` barrier: one per consumer warp, or in the
+        weight-sharing pair one per consumer warpgroup (one thread of each signals each CTA of the pair, as CUTLASS's
+        multicast pipelines do: a warpgroup's wgmma reads are done once its wait returns in any of its warps)."""
+        return self.consumer_warps // WARPGROUP_WARPS if self.shares_weights else self.consumer_warps
+
+    @property
     def shares_weights(self) -> bool:
         """A CTA pair whose two token tiles share one weight tile (not swapped: the wgmma kernel's pair): each CTA
         loads its own token rows and multicasts half of the weight rows."""
@@ -723,7 +730,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     ``produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
     shared_expert_ids, n, k_slices, max_tiles, split_counters, k_splits, slices_per_split)`` runs in every
     thread of the producer warps: thread 0 initialises ``full[s]`` (count 1) and ``empty[s]`` (count
-    ``spec.consumer_warps * cta_group``: one arrival per consumer warp of each CTA of the pair) in
+    ``spec.empty_arrivals_per_cta * cta_group``: one arrival per consumer warp, or warpgroup, of each CTA of the pair) in
     ``bars``, all meet at ``block_sync``, then thread 0 takes the CTA's work items (item = pair index, then
     with ``spec.dynamic_items`` from the global counter, else every ``pairs``-th), walks to their tiles and
     fills the ring (module docstring). It writes each item's record into the stage of its first K slice
@@ -745,7 +752,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     sf_band_bytes = spec.scale_band_bytes
     tok_boxes, tok_box_row_bytes, tok_region_bytes = spec.token_side.boxes, spec.token_box[0], spec.token_region_bytes
     tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
-    empty_count = spec.consumer_warps * cta_group
+    empty_count = spec.empty_arrivals_per_cta * cta_group
     shares_tokens, shares_weights = cta_group > 1 and swapped, spec.shares_weights
     w_box_rows, w_box_bytes = spec.weight_box[1], math.prod(spec.weight_box)
     token_band_of = inline_device(token_scale_band)

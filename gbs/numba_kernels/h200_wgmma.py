@@ -1460,6 +1460,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
     ROW_BYTES, STEP_UNITS = E4M3_ROW_BYTES, WGMMA_K_E4M3 // hp.DESCRIPTOR_UNIT_BYTES
     ROWS_PER_CTA = ring_spec.m_rows
+    WARP_SIZE_ = hr.WARP_SIZE
     STAGE_UNITS = stage_bytes // UNIT
     if FP8_CHUNK // WGMMA_K_E4M3 != 4:
         raise AssertionError("the consumer writes out 4 k32 steps per slice")
@@ -1482,8 +1483,9 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
                 ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)))
 
     def release(bar0, stage, lane):
-        """One arrival per warp on the stage's ``empty`` barrier, in both CTAs of a pair (the peer's producer
-        multicasts into this CTA's stage too), CTA-scope release as CUTLASS's multicast pipelines: the cluster-scope
+        """One arrival per warp on the stage's ``empty`` barrier; in a pair one per warpgroup in each CTA (the peer's
+        producer multicasts into this CTA's stage too): ``lane`` is then the warpgroup's first warp's lane, and
+        ``WARP_SIZE`` in its other warps. CTA-scope release as CUTLASS's multicast pipelines: the cluster-scope
         release put a GPU-scope fence before every arrival and the pair ran 2.3x slower (evidence: fold-pair-ab)."""
         cuda.syncwarp()
         empty = np.uint32(bar0 + MBARRIER_BYTES * (stages + stage))
@@ -1636,6 +1638,8 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         item = np.int64(0)
         # a pair's tile is 2 x 128 tokens: this CTA's are the rank-th 128 (none where the group ends before)
         own_offset = np.uint32(cl.cluster_ctarank() * ROWS_PER_CTA) if cta_group > 1 else np.uint32(0)
+        # the lane ``release`` reads: a pair's stages take one arrival per warpgroup and CTA
+        release_lane = lane if cta_group == 1 or cw % WARPGROUP_WARPS_ == 0 else np.uint32(WARP_SIZE_)
         while item < max_tiles:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
             expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
@@ -1644,7 +1648,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
             t0 = np.uint32(t0 + own_offset)
             m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
             n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
-            total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, lane, stage, phase,
+            total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, release_lane, stage, phase,
                                                          k_slices, m_sf_row, n_sf_row, desc_a0, desc_b0)
             hp.accumulators_to_array(total, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
