@@ -87,7 +87,7 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   problems from 33 tokens per expert. ``WgmmaSpec.cta_group`` = 2: a CTA pair (a cluster) takes a 256-token tile,
   128 token rows each, and shares its weight tile: each CTA loads half the weight rows and multicasts them to both
   (the ring's ``StreamSpec.shares_weights``), so a CTA reads 24 instead of 32 KB per 128-K chunk from L2; each
-  warp releases a stage in both CTAs. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  warpgroup releases a stage once in each CTA. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
   quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no
   faster than the bf16 route, evidence: w4a8-fold-bench).
 
