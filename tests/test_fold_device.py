@@ -2,11 +2,11 @@
 (``gbs.fp8_route.fold_problem``'s tokens).
 
 Simulator runs (a worker subprocess with ``NUMBA_ENABLE_CUDASIM=1``): bit-identical E4M3 bytes and scale atoms on
-ragged groups (an empty group, a -1 slot, a 1-token group, groups past 128 rows), a K tail (gpt-oss K = 2880: a
-chunk of 2 blocks), blocks at both ends of the window, blocks whose one nonzero word sets their chunk's base, NaN-scale blocks, chunks whose largest block is below 2^-121
-(the base stops at 2^-127); a block beyond the window becomes NaN bytes where the host refuses it; into given
-``out`` arrays; bad input refused before any launch; the SIMT kernel runs a folded problem exactly (its bytes are
-MXFP8's as quantized). Offline: the kernel assembles for sm_90a.
+ragged groups (an empty group, a -1 slot, a 1-token group, groups past 128 rows), a K tail (gpt-oss K = 2880: a chunk
+of 2 blocks), blocks at both ends of the window, blocks whose one nonzero word sets their chunk's base, NaN-scale
+blocks, chunks whose largest block is below 2^-121 (the base stops at 2^-127); a block beyond the window becomes NaN
+bytes where the host refuses it; into given ``out`` arrays; bad input refused before any launch; the SIMT kernel runs
+a folded problem exactly (its bytes are MXFP8's as quantized). Offline: the kernel assembles for sm_90a.
 """
 from __future__ import annotations
 

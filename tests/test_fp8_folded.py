@@ -60,7 +60,8 @@ def test_the_tokens_alone_fold_as_in_the_whole_problem():
     assert data.dtype == np.uint8 and np.array_equal(data, folded.a.view(np.uint8))
     assert np.array_equal(atoms, folded.a_scales)
     with pytest.raises(ValueError, match="MXFP4 tokens"):
-        fr.fold_problem_tokens(random_problem("nvfp4", n=64, k=128, num_experts=2, total_tokens=9, num_active_experts=2, seed=1))
+        fr.fold_problem_tokens(random_problem("nvfp4", n=64, k=128, num_experts=2, total_tokens=9,
+                                              num_active_experts=2, seed=1))
 
 
 def test_fold_keeps_blocks_at_both_ends_of_the_window_and_nan_blocks():

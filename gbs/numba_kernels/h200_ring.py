@@ -432,6 +432,12 @@ class StreamSpec:
         return self.consumer_warps // WARPGROUP_WARPS if self.shares_weights else self.consumer_warps
 
     @property
+    def shares_tokens(self) -> bool:
+        """A CTA pair whose two weight tiles share one token tile (swapped): each CTA loads its own weight rows and
+        multicasts half of the token rows."""
+        return self.cta_group > 1 and self.ab_swapped
+
+    @property
     def shares_weights(self) -> bool:
         """A CTA pair whose two token tiles share one weight tile (not swapped: the wgmma kernel's pair): each CTA
         loads its own token rows and multicasts half of the weight rows."""
@@ -639,14 +645,17 @@ def stage_loads(spec: StreamSpec) -> list[tuple[str, int, int, bool]]:
     """
     lay, cg = spec.smem, spec.cta_group
     tokens_m = not spec.ab_swapped
-    shares_tokens, shares_weights = cg > 1 and spec.ab_swapped, spec.shares_weights
+    shares_tokens, shares_weights = spec.shares_tokens, spec.shares_weights
     tok_data = lay.m_data if tokens_m else lay.n_data
     tok_sf = lay.m_scales if tokens_m else lay.n_scales
     w_data = lay.n_data if tokens_m else lay.m_data
     w_sf = lay.n_scales if tokens_m else lay.m_scales
     band_bytes = spec.scale_band_bytes
-    parts = cg if shares_weights else spec.tiled_weight_loads if spec.tiled_weights else 1
-    part_bytes = math.prod(spec.weight_box) // (1 if shares_weights else parts)
+    if shares_weights:   # a box per CTA of the pair: its half of the rows, multicast
+        parts, part_bytes = cg, math.prod(spec.weight_box)
+    else:
+        parts = spec.tiled_weight_loads if spec.tiled_weights else 1
+        part_bytes = math.prod(spec.weight_box) // parts
     loads = [("weights", w_data + p * part_bytes, part_bytes, shares_weights) for p in range(parts)]
     loads += [("weight scales", w_sf + b * band_bytes, band_bytes, shares_weights)
               for b in range(spec.weight_side.scale_bands)]
@@ -730,8 +739,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     ``produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
     shared_expert_ids, n, k_slices, max_tiles, split_counters, k_splits, slices_per_split)`` runs in every
     thread of the producer warps: thread 0 initialises ``full[s]`` (count 1) and ``empty[s]`` (count
-    ``spec.empty_arrivals_per_cta * cta_group``: one arrival per consumer warp, or warpgroup, of each CTA of the pair) in
-    ``bars``, all meet at ``block_sync``, then thread 0 takes the CTA's work items (item = pair index, then
+    ``spec.empty_arrivals_per_cta * cta_group``: one arrival per consumer warp, or warpgroup, of each CTA of the
+    pair) in ``bars``, all meet at ``block_sync``, then thread 0 takes the CTA's work items (item = pair index, then
     with ``spec.dynamic_items`` from the global counter, else every ``pairs``-th), walks to their tiles and
     fills the ring (module docstring). It writes each item's record into the stage of its first K slice
     and, after the last item, a record saying so (``NO_MORE_WORK``, armed by a plain arrival); consumers
@@ -753,7 +762,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
     tok_boxes, tok_box_row_bytes, tok_region_bytes = spec.token_side.boxes, spec.token_box[0], spec.token_region_bytes
     tok_bands, w_bands = spec.token_side.scale_bands, spec.weight_side.scale_bands
     empty_count = spec.empty_arrivals_per_cta * cta_group
-    shares_tokens, shares_weights = cta_group > 1 and swapped, spec.shares_weights
+    shares_tokens, shares_weights = spec.shares_tokens, spec.shares_weights
     w_box_rows, w_box_bytes = spec.weight_box[1], math.prod(spec.weight_box)
     token_band_of = inline_device(token_scale_band)
     weight_band_of = inline_device(weight_scale_band)

@@ -116,8 +116,8 @@ a 128-register launch bound; evidence: decoder-warpgroup).
 MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and promoting each 32-element
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
-Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128 or 256, or with
-``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
+Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128
+or 256, or with ``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
 FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
@@ -250,8 +250,8 @@ class WgmmaSpec:
             raise ValueError(f"cta_group must be 1 or 2, got {self.cta_group!r}")
         object.__setattr__(self, "cta_group", int(self.cta_group))
         if self.cta_group != 1 and not (self.fp8 and self.b_layout == LAYOUT_E4M3_FOLDED):
-            raise ValueError("cta_group=2 (two CTAs' token tiles sharing the weight tile) is built for the FP8 route on "
-                             f"folded weights only ({LAYOUT_E4M3_FOLDED!r}, fp8=True)")
+            raise ValueError("cta_group=2 (two CTAs' token tiles sharing the weight tile) is built for the FP8 "
+                             f"route on folded weights only ({LAYOUT_E4M3_FOLDED!r}, fp8=True)")
         self.ring   # format pair, layout and stage checks
         if not isinstance(self.fp8, (bool, np.bool_)):
             raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
