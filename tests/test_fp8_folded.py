@@ -148,12 +148,19 @@ def test_folded_layout_refuses_scales_that_do_not_repeat():
             LAYOUT_E4M3_FOLDED)
 
 
-def test_chunk_factor_is_the_power_of_two_of_both_scales_and_nan_for_a_nan_scale():
-    for token, tile in ((127, 127), (130, 118), (1, 30), (254, 1)):
-        want = np.float32(2.0 ** (token + tile - 254))
-        assert np.uint32(fd.chunk_factor_bits(token, tile)) == want.view(np.uint32)
-    for token, tile in ((UE8M0_NAN_BYTE, 127), (127, UE8M0_NAN_BYTE)):
-        assert np.isnan(np.uint32(fd.chunk_factor_bits(token, tile)).view(np.float32))
+def test_chunk_factor_is_the_fp32_power_of_two_of_both_scales_for_every_pair_of_bytes():
+    """The consumer's promotion factor, ``ue8m0_f32(token) * ue8m0_f32(tile)`` in fp32, against 2^(t + w - 254)
+    rounded once from float64 (subnormals exact, 0 below 2^-149, +Inf from 2^128) and NaN with a NaN scale."""
+    scale = np.array([fd.ue8m0_f32_bits(b) for b in range(256)], np.uint32).view(np.float32)
+    assert scale[127] == 1.0 and scale[0] == np.float32(2.0 ** -127) and np.isnan(scale[UE8M0_NAN_BYTE])
+    token, tile = np.meshgrid(np.arange(256), np.arange(256), indexing="ij")
+    with np.errstate(over="ignore", under="ignore"):
+        got = scale[token] * scale[tile]
+        want = np.ldexp(1.0, token + tile - 254).astype(np.float32)
+    finite = (token != UE8M0_NAN_BYTE) & (tile != UE8M0_NAN_BYTE)
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert np.isnan(got[~finite]).all()
+    assert (got[finite] == 0).sum() > 0 and np.isinf(got[finite]).sum() > 0   # both ends are reached
 
 
 # ----------------------------------------------------------------------------------------------

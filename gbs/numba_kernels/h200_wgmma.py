@@ -1453,7 +1453,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     promote = hp.promote_accumulator_rows
     sf_offset = _device(scale_byte_offset)
     advance = _device(hp.wgmma_descriptor_advance)
-    factor_bits = fd.chunk_factor_bits_device
+    scale_bits = fd.ue8m0_f32_bits_device
     store_tile = _make_store_tile(num_acc)
     MBARRIER_BYTES = hr.MBARRIER_BYTES
     UNIT, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES
@@ -1476,10 +1476,10 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         return acc
 
     def stage_scales(st, m_sf_row, n_sf_row):
-        """The slice's scales in stage ``st``: the weight tile's byte (its first row's, block 0) and the 4 block
-        bytes of token rows m_row and m_row + 8."""
-        tile_byte = np.int32(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & 0xFF)
-        return (tile_byte, ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)),
+        """The slice's scales in stage ``st``: the weight tile's as an fp32 factor (its first row's, block 0) and
+        the 4 block bytes of token rows m_row and m_row + 8."""
+        tile_byte = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & np.uint32(0xFF)
+        return (f32_from_bits(scale_bits(tile_byte)), ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)),
                 ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)))
 
     def release(bar0, stage, lane):
@@ -1502,10 +1502,10 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         hp.wgmma_commit_group()
         return acc
 
-    def step_factor(token_word, s, tile_byte):
+    def step_factor(token_word, s, tile_factor):
         """A token row's promotion factor of k32 step ``s``: its block's scale (byte ``s`` of the row's slice word)
-        times the weight tile's."""
-        return f32_from_bits(np.uint32(factor_bits(np.int32((token_word >> (8 * s)) & 0xFF), tile_byte)))
+        times the weight tile's, an exact fp32 product (``fp8_decode.ue8m0_f32_bits``)."""
+        return f32_from_bits(scale_bits((token_word >> np.uint32(8 * s)) & np.uint32(0xFF))) * tile_factor
 
     slice_mmas, stage_scales, release = _device(slice_mmas), _device(stage_scales), _device(release)
     step_mma, step_factor = _device(step_mma), _device(step_factor)
@@ -1534,11 +1534,12 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         """The next K slice into chunk set ``fresh``; then the slice before (in ``other``, its factors ``other_lo`` /
         ``other_hi``) is promoted and its stage ``held`` released, and after a tile's last slice ``fresh`` too."""
         CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-        # folded tokens: the chunk's 4 block scales are equal, block 0's is the row's
-        tile_byte, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
-        f_lo, f_hi = step_factor(lo_word, 0, tile_byte), step_factor(hi_word, 0, tile_byte)
         units = np.uint32(stage * STAGE_UNITS)
         fresh = slice_mmas(fresh, advance(desc_a0, units), advance(desc_b0, units))
+        # while they run, the factors of this slice's promotion; folded tokens: the chunk's 4 block scales are
+        # equal, block 0's is the row's
+        tile_factor, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
+        f_lo, f_hi = step_factor(lo_word, 0, tile_factor), step_factor(hi_word, 0, tile_factor)
         if done > 0:
             hp.wgmma_wait_group_1()
             other = hp.wgmma_fence_accumulators(other)
@@ -1582,7 +1583,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         held = np.int64(0)    # the stage whose last step runs in set y
         while True:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
-            tile_byte, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
+            tile_factor, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
             units = np.uint32(stage * STAGE_UNITS)
             a_desc, b_desc = advance(desc_a0, units), advance(desc_b0, units)
             set_x = step_mma(set_x, a_desc, b_desc, 0)
@@ -1596,16 +1597,16 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
             set_y = step_mma(set_y, a_desc, b_desc, 1)
             hp.wgmma_wait_group_1()
             set_x = hp.wgmma_fence_accumulators(set_x)
-            total = promote(total, set_x, step_factor(lo_word, 0, tile_byte), step_factor(hi_word, 0, tile_byte))
+            total = promote(total, set_x, step_factor(lo_word, 0, tile_factor), step_factor(hi_word, 0, tile_factor))
             set_x = step_mma(set_x, a_desc, b_desc, 2)
             hp.wgmma_wait_group_1()
             set_y = hp.wgmma_fence_accumulators(set_y)
-            total = promote(total, set_y, step_factor(lo_word, 1, tile_byte), step_factor(hi_word, 1, tile_byte))
+            total = promote(total, set_y, step_factor(lo_word, 1, tile_factor), step_factor(hi_word, 1, tile_factor))
             set_y = step_mma(set_y, a_desc, b_desc, 3)
             hp.wgmma_wait_group_1()
             set_x = hp.wgmma_fence_accumulators(set_x)
-            total = promote(total, set_x, step_factor(lo_word, 2, tile_byte), step_factor(hi_word, 2, tile_byte))
-            fy_lo, fy_hi = step_factor(lo_word, 3, tile_byte), step_factor(hi_word, 3, tile_byte)
+            total = promote(total, set_x, step_factor(lo_word, 2, tile_factor), step_factor(hi_word, 2, tile_factor))
+            fy_lo, fy_hi = step_factor(lo_word, 3, tile_factor), step_factor(hi_word, 3, tile_factor)
             set_y, total, stage, phase, held, done = end_slice(set_y, total, fy_lo, fy_hi, bar0, lane, stage, phase,
                                                                done, k_slices)
             if done == k_slices:
