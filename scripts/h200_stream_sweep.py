@@ -10,9 +10,10 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 ``StreamSpec.small_n_warps``),
 ``wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
-tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case`` for
+tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2]`` for
 what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
-``h200_wgmma``: the kernels' measured plans). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
+``h200_wgmma``: the kernels' measured plans; ``:cg2``: ``fp8=True, cta_group=2``, the folded FP8 route on CTA
+pairs). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
@@ -86,10 +87,14 @@ def parse_wgmma_point(text: str):
 
 def parse_plan_point(text: str):
     parts = text.split(":")
+    pair = parts[-1] == "cg2"   # the folded FP8 route on CTA pairs: plan_h200(fp8=True, cta_group=2)
+    if pair:
+        parts.pop()
     if len(parts) != 4 or parts[1] not in PLAN_BACKENDS:
-        raise ValueError(f"point {text!r}: want plan:backend:format:case, backend in {PLAN_BACKENDS}")
+        raise ValueError(f"point {text!r}: want plan:backend:format:case[:cg2], backend in {PLAN_BACKENDS}")
     _, backend, fmt, case = parts
-    return SweepPoint(fmt, parse_case(case, text), backend)
+    config = dict(backend=backend, fp8=True, cta_group=2) if pair else backend
+    return SweepPoint(fmt, parse_case(case, text), config)
 
 
 def parse_point(text: str):
