@@ -1519,7 +1519,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         if stage == stages:
             stage = 0
             phase ^= 1
-        done += 1
+        done += np.int32(1)
         if done == k_slices:
             hp.wgmma_wait_group_0()
             last = hp.wgmma_fence_accumulators(last)
@@ -1557,7 +1557,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         ring position."""
         last_lo = float32(0.0)   # the factors of the last slice issued
         last_hi = float32(0.0)
-        done = np.int64(0)
+        done = np.int32(0)   # 32-bit slice counts: no 64-bit compares in the loop
         held = np.int64(0)    # the stage whose MMAs run in the other set
         while True:
             set_x, set_y, total, last_lo, last_hi, stage, phase, held, done = slice_into(
@@ -1579,7 +1579,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         fy_lo = float32(0.0)
         fy_hi = float32(0.0)
         set_y = zero_acc()
-        done = np.int64(0)
+        done = np.int32(0)
         held = np.int64(0)    # the stage whose last step runs in set y
         while True:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
@@ -1618,11 +1618,15 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
-        base = np.uint32(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
+        # lane 0's values handed to the warp: ptxas then knows them warp-uniform (uniform registers for the wgmma
+        # descriptors, as CUTLASS's canonical_warp_group_idx) and keeps the addresses instead of rebuilding them
+        # from the cluster CTA id at every wait
+        whole = np.uint32(0xFFFFFFFF)
+        base = np.uint32(cuda.shfl_sync(whole, np.int32(cm.shared_address(dyn)), 0))
+        bar0 = np.int64(cuda.shfl_sync(whole, np.int32(cm.shared_address(bars)), 0))
         g = lane >> 2
         q = lane & 3
-        warpgroup = cw // WARPGROUP_WARPS_
+        warpgroup = cuda.shfl_sync(whole, np.int32(cw // WARPGROUP_WARPS_), 0)
         m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
         # the warpgroup's 64 token rows and the tile's weight rows of stage 0, as wgmma operands
         desc_a0 = hp.wgmma_smem_descriptor_device(
@@ -1641,6 +1645,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         own_offset = np.uint32(cl.cluster_ctarank() * ROWS_PER_CTA) if cta_group > 1 else np.uint32(0)
         # the lane ``release`` reads: a pair's stages take one arrival per warpgroup and CTA
         release_lane = lane if cta_group == 1 or cw % WARPGROUP_WARPS_ == 0 else np.uint32(WARP_SIZE_)
+        slices = np.int32(k_slices)
         while item < max_tiles:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
             expert, tile, t0, t1, r0, r1, s_begin, group_start = read_work_record(bars, stage, lane)
@@ -1650,7 +1655,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
             m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
             n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
             total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, release_lane, stage, phase,
-                                                         k_slices, m_sf_row, n_sf_row, desc_a0, desc_b0)
+                                                         slices, m_sf_row, n_sf_row, desc_a0, desc_b0)
             hp.accumulators_to_array(total, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
             total = zero_acc()
