@@ -708,6 +708,15 @@ def tiled_weight_row(expert, row, k_byte, row_tiles, k_boxes, chunk_rows):
 # ----------------------------------------------------------------------------------------------
 # The ring's device functions
 # ----------------------------------------------------------------------------------------------
+@inline_device
+def lane0_u32(value):
+    """Lane 0's ``value`` handed to its whole warp (``shfl.sync``): ptxas then knows the result warp-uniform, holds
+    the wgmma descriptors built from it in uniform registers, and keeps a shared-window address instead of
+    rebuilding it from the cluster CTA id at every use (as CUTLASS's ``canonical_warp_group_idx``; evidence:
+    fold-uniform-ab). Every lane of the warp must call it."""
+    return np.uint32(cuda.shfl_sync(np.uint32(0xFFFFFFFF), np.int32(value), 0))
+
+
 def kernel_signature():
     """Argument types of every kernel of the family (the offline compile uses the same)."""
     u32_1d = types.Array(types.uint32, 1, "C")

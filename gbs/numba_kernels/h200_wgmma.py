@@ -1462,6 +1462,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     ROWS_PER_CTA = ring_spec.m_rows
     WARP_SIZE_ = hr.WARP_SIZE
     STAGE_UNITS = stage_bytes // UNIT
+    lane0_u32 = hr.lane0_u32
     if FP8_CHUNK // WGMMA_K_E4M3 != 4:
         raise AssertionError("the consumer writes out 4 k32 steps per slice")
 
@@ -1618,15 +1619,12 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
-        # lane 0's values handed to the warp: ptxas then knows them warp-uniform (uniform registers for the wgmma
-        # descriptors, as CUTLASS's canonical_warp_group_idx) and keeps the addresses instead of rebuilding them
-        # from the cluster CTA id at every wait
-        whole = np.uint32(0xFFFFFFFF)
-        base = np.uint32(cuda.shfl_sync(whole, np.int32(cm.shared_address(dyn)), 0))
-        bar0 = np.int64(cuda.shfl_sync(whole, np.int32(cm.shared_address(bars)), 0))
+        # warp-uniform to ptxas: descriptors in uniform registers, barrier addresses kept (hr.lane0_u32)
+        base = lane0_u32(cm.shared_address(dyn))
+        bar0 = np.int64(lane0_u32(cm.shared_address(bars)))
         g = lane >> 2
         q = lane & 3
-        warpgroup = cuda.shfl_sync(whole, np.int32(cw // WARPGROUP_WARPS_), 0)
+        warpgroup = np.int32(lane0_u32(cw // WARPGROUP_WARPS_))
         m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
         # the warpgroup's 64 token rows and the tile's weight rows of stage 0, as wgmma operands
         desc_a0 = hp.wgmma_smem_descriptor_device(
