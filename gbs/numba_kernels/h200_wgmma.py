@@ -521,6 +521,16 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
     # module constants as plain names (numba needs literals for shared-array sizes and alignment)
     DYNAMIC_SMEM_ALIGN, ROUTING_SMEM_SLOTS = hr.DYNAMIC_SMEM_ALIGN, hr.ROUTING_SMEM_SLOTS
 
+    @_device
+    def leave_cluster():
+        """A pair's CTAs meet before exit: no CTA leaves while its peer may still multicast into it or arrive on
+        its barriers. Called inside each role's branch: where the two branches joined first, ptxas serialized the
+        consumers' wgmma (C7512, "insufficient register resources": the join holds the producer's 40-register
+        budget), a wait for every MMA after each one."""
+        if cta_group > 1:
+            cl.cluster_arrive_release()
+            cl.cluster_wait_acquire()
+
     def grouped_matmul_h200_wgmma(tensor_maps, a_offsets, a_scale_offsets, expert_ids, expert_scales,
                                   out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                                   slices_per_split):
@@ -535,14 +545,13 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
             produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets, shared_expert_ids,
                     n, k_slices, max_tiles, split_counters, k_splits, slices_per_split)
             cuda.syncwarp()
+            leave_cluster()
         else:
             consumer_regs()
             block_sync()   # the mbarriers are initialised
             consume(dyn, bars, warp - producer_warps, expert_scales, out, n, k_slices, max_tiles, split_sums,
                     split_counters, k_splits, slices_per_split)
-        if cta_group > 1:   # no CTA of a pair exits while its peer may still multicast or arrive
-            cl.cluster_arrive_release()
-            cl.cluster_wait_acquire()
+            leave_cluster()
 
     return grouped_matmul_h200_wgmma
 
