@@ -895,6 +895,16 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                                   np.uint64(cuda.shfl_sync(warp, w2, 0)), np.uint64(cuda.shfl_sync(warp, w3, 0)))
 
     @inline_device
+    def multicast_scale_bands(dst, scale_map, sf_row, band, bands, rank, full):
+        """A pair's scale bands of one operand into both CTAs' stage at ``dst``: with two bands or more each CTA
+        loads band ``band + rank``, a single band CTA 0 loads, none nothing (``bands`` is a constant)."""
+        if bands > 1:
+            cp.tma_load_3d_multicast(dst + rank * sf_band_bytes, scale_map, 0, sf_row, band + rank, full,
+                                     MULTICAST_PAIR)
+        elif bands == 1 and rank == 0:
+            cp.tma_load_3d_multicast(dst, scale_map, 0, sf_row, band, full, MULTICAST_PAIR)
+
+    @inline_device
     def produce(dyn, bars, tensor_maps, a_offsets, a_scale_offsets, expert_ids, shared_offsets,
                 shared_expert_ids, n, k_slices, max_tiles, split_counters, k_splits, slices_per_split):
         first_thread = cuda.threadIdx.x == 0
@@ -962,12 +972,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                     if shares_weights:   # each CTA loads its half of the weights for both
                         cp.tma_load_3d_multicast(dst + w_data_off + rank * w_box_bytes, map_weights, k_byte,
                                                  w_row0 + rank * w_box_rows, expert, full, MULTICAST_PAIR)
-                        if w_bands > 1:
-                            cp.tma_load_3d_multicast(dst + w_sf_off + rank * sf_band_bytes, map_weight_sf, 0, sf_row,
-                                                     w_band + rank, full, MULTICAST_PAIR)
-                        elif rank == 0:
-                            cp.tma_load_3d_multicast(dst + w_sf_off, map_weight_sf, 0, sf_row, w_band, full,
-                                                     MULTICAST_PAIR)
+                        multicast_scale_bands(dst + w_sf_off, map_weight_sf, sf_row, w_band, w_bands, rank, full)
                     elif tiled:
                         for p in range(tiled_loads):
                             w_row = tiled_row_of(np.int64(expert), w_row0 + p * TILED_BOX_ROWS, k_byte,
@@ -991,12 +996,8 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                             cp.tma_load_2d_multicast(dst + tok_data_off + p * tok_region_bytes + rank * tok_box_bytes,
                                                      map_tokens, s * tok_slice_bytes + p * tok_box_row_bytes,
                                                      t0 + rank * tok_box_rows, full, MULTICAST_PAIR)
-                        if tok_bands > 1:
-                            cp.tma_load_3d_multicast(dst + tok_sf_off + rank * sf_band_bytes, map_token_sf, 0,
-                                                     sf_row, token_band + rank, full, MULTICAST_PAIR)
-                        elif tok_bands == 1 and rank == 0:
-                            cp.tma_load_3d_multicast(dst + tok_sf_off, map_token_sf, 0, sf_row, token_band, full,
-                                                     MULTICAST_PAIR)
+                        multicast_scale_bands(dst + tok_sf_off, map_token_sf, sf_row, token_band, tok_bands, rank,
+                                              full)
                     else:
                         for p in range(tok_boxes):   # rows wider than 128 bytes: a box per region
                             cp.tma_load_2d(dst + tok_data_off + p * tok_region_bytes, map_tokens,
