@@ -194,23 +194,6 @@ def test_spec_takes_folded_operands_only_on_its_128_x_128_tile():
         hw.WgmmaSpec("mxfp8", "mxfp8", 128, 4, fp8=True, tile_tokens=256, **folded)
 
 
-def serialized_mmas(instructions) -> list[str]:
-    """The MMAs that wait for every earlier one: a wait for 0 wgmma groups right after an MMA, or between an MMA and
-    the next one that accumulates onto it (ptxas serializes them where it cannot prove the accumulators retired,
-    C7514, or runs out of registers, C7512)."""
-    found, waited = [], False
-    for i, ins in enumerate(instructions):
-        if ins.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
-            waited = True
-        elif ins.startswith("QGMMA"):
-            accumulates = ", RZ," not in ins
-            if (waited and accumulates) or any(later.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0")
-                                               for later in instructions[i + 1:i + 3]):
-                found.append(f"{i}: {ins}")
-            waited = False
-    return found
-
-
 @pytest.mark.parametrize("a_layout, mmas, promotions", [(LAYOUT_E4M3_FOLDED, 8, 2), ("packed", 4, 5)])
 def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memory(a_layout, mmas, promotions):
     """Folded tokens: two slice bodies (one per chunk set) of 4 k32 steps; W4A8: one slice body of 4 single steps
@@ -227,7 +210,7 @@ def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memo
     found = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA")]
     assert len(found) == mmas and all("64x128x32.F32.E4M3.E4M3" in instructions[i]
                                       and instructions[i].count("gdesc") == 1 for i in found), found
-    assert not serialized_mmas(instructions)
+    assert not offline.serialized_wgmma(instructions)
     ops = collections.Counter(ins.split()[0].split(".")[0] for ins in instructions)
     assert ops["FFMA"] >= promotions * 64, "the promotions: one FFMA per accumulator"
 
@@ -262,7 +245,7 @@ def test_the_pair_build_multicasts_weights_and_releases_both_ctas():
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     assert offline.resource_usage(cubin).local_bytes == 0
     instructions = offline.sass_instructions(offline.disassemble(cubin))
-    assert not serialized_mmas(instructions)   # the 57ebc6f pair build had every MMA waited for (C7512)
+    assert not offline.serialized_wgmma(instructions)   # the 57ebc6f pair build had every MMA waited for (C7512)
     ops = collections.Counter(ins.split()[0] for ins in instructions)
     assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == 8
     assert ops["UTMALDG.3D.MULTICAST"] >= 2 and ops["UTMALDG.2D"] >= 1   # weight halves (and scales); own tokens

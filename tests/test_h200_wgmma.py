@@ -337,6 +337,7 @@ def test_sass_has_hgmma_and_bounded_local_memory(fmt, bn, tile_tokens, swapped):
     waits = [ins for ins in instructions[hgmma[0]:hgmma[-1] + 1] if ins.startswith("WARPGROUP.DEPBAR")]
     assert len(hgmma) >= hw.A_FRAGMENT_SETS * spec.m_tiles * spec.k_steps, "two sub-steps' wgmmas, unrolled"
     assert len(waits) <= len(hgmma) // (spec.m_tiles * spec.k_steps), "no wait between the wgmmas of one sub-step"
+    assert not offline.serialized_wgmma(instructions)
     assert len([op for i, op in local if hgmma[0] <= i <= hgmma[-1]]) <= LOCAL_IN_K_LOOP[bn, tile_tokens]
     assert len(local) <= LOCAL_TOTAL[bn, tile_tokens], local
     if spec.b_quarters == 2:

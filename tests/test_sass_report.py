@@ -29,6 +29,22 @@ def test_sass_loops_finds_nested_backward_branches_innermost_first():
     assert outer.size == 6 and outer.count("LDL") == 1
 
 
+PIPELINED = ["WARPGROUP.ARRIVE", "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], RZ, !UPT",
+             "UIADD3 UR12, UR11, 0x2, URZ", "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR12], R24, gsb0",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x1", "FFMA R179, R88, R184, R179",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x0", "QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR12], RZ, !UPT"]
+
+
+def test_serialized_wgmma_finds_waits_for_all_groups_between_accumulating_mmas():
+    """The pipelined order (wait for 1 group, a fresh set after a wait for 0) passes; a wait for 0 groups before an
+    MMA that accumulates onto the last, or right after an MMA, is serialization (the pair build's C7512)."""
+    assert offline.serialized_wgmma(PIPELINED) == []
+    between = PIPELINED[:3] + ["MOV R2, R3", "MOV R4, R5", "WARPGROUP.DEPBAR.LE gsb0, 0x0"] + PIPELINED[3:]
+    assert offline.serialized_wgmma(between) == ["6: " + PIPELINED[3]]
+    after = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    assert offline.serialized_wgmma(after) == ["0: " + after[0]]
+
+
 def test_report_reads_the_decode_kernels_hot_loop():
     text = load_script("h200_sass_report").report("stream:nvfp4:T:8:1:2")
     assert "innermost HMMA loop" in text and "16 HMMA, 0 local accesses" in text

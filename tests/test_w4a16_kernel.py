@@ -211,6 +211,7 @@ def test_sass_issues_shared_memory_hgmma_without_local_memory_in_the_k_loop(fmt,
     hgmma = [i for i, ins in enumerate(instructions) if ins.startswith(f"HGMMA.64x{mma_bn}x16.F32.BF16")]
     assert len(hgmma) >= 2 * 4 * spec.m_tiles, "both sub-steps' MMAs"
     assert all("gdesc" in instructions[i] for i in hgmma), "A from shared memory (a descriptor, no registers)"
+    assert not offline.serialized_wgmma(instructions)
     local = [i for i, ins in enumerate(instructions) if re.match(r"(LDL|STL)\b", ins)]
     assert not [i for i in local if hgmma[0] <= i <= hgmma[-1]], "no local memory in the K loop"
 

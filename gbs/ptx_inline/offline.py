@@ -144,6 +144,28 @@ def uses_local_memory(sass: str) -> bool:
     return any(re.match(r"(LDL|STL)\b", ins) for ins in sass_instructions(sass))
 
 
+WGMMA_OPCODES = ("HGMMA", "QGMMA")      # sm_90 warpgroup MMAs (bf16 / fp8 operands)
+_WAIT_ALL_GROUPS = "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+
+
+def serialized_wgmma(instructions: list[str]) -> list[str]:
+    """The warpgroup MMAs of a listing (``sass_instructions``) that wait for every earlier one: a wait for 0 groups
+    right after an MMA, or between an MMA and the next one that accumulates onto it. ptxas serializes them so where
+    it cannot prove the accumulators retired (warning C7514) or runs out of registers (C7512), and the tensor
+    pipe then idles between them; an empty list: the MMAs are pipelined."""
+    found, waited = [], False
+    for i, ins in enumerate(instructions):
+        if ins.startswith(_WAIT_ALL_GROUPS):
+            waited = True
+        elif ins.startswith(WGMMA_OPCODES):
+            accumulates = ", RZ," not in ins
+            waits_after = any(later.startswith(_WAIT_ALL_GROUPS) for later in instructions[i + 1:i + 3])
+            if (waited and accumulates) or waits_after:
+                found.append(f"{i}: {ins}")
+            waited = False
+    return found
+
+
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(.*?)\s*;")
 _BACKWARD_BRANCH = re.compile(r"^BRA\b.*?(0x[0-9a-f]+)")
 
