@@ -76,6 +76,7 @@ fake_torch = types.SimpleNamespace(bfloat16="bfloat16", float32="float32", float
 class FakeLayer:
     instances: list["FakeLayer"] = []
     corrupt = False   # the stub kernel's output gets a wrong element
+    refuse = False    # the stub kernel refuses the shape by a bare assert, as humming does
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
@@ -122,6 +123,8 @@ class FakeLayer:
         out = np.concatenate([tokens[offs[g]:offs[g + 1]] @ w[g].T for g in range(len(offs) - 1)])
         if FakeLayer.corrupt:
             out[-1, -1] += 0.05 * np.abs(out[-1]).max()
+        if FakeLayer.refuse:
+            raise AssertionError   # what humming's bare shape asserts raise (pytest would rewrite an assert here)
         return T(out, "bfloat16")
 
 
@@ -142,7 +145,7 @@ def fake_dequantize_weight(weight, scale, zero_point, scale_2, dtype, packed=Fal
 
 @pytest.fixture
 def fake_humming(monkeypatch):
-    FakeLayer.instances, FakeLayer.corrupt = [], False
+    FakeLayer.instances, FakeLayer.corrupt, FakeLayer.refuse = [], False, False
     modules = {"humming": types.ModuleType("humming"), "humming.layer": types.ModuleType("humming.layer"),
                "humming.forward": types.ModuleType("humming.forward"),
                "humming.utils": types.ModuleType("humming.utils"),
@@ -258,3 +261,17 @@ def test_a_corrupted_output_fails_the_check_before_timing(fake_humming, monkeypa
     m = bench._peer_measurement(peers.HummingPeer(), SHAPE, "mxfp4", 1000, 1.0, 1)
     assert timed == [] and m.status == bench.STATUS_FAIL and m.verified is False
     assert m.note.count("OUTPUT CHECK FAILED, not timed") == 3
+
+
+def test_a_shape_the_peer_refuses_names_where_it_refused(fake_humming, monkeypatch):
+    """A bare ``assert`` in the peer (humming's shape checks, e.g. on gpt-oss's 2880 x 2880) has no message: the row's
+    note names the file and line that raised it, and nothing is timed."""
+    from gbs.lab import bench
+
+    FakeLayer.refuse = True
+    timed = []
+    monkeypatch.setattr(bench, "time_launches", lambda *a, **kw: timed.append(a) or None)
+    m = bench._peer_measurement(peers.HummingPeer(), SHAPE, "mxfp4", 1000, 1.0, 1)
+    assert timed == [] and m.status == bench.STATUS_FAIL
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "raise AssertionError   #" in text)
+    assert m.note.count(f"output check could not run (AssertionError: raised at tests/test_peers_humming.py:{line})") == 3

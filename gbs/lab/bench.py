@@ -598,13 +598,13 @@ def _peer_measurement(peer, shape, fmt: str, ours_bytes: int, budget_s: float, l
         inputs = [peer.make_inputs(shape, fmt, ours_bytes, seed=i) for i in range(copies)]
         reference = peer.device_reference(inputs[0])
     except Exception as err:   # peers are others' code: any failure is recorded, the run goes on
-        return Measurement(**base, status=STATUS_FAIL, note=f"{type(err).__name__}: {err}")
+        return Measurement(**base, status=STATUS_FAIL, note=peer_lib.describe_error(err))
     results = []   # (setting, check or None, timing or None, why not timed)
     for setting in peer.settings:
         try:
             check = peer_lib.check_at_shape(peer, inputs[0], reference, setting)
         except Exception as err:
-            results.append((setting, None, None, f"output check could not run ({type(err).__name__}: {err})"))
+            results.append((setting, None, None, f"output check could not run ({peer_lib.describe_error(err)})"))
             continue
         if not check.passed:
             results.append((setting, check, None, f"OUTPUT CHECK FAILED, not timed: {check}"))
@@ -613,7 +613,7 @@ def _peer_measurement(peer, shape, fmt: str, ours_bytes: int, budget_s: float, l
             timing = time_launches(lambda i, s=setting: peer.launch(inputs[i], s), num_inputs=copies,
                                    budget_s=budget_s)
         except Exception as err:
-            results.append((setting, check, None, f"crashed while timed ({type(err).__name__}: {err})"))
+            results.append((setting, check, None, f"crashed while timed ({peer_lib.describe_error(err)})"))
             continue
         results.append((setting, check, timing, ""))
     return _peer_row(base, copies, results)

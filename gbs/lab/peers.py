@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,19 @@ from ..problem import GroupedProblem, resolve_formats
 from ..formats import UE8M0_BIAS, decode_elements, unpack_fp4
 from ..reference import MAX_REL_TOL, RMS_REL_TOL, relative_errors
 from .verify import ROW_ERR_BOUND, OutputCheck, check_output
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message`` of a peer's exception; where the message is empty (a bare ``assert`` in the peer's code,
+    as humming's shape checks are), the file and line that raised it, so a note says what the peer refused."""
+    text = f"{type(err).__name__}: {err}"
+    frames = traceback.extract_tb(err.__traceback__)
+    if str(err) or not frames:
+        return text
+    path = frames[-1].filename.replace("\\", "/")
+    path = path.split("site-packages/")[-1] if "site-packages/" in path else "/".join(path.split("/")[-2:])
+    return f"{text}raised at {path}:{frames[-1].lineno}"
+
 
 PEER_NAMES = ("torch_bf16", "torch_fp8_rowwise", "triton_dot_scaled", "humming", "copy")
 
@@ -701,7 +715,7 @@ def _humming_launch_once(task) -> str:
         _torch().cuda.synchronize()
         return ""
     except Exception as err:   # reported by the caller; the bench's own check fails it again
-        return f"{type(err).__name__}: {err}"
+        return describe_error(err)
 
 
 def _mx_values(codes, scale_bytes, element: str) -> np.ndarray:
@@ -848,7 +862,7 @@ def check_peer(peer: Peer, fmt: str) -> PeerCheck:
             errors = relative_errors(got, peer.reference(inputs))
             worst = (max(worst[0], errors[0]), max(worst[1], errors[1]))
     except Exception as err:   # a broken peer call must not stop the benchmark
-        return PeerCheck(peer.name, fmt, False, float("inf"), float("inf"), f"{type(err).__name__}: {err}")
+        return PeerCheck(peer.name, fmt, False, float("inf"), float("inf"), describe_error(err))
     passed = worst[0] <= MAX_REL_TOL and worst[1] <= RMS_REL_TOL
     return PeerCheck(peer.name, fmt, passed, worst[0], worst[1],
                      f"max rel {worst[0]:.2e}, rms rel {worst[1]:.2e} vs float64 "
