@@ -618,8 +618,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
-        base = np.int64(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
+        base = np.int64(hr.lane0_u32(cm.shared_address(dyn)))
+        bar0 = np.int64(hr.lane0_u32(cm.shared_address(bars)))
         g = lane >> 2
         q = lane & 3
         # A side: token rows m_row and m_row + 8 of the tile (warpgroup cw // 4, warp cw % 4)
@@ -933,11 +933,11 @@ def _make_bf16_tokens_consumer(spec: WgmmaSpec, ring):
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
-        base = np.uint32(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
+        base = hr.lane0_u32(cm.shared_address(dyn))
+        bar0 = np.int64(hr.lane0_u32(cm.shared_address(bars)))
         g = lane >> 2
         q = lane & 3
-        warpgroup = cw // WARPGROUP_WARPS_
+        warpgroup = np.int32(hr.lane0_u32(cw // WARPGROUP_WARPS_))
         m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
         # the warpgroup's 64 token rows of the stage's first box (descriptor units of 16 bytes)
         a_units = np.uint32((m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES) // UNIT)
@@ -1122,8 +1122,8 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
-        base = np.uint32(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
+        base = hr.lane0_u32(cm.shared_address(dyn))
+        bar0 = np.int64(hr.lane0_u32(cm.shared_address(bars)))
         thread = np.uint32(cw * 32 + lane)
         fill_table(np.uint32(base + table_off), thread)
         g = lane >> 2
@@ -1328,13 +1328,13 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
         lane = cm.laneid()
-        base = np.uint32(cm.shared_address(dyn))
-        bar0 = np.int64(cm.shared_address(bars))
+        base = hr.lane0_u32(cm.shared_address(dyn))
+        bar0 = np.int64(hr.lane0_u32(cm.shared_address(bars)))
         thread = np.uint32(cw * 32 + lane)
         fill_table(np.uint32(base + table_off), thread)
         g = lane >> 2
         q = lane & 3
-        warpgroup = cw // WARPGROUP_WARPS_
+        warpgroup = np.int32(hr.lane0_u32(cw // WARPGROUP_WARPS_))
         m_row = warpgroup * TOKENS_PER_WARPGROUP_ + (cw % WARPGROUP_WARPS_) * ROWS_PER_WARP_ + g
         # the warpgroup's 64 token rows of a stage, as wgmma's A operand (descriptor units of 16 bytes)
         a_units = np.uint32((m_data_off + warpgroup * TOKENS_PER_WARPGROUP_ * ROW_BYTES) // UNIT)
