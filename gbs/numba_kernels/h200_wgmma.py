@@ -87,9 +87,13 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   problems from 33 tokens per expert. ``WgmmaSpec.cta_group`` = 2: a CTA pair (a cluster) takes a 256-token tile,
   128 token rows each, and shares its weight tile: each CTA loads half the weight rows and multicasts them to both
   (the ring's ``StreamSpec.shares_weights``), so a CTA reads 24 instead of 32 KB per 128-K chunk from L2; each
-  warpgroup releases a stage once in each CTA. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
-  quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no
-  faster than the bf16 route, evidence: w4a8-fold-bench).
+  warpgroup releases a stage once in each CTA. 128 x 192 tiles (``FOLDED_WIDE_MMA_BN``, run only when asked: not
+  measured yet): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per slice, waited for and promoted before
+  the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a tile spans two 128-row fold tiles, so each
+  64-column group takes its own fold tile's factor (``column_group_scale_row``). Offline (ptxas 13.5): 205 loop
+  instructions per 128 K x 192 rows against 236 per 128 K x 128 rows (two sets), no local memory, 5 stages. W4A8 on
+  folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as quantized, each k32 step promoted with its token
+  block's scale while the next runs (run only when asked: no faster than the bf16 route, evidence: w4a8-fold-bench).
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
@@ -117,7 +121,7 @@ MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and prom
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
 Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128
-or 256, or with ``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
+or 256 (192: the folded FP8 route with folded tokens, one CTA), or with ``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
 FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
@@ -211,8 +215,8 @@ FP8_MMA_BN = 128
 # The folded route's wide tile (``WgmmaSpec.chunk_scaled`` with folded tokens, the ring's ``WGMMA_ONLY_MMA_BN``): 128
 # tokens x 192 weight rows, DeepGEMM's sm90 FP8 tile; one chunk set of 96 accumulators and the total (two sets and the
 # total would need 288 registers per thread), each slice's set promoted once its MMAs are done while the other
-# warpgroup's run. Less L2 -> SM traffic and per-slice overhead per FLOP than 128 x 128, whose kernel takes 86 % of its
-# time without any MMA (evidence: fp8-fold-bench).
+# warpgroup's run. Fewer L2 -> SM bytes and per-slice instructions per FLOP than 128 x 128, whose kernel still takes
+# 0.82x its time on large prefill up without any MMA (evidence: fold-floors).
 FOLDED_WIDE_MMA_BN = hr.WGMMA_ONLY_MMA_BN[0]
 # Weights folded ahead carry one scale per 128-row fold tile from the expert's row 0 (``gbs.fp8_route.fold_weights``);
 # a 192-row tile spans two, so its promotion takes a factor per column group (``fold_column_group``).
