@@ -121,8 +121,8 @@ MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and prom
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
 Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128
-or 256 (192: the folded FP8 route with folded tokens, one CTA), or with ``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
-FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
+or 256 (192: the folded FP8 route with folded tokens, one CTA), or with ``ab_swapped`` 32 or 64 (128-row tiles);
+rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
