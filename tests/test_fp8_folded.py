@@ -1,15 +1,16 @@
 """The FP8 route on operands folded ahead (issue 31 item 3): MXFP4 x MXFP4 re-encoded once as E4M3 with one UE8M0 scale
 per 128-K chunk (``gbs.fp8_route.fold_problem``, layout ``e4m3_folded``), multiplied by the wgmma kernel's
 chunk-scaled consumer (``h200_wgmma._make_chunk_scaled_consumer``: both operands straight from the ring, two chunk
-sets, one fp32 promotion per 128 K).
+sets, one fp32 promotion per 128 K; on 128 x 192 tiles one set, a factor per 64-column group).
 
 CPU: the fold keeps the exact reference bit for bit (ragged groups, an empty group, a -1 slot, a 1-token group, N and
 K tails, blocks at both ends of the window, NaN blocks); it refuses what it cannot fold exactly; the layout tag
-refuses scales that do not repeat per chunk and tile; the promotion factor; the plan; the build's SASS.
+refuses scales that do not repeat per chunk and tile; the promotion factor; the column groups' fold tiles; the plan;
+the builds' SASS.
 
 GPU (the H200): the route's contract against the exact reference (``test_fp8_route_kernel.check_route``:
 bit-identical where the tensor core sums every chunk exactly, within ``HOPPER_CHUNK_ERROR``'s bound elsewhere, skipped
-rows keep the poison, NaN where the reference has it).
+rows keep the poison, NaN where the reference has it), on 128 x 128 tiles, CTA pairs and 128 x 192 tiles.
 """
 from __future__ import annotations
 
