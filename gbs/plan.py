@@ -524,10 +524,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
                                       "by multicast; as fast as one CTA per tile on large prefill up, 10 % slower "
                                       "on down)", "fold-pair-pipelined"))
         if width is not None and route_knobs is not None:
-            rules.append(Rule("tile width", f"bn{width} as asked ({FOLDED_WIDE_MMA_BN} on operands folded ahead: "
-                                            "DeepGEMM's sm90 FP8 tile, fewer L2 -> SM bytes and instructions per FLOP "
-                                            "than 128; a factor per 64-column group, as the tile spans two 128-row "
-                                            "fold tiles; not measured yet)"))
+            why = (" (on operands folded ahead: DeepGEMM's sm90 FP8 tile, fewer L2 -> SM bytes and instructions per "
+                   "FLOP than 128; a factor per 64-column group, as the tile spans two 128-row fold tiles; not "
+                   "measured yet)") if width == FOLDED_WIDE_MMA_BN else ""
+            rules.append(Rule("tile width", f"bn{width} as asked{why}"))
     kernel = "h200_wgmma" if route_knobs is not None else backend
     if not get_format(problem.a_format).scaled:
         rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "
