@@ -90,10 +90,12 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   warpgroup releases a stage once in each CTA. 128 x 192 tiles (``FOLDED_WIDE_MMA_BN``, run only when asked: not
   measured yet): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per slice, waited for and promoted before
   the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a tile spans two 128-row fold tiles, so each
-  64-column group takes its own fold tile's factor (``column_group_scale_row``). Offline (ptxas 13.5): 205 loop
-  instructions per 128 K x 192 rows against 236 per 128 K x 128 rows (two sets), no local memory, 5 stages. W4A8 on
-  folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as quantized, each k32 step promoted with its token
-  block's scale while the next runs (run only when asked: no faster than the bf16 route, evidence: w4a8-fold-bench).
+  64-column group takes its own fold tile's factor (``column_group_scale_row``). Offline (ptxas 13.5): a consumer
+  thread runs 194 instructions per slice (96 FFMA) against the 128-row tile's 156 (64 FFMA), 1.01 instead of 1.22 per
+  weight row (steady path; the loop listings: 205 per slice, 471 per two 128-row slices with the tile's last
+  promotions); no local memory, 5 stages. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no faster
+  than the bf16 route, evidence: w4a8-fold-bench).
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
