@@ -37,8 +37,8 @@ from .formats import get_format
 from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
-from .numba_kernels.h200_wgmma import (FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN,
-                                       WgmmaSpec)
+from .numba_kernels.h200_wgmma import (FOLDED_WIDE_MMA_BN, FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS,
+                                       TWO_M_TILES_MMA_BN, WgmmaSpec)
 from .problem import GroupedProblem, layout_of, problem_format_name
 from .schedule import check_num_ctas
 
@@ -254,18 +254,21 @@ def min_tokens_per_expert(problem) -> int:
     return SWAPPED_MIN_TOKENS_PER_EXPERT if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
-def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
+def fp8_route_knobs(problem, mma_bn: int = FP8_MMA_BN) -> tuple[dict | None, list[Rule]]:
     """The wgmma kernel's FP8 route (``fp8=True``: asked for, never chosen by ``"auto"``, which it does not beat:
     evidence fp8-route-gpu) for ``problem``: its knobs and rules, or None and the rule that falls back to the bf16
     route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
-    operands exactly). Device problems are not checked on the host: such blocks give NaN outputs."""
-    knobs = dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True)
+    operands exactly). Device problems are not checked on the host: such blocks give NaN outputs. ``mma_bn``: the
+    tile width (``FOLDED_WIDE_MMA_BN`` on operands folded ahead, as asked; ``WgmmaSpec`` refuses it elsewhere)."""
+    knobs = dict(mma_bn=mma_bn, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True)
     if layout_of(problem, "b") == LAYOUT_E4M3_FOLDED:   # folded ahead (WgmmaSpec refuses a pair it cannot run)
         if folded_operands(problem):
+            sets = "one chunk set, promoted after each slice's MMAs," if mma_bn == FOLDED_WIDE_MMA_BN else \
+                "two chunk sets"
             return knobs, [Rule("route", f"FP8 on operands folded ahead ({LAYOUT_E4M3_FOLDED}, "
                                          f"gbs.fp8_route.fold_problem): E4M3 wgmma on both operands straight from the "
                                          f"ring, fp32 promotion per 128 K with one factor per token row; 128 x "
-                                         f"{FP8_MMA_BN} tiles (two chunk sets and the total)", "fp8-fold-gpu")]
+                                         f"{mma_bn} tiles ({sets} and the total)", "fp8-fold-gpu")]
         return knobs, [Rule("route", f"FP8 on weights folded ahead ({LAYOUT_E4M3_FOLDED}), MXFP8 tokens as quantized "
                                      f"(W4A8): E4M3 wgmma from the ring, fp32 promotion per k32 step with the token "
                                      f"block's scale; 128 x {FP8_MMA_BN} tiles (asked for: slower than the bf16 route on "
@@ -292,7 +295,7 @@ def fp8_route_knobs(problem) -> tuple[dict | None, list[Rule]]:
         window = [Rule("window", "not checked (no host arrays: a device problem or shape metadata): blocks below "
                                  "the window give NaN outputs")]
     interval = "128 K" if tokens_fp4 else "32 K (the MXFP8 tokens' scales)"
-    return (dict(mma_bn=FP8_MMA_BN, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True),
+    return (knobs,
             [Rule("route", f"FP8 (asked for): MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
                            f"promotion per {interval}; 128 x "
                            f"{FP8_MMA_BN} tiles (chunk and total accumulators)",
@@ -473,8 +476,9 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     decision mapped onto the H200 by the rules above. ``backend``: ``"auto"``, ``"h200_stream"`` or
     ``"h200_wgmma"``. Constraints on single knobs (``TILE_CONSTRAINTS``: ``ab_swapped``, ``mma_bn``, ``cta_group``,
     ``stages`` (``AUTO_STAGES``: deepest), ``small_n_warps``, ``tile_tokens``) replace the rules' tile; with them or a
-    config, ``"auto"`` is the streaming kernel. ``k_splits`` / ``num_ctas`` replace the split and the grid.
-    ``trace``: the streaming kernel's start-up trace build (a diagnostic). TypeError / ValueError saying what is
+    config, ``"auto"`` is the streaming kernel. ``fp8``: True runs the wgmma kernel's FP8 route on its own tile (the
+    only constraints it takes: ``cta_group`` 2, and ``mma_bn`` 192 on operands folded ahead), False never, unset where
+    it wins (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split and the grid. ``trace``: the streaming kernel's start-up trace build (a diagnostic). TypeError / ValueError saying what is
     wrong."""
     if backend not in ("auto",) + KERNELS:
         raise ValueError(f"not an H200 backend: {backend!r} (one of {('auto',) + KERNELS})")
@@ -508,17 +512,22 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         fp8 = fired is not None
         rules += [fired] if fired else []
     if fp8:
-        pair = tile.pop("cta_group", None)
+        pair, width = tile.pop("cta_group", None), tile.pop("mma_bn", None)
         if backend == "h200_stream" or config is not None or tile:
             raise ValueError("fp8=True is the wgmma kernel's FP8 route with its own tile: backend 'auto' or "
-                             "'h200_wgmma', no config, no knob constraints but cta_group")
-        route_knobs, fired = fp8_route_knobs(problem)
+                             "'h200_wgmma', no config, no knob constraints but cta_group and mma_bn")
+        route_knobs, fired = fp8_route_knobs(problem, FP8_MMA_BN if width is None else width)
         rules += fired
         if pair is not None and route_knobs is not None:
             route_knobs["cta_group"] = pair
             rules.append(Rule("pair", f"cta_group={pair} as asked (2: a CTA pair's token tiles share the weight tile "
                                       "by multicast; as fast as one CTA per tile on large prefill up, 10 % slower "
                                       "on down)", "fold-pair-pipelined"))
+        if width is not None and route_knobs is not None:
+            why = (" (on operands folded ahead: DeepGEMM's sm90 FP8 tile, fewer L2 -> SM bytes and instructions per "
+                   "FLOP than 128; a factor per 64-column group, as the tile spans two 128-row fold tiles; not "
+                   "measured yet)") if width == FOLDED_WIDE_MMA_BN else ""
+            rules.append(Rule("tile width", f"bn{width} as asked{why}"))
     kernel = "h200_wgmma" if route_knobs is not None else backend
     if not get_format(problem.a_format).scaled:
         rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "

@@ -9,7 +9,8 @@ Usage: .venv/bin/python scripts/h200_sass_report.py [stream:FMT:T|F:MMA_BN:CTA_G
 (``:w8``: 8 consumer warps on a small-N tile, ``h200_ring.StreamSpec.small_n_warps``; ``:t256``: 256-token
 tiles, ``h200_wgmma.WgmmaSpec.tile_tokens``; the wgmma specs take the deepest ring that fits.)
 A spec may end in ``:e2m1_h200``, ``:e2m1_h200_tiled`` or ``:e2m1_h200_fused``: the weights re-laid for the H200
-(``gbs.formats.E2M1H200Order``, ``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``).
+(``gbs.formats.E2M1H200Order``, ``E2M1H200TiledOrder``, ``E2M1H200FusedOrder``); ``wgmma:mxfp8:MMA_BN:e4m3_folded``: the
+FP8 route on tokens and weights folded ahead (``gbs.fp8_route.fold_problem``; QGMMA loops).
 Default: the decode and prefill configurations ``gbs.grouped_matmul`` runs for NVFP4, MXFP4 and MXFP8,
 and NVFP4's two with re-laid weights.
 """
@@ -23,7 +24,7 @@ import sys
 from gbs.numba_kernels import h200_decode, h200_launch, h200_ring, h200_stream, h200_wgmma
 from gbs.problem import PROBLEM_FORMATS
 from gbs.ptx_inline import offline
-from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_PACKED, OPERAND_LAYOUTS
+from gbs.layouts import LAYOUT_E2M1_H200, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED, OPERAND_LAYOUTS
 
 DEFAULT_SPECS = ("stream:nvfp4:T:8:1:2", "stream:mxfp4:T:8:1:2", "stream:mxfp8:T:8:1:2",
                  "wgmma:nvfp4:128", "wgmma:mxfp4:128", "wgmma:mxfp8:256",
@@ -54,11 +55,14 @@ def parse_spec(text: str):
     if kind == "wgmma" and knobs and knobs[-1].startswith("t") and knobs[-1][1:].isdigit():
         tile_tokens = int(knobs.pop()[1:])
     if kind == "wgmma" and len(knobs) == 1:
+        folded = b_layout == LAYOUT_E4M3_FOLDED   # the FP8 route on both operands folded ahead: E4M3 MMAs
+
         def wgmma_spec(stages):
             return h200_wgmma.WgmmaSpec(a_format, b_format, int(knobs[0]), stages, b_layout=b_layout,
-                                        tile_tokens=tile_tokens, ab_swapped=swapped)
+                                        tile_tokens=tile_tokens, ab_swapped=swapped, fp8=folded,
+                                        a_layout=LAYOUT_E4M3_FOLDED if folded else LAYOUT_PACKED)
 
-        return wgmma_spec(h200_launch.max_pipeline_stages(wgmma_spec(1))), h200_wgmma, "HGMMA"
+        return wgmma_spec(h200_launch.max_pipeline_stages(wgmma_spec(1))), h200_wgmma, "QGMMA" if folded else "HGMMA"
     raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8] or wgmma:FMT:MMA_BN[:t256][:swap] "
                      f"(either may end in a layout, e.g. :{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, "
                      f":t256 = 256-token tiles, :swap = weights on wgmma M)")

@@ -10,10 +10,10 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 ``StreamSpec.small_n_warps``),
 ``wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
-tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2]`` for
+tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2|:n192]`` for
 what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans; ``:cg2``: ``fp8=True, cta_group=2``, the folded FP8 route on CTA
-pairs). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
+pairs; ``:n192``: ``fp8=True, mma_bn=192``, its 128 x 192 tile). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
@@ -85,15 +85,20 @@ def parse_wgmma_point(text: str):
     return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas=num_ctas)
 
 
+# a plan point's last field: the folded FP8 route with a knob of its own (plan_h200(fp8=True, ...))
+FP8_ROUTE_SUFFIXES = {"cg2": dict(cta_group=2), "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN)}
+
+
 def parse_plan_point(text: str):
     parts = text.split(":")
-    pair = parts[-1] == "cg2"   # the folded FP8 route on CTA pairs: plan_h200(fp8=True, cta_group=2)
-    if pair:
+    route = FP8_ROUTE_SUFFIXES.get(parts[-1])
+    if route is not None:
         parts.pop()
     if len(parts) != 4 or parts[1] not in PLAN_BACKENDS:
-        raise ValueError(f"point {text!r}: want plan:backend:format:case[:cg2], backend in {PLAN_BACKENDS}")
+        raise ValueError(f"point {text!r}: want plan:backend:format:case[:{'|:'.join(FP8_ROUTE_SUFFIXES)}], backend in "
+                         f"{PLAN_BACKENDS}")
     _, backend, fmt, case = parts
-    config = dict(backend=backend, fp8=True, cta_group=2) if pair else backend
+    config = backend if route is None else dict(backend=backend, fp8=True, **route)
     return SweepPoint(fmt, parse_case(case, text), config)
 
 

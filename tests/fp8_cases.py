@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from gbs.formats import swizzle_scales, unswizzle_scales
+from gbs.fp8_route import KERNEL_WEIGHT_BASE_ROWS
 from gbs.problem import build_problem
 
 GROUP_SIZES = (5, 0, 1, 37, 3, 70, 129, 300)   # empty group, -1 slot, 1 token, > 256, not tile multiples
@@ -20,6 +21,16 @@ def gaussian_problem(n: int, k: int, seed: int, group_sizes=GROUP_SIZES, expert_
     tokens = rng.standard_normal((sum(group_sizes), k)).astype(np.float32)
     weights = rng.standard_normal((experts, n, k)).astype(np.float32)
     return build_problem(tokens, weights, list(group_sizes), list(expert_ids), fmt=fmt)
+
+
+def fold_tiles_apart(n: int, k: int, seed: int):
+    """A Gaussian MXFP4 problem on ragged groups whose weight rows of 128-row tile t are scaled by 2^(3 t), so each
+    fold tile (``gbs.fp8_route.fold_weights``) has its own base."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.standard_normal((sum(GROUP_SIZES), k)).astype(np.float32)
+    weights = rng.standard_normal((8, n, k)).astype(np.float32)
+    weights *= np.exp2(3.0 * (np.arange(n) // KERNEL_WEIGHT_BASE_ROWS)).astype(np.float32)[None, :, None]
+    return build_problem(tokens, weights, list(GROUP_SIZES), list(EXPERT_IDS), fmt="mxfp4")
 
 
 def with_scales(problem, a_linear=None, b_linear=None):

@@ -1,15 +1,16 @@
 """The FP8 route on operands folded ahead (issue 31 item 3): MXFP4 x MXFP4 re-encoded once as E4M3 with one UE8M0 scale
 per 128-K chunk (``gbs.fp8_route.fold_problem``, layout ``e4m3_folded``), multiplied by the wgmma kernel's
 chunk-scaled consumer (``h200_wgmma._make_chunk_scaled_consumer``: both operands straight from the ring, two chunk
-sets, one fp32 promotion per 128 K).
+sets, one fp32 promotion per 128 K; on 128 x 192 tiles one set, a factor per 64-column group).
 
 CPU: the fold keeps the exact reference bit for bit (ragged groups, an empty group, a -1 slot, a 1-token group, N and
 K tails, blocks at both ends of the window, NaN blocks); it refuses what it cannot fold exactly; the layout tag
-refuses scales that do not repeat per chunk and tile; the promotion factor; the plan; the build's SASS.
+refuses scales that do not repeat per chunk and tile; the promotion factor; the column groups' fold tiles; the plan;
+the builds' SASS.
 
 GPU (the H200): the route's contract against the exact reference (``test_fp8_route_kernel.check_route``:
 bit-identical where the tensor core sums every chunk exactly, within ``HOPPER_CHUNK_ERROR``'s bound elsewhere, skipped
-rows keep the poison, NaN where the reference has it).
+rows keep the poison, NaN where the reference has it), on 128 x 128 tiles, CTA pairs and 128 x 192 tiles.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from gbs.plan import plan_h200
 from gbs.problem import random_problem
 from gbs.ptx_inline import offline
 from gbs.reference import reference_grouped_matmul
-from fp8_cases import gaussian_problem, w4a8_window_edges, window_edges, with_scales
+from fp8_cases import fold_tiles_apart, gaussian_problem, w4a8_window_edges, window_edges, with_scales
 from test_fp8_route_kernel import check_route
 
 
@@ -181,38 +182,106 @@ def test_plan_runs_folded_prefill_on_the_route_and_the_rest_as_mxfp8():
     assert plan_h200(decode, fp8=True).spec.chunk_scaled    # asked for
     with pytest.raises(ValueError, match="own tile"):
         plan_h200(folded, fp8=True, backend="h200_stream")
+    wide = plan_h200(folded, fp8=True, mma_bn=192)   # only when asked: not measured yet
+    assert wide.spec.chunk_scaled and (wide.spec.mma_bn, wide.spec.chunk_sets, wide.spec.stages) == (192, 1, 5)
+    assert {r.name: r.evidence for r in wide.rules}["tile width"] is None
+    assert wide.max_tiles == hl.max_tiles_bound(wide.ring, folded.total_tokens, folded.num_active_experts, 256)
+    assert plan_h200(folded).spec.mma_bn == plan_h200(folded, fp8=True).spec.mma_bn == 128
+    with pytest.raises(ValueError, match="both folded ahead"):
+        plan_h200(w4a8, fp8=True, mma_bn=192)
+    with pytest.raises(ValueError, match="cta_group 1"):
+        plan_h200(folded, fp8=True, mma_bn=192, cta_group=2)
 
 
-def test_spec_takes_folded_operands_only_on_its_128_x_128_tile():
+def test_spec_takes_folded_operands_only_on_its_128_x_128_and_128_x_192_tiles():
+    """128 x 128 (two chunk sets), and 128 x 192 (one set) with the tokens folded too: W4A8, the other routes, a CTA
+    pair and the SM100 tile rules keep refusing 192 rows."""
     folded = dict(a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
     spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, fp8=True, **folded)
-    assert spec.chunk_scaled and spec.buffers == 0
+    assert spec.chunk_scaled and spec.buffers == 0 and spec.chunk_sets == 2
     assert not hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, **folded).chunk_scaled
+    wide = hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, fp8=True, **folded)
+    assert wide.chunk_scaled and not wide.step_scaled and wide.chunk_sets == 1 and hl.max_pipeline_stages(wide) == 5
+    assert (wide.ring.tile_shape.tokens, wide.ring.tile_shape.weight_rows) == (128, 192)
+    assert wide.ring.weight_box[1] == 192 and wide.ring.n_side.scale_bands == 2
     with pytest.raises(ValueError, match="128-token x 128-row"):
         hw.WgmmaSpec("mxfp8", "mxfp8", 256, 4, fp8=True, **folded)
     with pytest.raises(ValueError, match="128-token x 128-row"):
         hw.WgmmaSpec("mxfp8", "mxfp8", 128, 4, fp8=True, tile_tokens=256, **folded)
+    with pytest.raises(ValueError, match="both folded ahead"):   # W4A8: its tokens' scales change per k32 step
+        hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, fp8=True, b_layout=LAYOUT_E4M3_FOLDED)
+    with pytest.raises(ValueError, match="both folded ahead"):
+        hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, **folded)
+    with pytest.raises(ValueError, match="both folded ahead"):
+        hw.WgmmaSpec("mxfp4", "mxfp4", 192, 4)
+    with pytest.raises(ValueError, match="cta_group 1"):
+        hw.WgmmaSpec("mxfp8", "mxfp8", 192, 4, fp8=True, cta_group=2, **folded)
+    with pytest.raises(ValueError, match="mma_bn=192 is illegal"):   # the SM100 rules (and the streaming kernel's)
+        hr.StreamSpec("mxfp8", "mxfp8", False, 192, 1, 2)
 
 
-@pytest.mark.parametrize("a_layout, mmas, promotions", [(LAYOUT_E4M3_FOLDED, 8, 2), ("packed", 4, 5)])
-def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memory(a_layout, mmas, promotions):
-    """Folded tokens: two slice bodies (one per chunk set) of 4 k32 steps; W4A8: one slice body of 4 single steps
-    in alternating sets. Both operands shared-memory descriptors; no wait for 0 groups right after an MMA (ptxas
-    serializes wgmma when other instructions touch accumulators it cannot prove retired: C7514)."""
-    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 1, fp8=True, a_layout=a_layout, b_layout=LAYOUT_E4M3_FOLDED)
+@pytest.mark.parametrize("mma_bn, groups", [(128, 1), (192, 3)])
+def test_each_column_group_is_promoted_with_its_fold_tiles_scale(mma_bn, groups):
+    """A tile starts at a multiple of its width: 128-row tiles lie in one 128-row fold tile, 192-row tiles (from row 0
+    or 64 of one) in two, so their 64-column groups take their own factors. Every column of a group lies in the fold
+    tile whose scale the consumer reads (its first row's, ``column_group_scale_row``, inside the stage's scale
+    bands)."""
+    columns = hw.fold_column_group(mma_bn)
+    assert columns * groups == mma_bn
+    bands = hw.WgmmaSpec("mxfp8", "mxfp8", mma_bn, 1, fp8=True, a_layout=LAYOUT_E4M3_FOLDED,
+                         b_layout=LAYOUT_E4M3_FOLDED).ring.n_side.scale_bands
+    offsets = set()
+    for r0 in range(0, 8 * 1024, mma_bn):
+        offsets.add(r0 % hw.FOLD_TILE_ROWS)
+        for g in range(groups):
+            tile = hw.column_group_fold_tile(r0, g, mma_bn)
+            assert {(r0 + c) // fr.KERNEL_WEIGHT_BASE_ROWS for c in range(columns * g, columns * (g + 1))} == {tile}
+            row = hw.column_group_scale_row(r0, g, columns)
+            assert row < bands * hw.FOLD_TILE_ROWS and r0 - r0 % hw.FOLD_TILE_ROWS + row == r0 + columns * g
+    assert offsets == ({0} if mma_bn == 128 else {0, 64})
+    if mma_bn == 192:   # the 192-row tiles at rows 0 and 192: fold tiles (0, 0, 1) and (1, 2, 2)
+        assert [[hw.column_group_fold_tile(r0, g, 192) for g in range(3)] for r0 in (0, 192)] == [[0, 0, 1], [1, 2, 2]]
+
+
+@pytest.mark.parametrize("a_layout, mma_bn, stages, mmas, promotions", [
+    (LAYOUT_E4M3_FOLDED, 128, 6, 8, 2), ("packed", 128, 6, 4, 5), (LAYOUT_E4M3_FOLDED, 192, 5, 4, 1)])
+def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memory(a_layout, mma_bn, stages, mmas,
+                                                                                     promotions):
+    """Folded tokens: two slice bodies (one per chunk set) of 4 k32 steps; on the 192-row tile one slice body (one
+    set, promoted after a wait for its group: no MMA waits for another that accumulates); W4A8: one slice body of 4
+    single steps in alternating sets. Both operands shared-memory descriptors; no wait for 0 groups right after an
+    MMA (ptxas serializes wgmma when other instructions touch accumulators it cannot prove retired: C7514); no local
+    access in the loop that issues them (the accumulators fit the consumers' setmaxnreg budget)."""
+    spec = hw.WgmmaSpec("mxfp8", "mxfp8", mma_bn, 1, fp8=True, a_layout=a_layout, b_layout=LAYOUT_E4M3_FOLDED)
     spec = dataclasses.replace(spec, stages=hl.max_pipeline_stages(spec))
-    assert spec.stages == 6 and spec.step_scaled == (a_layout == "packed")
+    assert spec.stages == stages and spec.step_scaled == (a_layout == "packed")
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
     sass = offline.disassemble(cubin)
     assert offline.resource_usage(cubin).local_bytes == 0
     instructions = offline.sass_instructions(sass)
     found = [i for i, ins in enumerate(instructions) if ins.startswith("QGMMA")]
-    assert len(found) == mmas and all("64x128x32.F32.E4M3.E4M3" in instructions[i]
+    assert len(found) == mmas and all(f"64x{mma_bn}x32.F32.E4M3.E4M3" in instructions[i]
                                       and instructions[i].count("gdesc") == 1 for i in found), found
     assert not offline.serialized_wgmma(instructions)
     ops = collections.Counter(ins.split()[0].split(".")[0] for ins in instructions)
-    assert ops["FFMA"] >= promotions * 64, "the promotions: one FFMA per accumulator"
+    assert ops["FFMA"] >= promotions * mma_bn // 2, "the promotions: one FFMA per accumulator"
+    mma_loop = next(loop for loop in offline.sass_loops(sass) if loop.count("QGMMA"))
+    assert mma_loop.count("QGMMA") == mmas and mma_loop.count("LDL") + mma_loop.count("STL") == 0
+
+
+def test_the_192_row_stage_holds_the_weight_tile_and_both_scale_bands():
+    """The 128 x 192 ring: a 192-row weight box (rows past N read as zeros, the map's bounds per expert) and two weight
+    scale bands from the band of the tile's first row, which cover rows 64..255 of a tile starting mid-band."""
+    spec = plan_h200(fr.fold_problem(gaussian_problem(448, 512, seed=9)), fp8=True, mma_bn=192).spec
+    ring = spec.ring
+    loads = hr.stage_loads(ring)
+    assert sum(size for _, _, size, _ in loads) == ring.tx_bytes
+    assert [size for what, _, size, _ in loads if what == "weights"] == [192 * 128]
+    assert [what for what, *_ in loads].count("weight scales") == 2
+    spans = sorted((offset, offset + size) for _, offset, size, _ in loads)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), spans
+    assert max(hi for _, hi in spans) <= ring.smem.stage_bytes
 
 
 def test_a_cta_pair_shares_the_weight_tile():
@@ -255,33 +324,53 @@ def test_the_pair_build_multicasts_weights_and_releases_both_ctas():
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
-def _run_folded(problem, cta_group=None):
+def _run_folded(problem, cta_group=None, mma_bn=None):
     if launch.gpu_compute_capability() != hr.SM90:
         pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
     folded = fr.fold_problem(problem)
-    plan = plan_h200(folded, fp8=True, **({} if cta_group is None else dict(cta_group=cta_group)))
+    asked = {name: value for name, value in (("cta_group", cta_group), ("mma_bn", mma_bn)) if value is not None}
+    plan = plan_h200(folded, fp8=True, **asked)
     assert plan.spec.chunk_scaled and plan.spec.step_scaled == (not problem.a_format.packed)
-    assert cta_group is None or plan.spec.cta_group == cta_group
+    assert all(getattr(plan.spec, name) == value for name, value in asked.items())
     return hl.run(folded, plan, None)
 
 
+# (cta_group, mma_bn): one CTA per tile, a CTA pair sharing the weight tile, the 128 x 192 tile
+FOLDED_TILES = [(1, 128), (2, 128), (1, 192)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cta_group", [1, 2])
-@pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168), (128, 256)])
-def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k, cta_group):
+@pytest.mark.parametrize("cta_group, mma_bn", FOLDED_TILES)
+@pytest.mark.parametrize("n, k", [(320, 2880), (256, 7168), (128, 256), (448, 1024)])
+def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k, cta_group, mma_bn):
     """Ragged groups: an empty group, a -1 slot (its rows keep the poison), a 1-token group, groups past 256 tokens
     and not multiples of 128 (a pair's second CTA has part of a tile, or none); N and K tails (gpt-oss K = 2880: a
-    partial last chunk); one CTA per tile, and a CTA pair sharing the weight tile."""
+    partial last chunk); one CTA per tile, a CTA pair sharing the weight tile, and 192-row tiles (N not a multiple of
+    192: a last tile of 128 or 64 rows starting mid fold tile (320, 256), at a fold tile's start (448), or the only
+    one (128))."""
     problem = gaussian_problem(n, k, seed=zlib.crc32(f"folded/{n}/{k}".encode()))
-    counts = check_route(problem, _run_folded(problem, cta_group))
+    counts = check_route(problem, _run_folded(problem, cta_group, mma_bn))
     assert counts["asserted"] > 0.5 * counts["elements"], counts   # Gaussian data: mostly exact chunk sums
     print(counts)
 
 
 @pytest.mark.gpu
-def test_gpu_folded_route_window_edges_and_nan_blocks():
+@pytest.mark.parametrize("mma_bn", [128, 192])
+def test_gpu_folded_route_takes_each_fold_tiles_own_factor(mma_bn):
+    """Weight rows of 128-row fold tile t scaled by 2^(3 t): every fold tile has its own base, so a column promoted
+    with a neighbouring tile's factor is off by a power of 8 (the 192-row tiles span two fold tiles; ragged groups,
+    N = 704 not a multiple of 192)."""
+    problem = fold_tiles_apart(704, 1024, seed=23)
+    counts = check_route(problem, _run_folded(problem, mma_bn=mma_bn))
+    assert counts["asserted"] > 0.5 * counts["elements"], counts
+    print(counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mma_bn", [128, 192])
+def test_gpu_folded_route_window_edges_and_nan_blocks(mma_bn):
     edge = window_edges(seed=7)
-    counts = check_route(edge, _run_folded(edge))
+    counts = check_route(edge, _run_folded(edge, mma_bn=mma_bn))
     print(counts)
 
 

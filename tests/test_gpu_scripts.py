@@ -56,12 +56,14 @@ def test_sweep_parses_stream_and_plan_points(sweep):
     assert sweep.parse_point("plan:auto:w4a8:kimi_decode").config == "auto"
     assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:cg2").config == dict(backend="auto", fp8=True,
                                                                                    cta_group=2)
+    assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:n192").config == dict(backend="auto", fp8=True,
+                                                                                    mma_bn=192)
 
 
 @pytest.mark.parametrize("point", ["wgmma:mxfp8:large_prefill_up:256:auto:e4m3", "wgmma:mxfp8:x:128:auto",
                                    "wgmma:nvfp4:small_prefill_up:128:auto:swap",
                                    "nvfp4:decode_up:Y:8:1:2:1", "plan:simt:nvfp4:decode_up",
-                                   "plan:auto:mxfp4:large_prefill_up:cg4"])
+                                   "plan:auto:mxfp4:large_prefill_up:cg4", "plan:auto:mxfp4:large_prefill_up:n256"])
 def test_sweep_refuses_bad_points(sweep, point):
     with pytest.raises(ValueError):
         sweep.parse_point(point)

@@ -55,6 +55,8 @@ def test_report_spec_takes_the_weight_layout():
     spec, _, _ = script.parse_spec("stream:nvfp4:T:8:1:2:e2m1_h200")
     assert spec.b_layout == "e2m1_h200" and script.parse_spec("stream:nvfp4:T:8:1:2")[0].b_layout == "packed"
     assert script.parse_spec("wgmma:nvfp4:128:e2m1_h200")[0].ring.weight_side.layout == "e2m1_h200"
+    folded, _, prefix = script.parse_spec("wgmma:mxfp8:192:e4m3_folded")   # the FP8 route on operands folded ahead
+    assert folded.chunk_scaled and folded.a_layout == "e4m3_folded" and folded.mma_bn == 192 and prefix == "QGMMA"
 
 
 @pytest.mark.parametrize("bad", ["stream:nvfp4:8:1:2", "wgmma:fp16:128", "gemm:nvfp4:128"])

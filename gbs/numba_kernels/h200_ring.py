@@ -98,6 +98,10 @@ if (TILED_BOX_ROWS, TILED_BOX_BYTES) != (TILE_M_ROWS, K_SLICE_BYTES):
 # kernel (``h200_wgmma.WgmmaSpec.tile_tokens``), which decodes each weight tile once for twice the
 # tokens; the streaming kernel's own consumers (mma.sync, 128-row warp grid) take 128.
 RING_M_ROWS = (TILE_M_ROWS, 2 * TILE_M_ROWS)
+# Weight-row widths of a tile only the wgmma kernel's ring takes (``warpgroup_consumers``, not swapped, one CTA, weights
+# in rows): the SM100 family's widths are powers of two (``dispatch.check_mma_tile``), wgmma's N any multiple of 8 up
+# to 256, and a TMA box up to 256 rows. 192: the folded FP8 route's 128 x 192 tile (``h200_wgmma.WgmmaSpec``).
+WGMMA_ONLY_MMA_BN = (192,)
 WARP_SIZE = 32
 SMALL_N_MAX_MMA_BN = 32        # the small-N consumer grid: one column of warps, each on all of N
 CONSUMER_WARPS_SMALL_N = 4     # mma_bn <= 32: 4 warps x (32 rows, mma_bn)
@@ -363,9 +367,16 @@ class StreamSpec:
         if pair not in PROBLEM_FORMATS.values():
             raise ValueError(f"unsupported operand formats A={pair[0]} x B={pair[1]}; "
                              f"supported: {sorted(PROBLEM_FORMATS.values())}")
-        # the SM100 tile rules; the wgmma kernel's pair shares weights, a tile the SM100 family does not have
+        # the SM100 tile rules; the wgmma kernel's pair shares weights, and its ring takes widths of its own, tiles the
+        # SM100 family does not have
         wgmma_pair = self.shares_weights and self.warpgroup_consumers
-        schedule.TileConfig(self.ab_swapped, self.mma_bn, 1 if wgmma_pair else self.cta_group)
+        if self.wgmma_only_width:
+            if self.ab_swapped or self.cta_group != 1 or self.tiled_weights:
+                raise ValueError(f"mma_bn={self.mma_bn} (a wgmma-only tile width) takes ab_swapped False, cta_group 1 "
+                                 f"and the weights in rows; got ab_swapped={self.ab_swapped}, cta_group={self.cta_group},"
+                                 f" b_layout={self.b_layout!r}")
+        else:
+            schedule.TileConfig(self.ab_swapped, self.mma_bn, 1 if wgmma_pair else self.cta_group)
         if wgmma_pair and self.tiled_weights:
             raise ValueError(f"cta_group={self.cta_group} not swapped (the wgmma kernel's pair of token tiles sharing "
                              f"the weight tile) takes the weights in rows, not tiled; got b_layout={self.b_layout!r}")
@@ -417,8 +428,13 @@ class StreamSpec:
         return "stride4" if any_fp4 else "stride2"
 
     @property
+    def wgmma_only_width(self) -> bool:
+        """A weight-row width of the wgmma kernel's ring that the SM100 tile rules do not have (``WGMMA_ONLY_MMA_BN``)."""
+        return self.warpgroup_consumers and self.mma_bn in WGMMA_ONLY_MMA_BN
+
+    @property
     def tile_shape(self) -> schedule.TileShape:
-        if self.shares_weights:
+        if self.shares_weights or self.wgmma_only_width:
             return schedule.TileShape(tokens=self.cta_group * self.m_rows, weight_rows=self.mma_bn,
                                       cta_group=self.cta_group)
         shape = schedule.TileConfig(self.ab_swapped, self.mma_bn, self.cta_group).tile_shape
@@ -464,7 +480,8 @@ class StreamSpec:
 
     @property
     def n_side(self) -> OperandSide:
-        """The ``mma_bn``-row MMA N side (every CTA of a pair holds all of it)."""
+        """The ``mma_bn``-row MMA N side (every CTA of a pair holds all of it), with the scale bands from the one holding
+        its first row: ``ceil(mma_bn / 128)`` cover it (a 192-row tile starts at row 0 or 64 of a band)."""
         return self._side("tokens" if self.ab_swapped else "weights", self.mma_bn,
                           -(-self.mma_bn // SF_ATOM_ROWS))
 
@@ -618,8 +635,8 @@ class StreamSpec:
     @property
     def tiled_weight_loads(self) -> int:
         """TMA loads of a stage's weight box from tiled weights: one per 128-row box (two for mma_bn 256).
-        Every legal ``mma_bn`` (a power of 2, ``dispatch.check_mma_tile``) is a whole number of boxes or
-        divides one, so a tile's rows never straddle two boxes. A 256-row tile's second box past N reads
+        Every legal ``mma_bn`` of tiled weights (a power of 2, ``dispatch.check_mma_tile``; ``WGMMA_ONLY_MMA_BN``
+        reads weights in rows) is a whole number of boxes or divides one, so a tile's rows never straddle two boxes. A 256-row tile's second box past N reads
         the next expert's first box (the last expert's: the map's zero fill) where the row-major map reads
         zeros; those rows' outputs are never stored."""
         return -(-self.weight_box[1] // TILED_BOX_ROWS)

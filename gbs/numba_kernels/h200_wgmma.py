@@ -87,9 +87,15 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   problems from 33 tokens per expert. ``WgmmaSpec.cta_group`` = 2: a CTA pair (a cluster) takes a 256-token tile,
   128 token rows each, and shares its weight tile: each CTA loads half the weight rows and multicasts them to both
   (the ring's ``StreamSpec.shares_weights``), so a CTA reads 24 instead of 32 KB per 128-K chunk from L2; each
-  warpgroup releases a stage once in each CTA. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
-  quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no
-  faster than the bf16 route, evidence: w4a8-fold-bench).
+  warpgroup releases a stage once in each CTA. 128 x 192 tiles (``FOLDED_WIDE_MMA_BN``, run only when asked: not
+  measured yet): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per slice, waited for and promoted before
+  the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a tile spans two 128-row fold tiles, so each
+  64-column group takes its own fold tile's factor (``column_group_scale_row``). Offline (ptxas 13.5): a consumer
+  thread runs 194 instructions per slice (96 FFMA) against the 128-row tile's 156 (64 FFMA), 1.01 instead of 1.22 per
+  weight row (steady path; the loop listings: 205 per slice, 471 per two 128-row slices with the tile's last
+  promotions); no local memory, 5 stages. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no faster
+  than the bf16 route, evidence: w4a8-fold-bench).
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
@@ -117,12 +123,13 @@ MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and prom
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
 Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128
-or 256, or with ``ab_swapped`` 32 or 64 (128-row tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with
-FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
+or 256 (192: the folded FP8 route with folded tokens, one CTA), or with ``ab_swapped`` 32 or 64 (128-row tiles);
+rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +137,7 @@ from numba import cuda, float32
 
 from gbs.dispatch import require_int
 from gbs.formats import SF_ATOM_ROWS, get_format
+from gbs.fp8_route import KERNEL_WEIGHT_BASE_ROWS
 from gbs.layouts import LAYOUT_E2M1_E4M3, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 from gbs.numba_kernels import fp8_decode as fd
 from gbs.numba_kernels import h200_decode as hd
@@ -206,6 +214,15 @@ CHUNK_SCALED_FORMATS = (("mxfp8", "mxfp8"),)   # the FP8 route on operands folde
 E4M3_ROW_BYTES = 128
 FP8_BUFFERS = 2
 FP8_MMA_BN = 128
+# The folded route's wide tile (``WgmmaSpec.chunk_scaled`` with folded tokens, the ring's ``WGMMA_ONLY_MMA_BN``): 128
+# tokens x 192 weight rows, DeepGEMM's sm90 FP8 tile; one chunk set of 96 accumulators and the total (two sets and the
+# total would need 288 registers per thread), each slice's set promoted once its MMAs are done while the other
+# warpgroup's run. Fewer L2 -> SM bytes and per-slice instructions per FLOP than 128 x 128, whose kernel still takes
+# 0.82x its time on large prefill up without any MMA (evidence: fold-floors).
+FOLDED_WIDE_MMA_BN = hr.WGMMA_ONLY_MMA_BN[0]
+# Weights folded ahead carry one scale per 128-row fold tile from the expert's row 0 (``gbs.fp8_route.fold_weights``);
+# a 192-row tile spans two, so its promotion takes a factor per column group (``fold_column_group``).
+FOLD_TILE_ROWS = KERNEL_WEIGHT_BASE_ROWS
 WGMMA_K_E4M3 = 32
 FP8_MAXIMA_BYTES = 2 * CONSUMER_WARPGROUPS * WARPGROUP_WARPS * 4
 FP8_SCRATCH_BYTES = 256       # the maxima (64 B) and the table (136 B), rounded up
@@ -236,7 +253,7 @@ class WgmmaSpec:
         if tokens != TILE_TOKENS[0] and (bn not in TWO_M_TILES_MMA_BN or self.ab_swapped):
             raise ValueError(f"tile_tokens={tokens} takes mma_bn in {TWO_M_TILES_MMA_BN} and ab_swapped False (two "
                              f"m64 token tiles per warpgroup), got mma_bn={bn}, ab_swapped={self.ab_swapped}")
-        legal_bn = SWAPPED_MMA_BN if self.ab_swapped else WGMMA_MMA_BN
+        legal_bn = SWAPPED_MMA_BN if self.ab_swapped else WGMMA_MMA_BN + (FOLDED_WIDE_MMA_BN,)
         if bn not in legal_bn:
             raise ValueError(f"the wgmma kernel takes mma_bn in {legal_bn} with ab_swapped={self.ab_swapped}, got {bn}")
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)):
@@ -252,6 +269,11 @@ class WgmmaSpec:
         if self.cta_group != 1 and not (self.fp8 and self.b_layout == LAYOUT_E4M3_FOLDED):
             raise ValueError("cta_group=2 (two CTAs' token tiles sharing the weight tile) is built for the FP8 "
                              f"route on folded weights only ({LAYOUT_E4M3_FOLDED!r}, fp8=True)")
+        if bn == FOLDED_WIDE_MMA_BN and not (self.fp8 and self.a_layout == self.b_layout == LAYOUT_E4M3_FOLDED):
+            raise ValueError(f"mma_bn={bn} is the FP8 route's tile on tokens and weights both folded ahead (fp8=True, "
+                             f"{LAYOUT_E4M3_FOLDED!r}: one chunk set, promoted per slice; W4A8's per-step promotion "
+                             f"takes {FP8_MMA_BN}); got fp8={self.fp8}, {self.a_format} ({self.a_layout!r}) x "
+                             f"{self.b_format} ({self.b_layout!r})")
         self.ring   # format pair, layout and stage checks
         if not isinstance(self.fp8, (bool, np.bool_)):
             raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
@@ -265,10 +287,10 @@ class WgmmaSpec:
                 raise ValueError(f"the FP8 route on weights folded ahead ({LAYOUT_E4M3_FOLDED!r}) takes "
                                  f"{CHUNK_SCALED_FORMATS} with the tokens folded too or MXFP8 as quantized; got "
                                  f"{self.a_format} ({self.a_layout!r}) x {self.b_format}")
-            if (bn, tokens, self.ab_swapped) != (FP8_MMA_BN, TILE_TOKENS[0], False):
-                raise ValueError(f"the FP8 route on folded operands takes 128-token x {FP8_MMA_BN}-row tiles, not "
-                                 f"swapped (its two chunk sets and total fill the registers); got mma_bn={bn}, "
-                                 f"tile_tokens={tokens}, ab_swapped={self.ab_swapped}")
+            if bn not in (FP8_MMA_BN, FOLDED_WIDE_MMA_BN) or tokens != TILE_TOKENS[0] or self.ab_swapped:
+                raise ValueError(f"the FP8 route on folded operands takes 128-token x {FP8_MMA_BN}-row tiles (or "
+                                 f"{FOLDED_WIDE_MMA_BN}-row), not swapped (its chunk sets and total fill the "
+                                 f"registers); got mma_bn={bn}, tile_tokens={tokens}, ab_swapped={self.ab_swapped}")
         elif self.fp8:
             tokens_fp4 = self.a_format == "mxfp4"
             want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
@@ -294,6 +316,12 @@ class WgmmaSpec:
         """The FP8 route on weights folded ahead (``LAYOUT_E4M3_FOLDED``, ``gbs.fp8_route.fold_problem``), the tokens
         folded too or MXFP8 as quantized (W4A8, ``step_scaled``): ``_make_chunk_scaled_consumer``."""
         return self.fp8 and self.b_layout == LAYOUT_E4M3_FOLDED
+
+    @property
+    def chunk_sets(self) -> int:
+        """Chunk accumulator sets of the chunk-scaled consumer: 2 (a slice's MMAs run into one while the other set is
+        promoted), 1 on the wide tile (``FOLDED_WIDE_MMA_BN``: each slice promoted once its MMAs are done)."""
+        return 1 if self.mma_bn == FOLDED_WIDE_MMA_BN else 2
 
     @property
     def step_scaled(self) -> bool:
@@ -1441,9 +1469,12 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     writes MXFP4 that way, exactly). Both operands are wgmma's shared-memory operands straight from the ring stage
     (no thread touches them): per slice 4 x ``wgmma m64n128k32 .e4m3`` into one of two chunk sets; while they run,
     the previous slice's set is promoted, ``total += chunk * 2^(e_token + e_tile - 254)``, one FFMA per accumulator,
-    and its stage released. W4A8 (``WgmmaSpec.step_scaled``: MXFP8 tokens as quantized, folded weights): the tokens'
-    scales change every k32 step, so the sets alternate per step and each step is promoted with its block's factor
-    (``tile_steps``). A device function for ``_kernel_frame``."""
+    and its stage released (``tile_chunks``). The 128 x 192 tile (``FOLDED_WIDE_MMA_BN``, ``tile_serial``): one set,
+    DeepGEMM's order: per slice 4 x ``wgmma m64n192k32 .e4m3``, the factors read while they run (one per token row and
+    64-column group: the tile spans two fold tiles, ``column_group_scale_row``), the wait for them, the stage released,
+    the set promoted while the other warpgroup's MMAs run. W4A8 (``WgmmaSpec.step_scaled``: MXFP8 tokens as quantized,
+    folded weights): the tokens' scales change every k32 step, so the sets alternate per step and each step is promoted
+    with its block's factor (``tile_steps``). A device function for ``_kernel_frame``."""
     ring_spec = spec.ring
     read_work_record = ring.read_work_record
     stages, lay = ring_spec.stages, ring_spec.smem
@@ -1464,6 +1495,11 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     advance = _device(hp.wgmma_descriptor_advance)
     scale_bits = fd.ue8m0_f32_bits_device
     store_tile = _make_store_tile(num_acc)
+    group_row = _device(column_group_scale_row)
+    one_set = spec.chunk_sets == 1
+    GROUP_COLUMNS = fold_column_group(mma_bn)
+    if one_set and mma_bn // GROUP_COLUMNS != 3:
+        raise AssertionError("the one-set consumer writes out 3 column groups' factors")
     MBARRIER_BYTES = hr.MBARRIER_BYTES
     UNIT, SW128_ATOM_BYTES_, SW128_LEADING_BYTES_ = hp.DESCRIPTOR_UNIT_BYTES, SW128_ATOM_BYTES, SW128_LEADING_BYTES
     TOKENS_PER_WARPGROUP_, ROWS_PER_WARP_, WARPGROUP_WARPS_ = TOKENS_PER_WARPGROUP, ROWS_PER_WARP, WARPGROUP_WARPS
@@ -1485,11 +1521,15 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         hp.wgmma_commit_group()
         return acc
 
+    def tile_scale(st, n_sf_row):
+        """The folded weights' scale of the slice in stage ``st`` at row ``n_sf_row`` of its scale bands (block 0; every
+        row of a fold tile carries the tile's) as an fp32 factor."""
+        return f32_from_bits(scale_bits(ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & np.uint32(0xFF)))
+
     def stage_scales(st, m_sf_row, n_sf_row):
-        """The slice's scales in stage ``st``: the weight tile's as an fp32 factor (its first row's, block 0) and
-        the 4 block bytes of token rows m_row and m_row + 8."""
-        tile_byte = ld_shared_u32(st + n_sf_off + sf_offset(n_sf_row, 0, atoms)) & np.uint32(0xFF)
-        return (f32_from_bits(scale_bits(tile_byte)), ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)),
+        """The slice's scales in stage ``st``: the weight tile's as an fp32 factor (``tile_scale``) and the 4 block
+        bytes of token rows m_row and m_row + 8."""
+        return (tile_scale(st, n_sf_row), ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row, 0, atoms)),
                 ld_shared_u32(st + m_sf_off + sf_offset(m_sf_row + np.uint32(8), 0, atoms)))
 
     def release(bar0, stage, lane):
@@ -1517,6 +1557,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         times the weight tile's, an exact fp32 product (``fp8_decode.ue8m0_f32_bits``)."""
         return f32_from_bits(scale_bits((token_word >> np.uint32(8 * s)) & np.uint32(0xFF))) * tile_factor
 
+    tile_scale = _device(tile_scale)
     slice_mmas, stage_scales, release = _device(slice_mmas), _device(stage_scales), _device(release)
     step_mma, step_factor = _device(step_mma), _device(step_factor)
 
@@ -1623,7 +1664,38 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
                 break
         return total, set_x, set_y, stage, phase
 
-    run_tile = _device(tile_steps if spec.step_scaled else tile_chunks)
+    def tile_serial(total, chunk, base, bar0, lane, stage, phase, k_slices, m_sf_row, r0, desc_a0, desc_b0):
+        """The wide tile's K slices into its one chunk set (``chunk_sets`` 1), each promoted once its MMAs are done
+        with a factor per token row and column group: the group's fold tile's scale (``column_group_scale_row``) times
+        the row's. Returns the total, the set and the ring position."""
+        row_0 = np.uint32(group_row(r0, 0, GROUP_COLUMNS))
+        row_1 = np.uint32(group_row(r0, 1, GROUP_COLUMNS))
+        row_2 = np.uint32(group_row(r0, 2, GROUP_COLUMNS))
+        done = np.int32(0)
+        while True:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            units = np.uint32(stage * STAGE_UNITS)
+            chunk = slice_mmas(chunk, advance(desc_a0, units), advance(desc_b0, units))
+            # while they run, the factors; folded tokens: the chunk's 4 block scales are equal, block 0's is the row's
+            st = np.uint32(base + stage * stage_bytes)
+            w_0, lo_word, hi_word = stage_scales(st, m_sf_row, row_0)
+            w_1, w_2 = tile_scale(st, row_1), tile_scale(st, row_2)
+            f_lo = (step_factor(lo_word, 0, w_0), step_factor(lo_word, 0, w_1), step_factor(lo_word, 0, w_2))
+            f_hi = (step_factor(hi_word, 0, w_0), step_factor(hi_word, 0, w_1), step_factor(hi_word, 0, w_2))
+            hp.wgmma_wait_group_0()
+            chunk = hp.wgmma_fence_accumulators(chunk)
+            release(bar0, stage, lane)
+            total = promote(total, chunk, f_lo, f_hi)
+            stage += 1
+            if stage == stages:
+                stage = 0
+                phase ^= 1
+            done += np.int32(1)
+            if done == k_slices:
+                break
+        return total, chunk, stage, phase
+
+    run_tile = _device(tile_serial if one_set else tile_steps if spec.step_scaled else tile_chunks)
 
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
@@ -1644,7 +1716,8 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         acc_out = cuda.local.array(num_acc, float32)
         total = zero_acc()
         set_x = zero_acc()
-        set_y = zero_acc()
+        if not one_set:
+            set_y = zero_acc()
         stage = np.int64(0)
         phase = np.int64(0)
         item = np.int64(0)
@@ -1660,9 +1733,13 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
                 break
             t0 = np.uint32(t0 + own_offset)
             m_sf_row = np.uint32((t0 - group_start) % SF_ATOM_ROWS + m_row)
-            n_sf_row = np.uint32(r0 % SF_ATOM_ROWS)
-            total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, release_lane, stage, phase,
-                                                         slices, m_sf_row, n_sf_row, desc_a0, desc_b0)
+            if one_set:
+                total, set_x, stage, phase = run_tile(total, set_x, base, bar0, release_lane, stage, phase, slices,
+                                                      m_sf_row, r0, desc_a0, desc_b0)
+            else:   # a 128-row tile: one fold tile
+                n_sf_row = np.uint32(group_row(r0, 0, GROUP_COLUMNS))
+                total, set_x, set_y, stage, phase = run_tile(total, set_x, set_y, base, bar0, release_lane, stage,
+                                                             phase, slices, m_sf_row, n_sf_row, desc_a0, desc_b0)
             hp.accumulators_to_array(total, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
             total = zero_acc()
@@ -1676,6 +1753,27 @@ def swapped_accumulator_position(m_row: int, q: int, i: int) -> tuple[int, int]:
     is ``m_row`` (warpgroup row base + warp row base + g) and quad lane ``q``: ``wgmma_accumulator_position``'s
     (row, column) with rows = weights and columns = tokens. Host and device."""
     return m_row + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * q + (i & 1)
+
+
+def fold_column_group(mma_bn: int) -> int:
+    """Columns (weight rows) of a chunk-scaled tile of ``mma_bn`` rows that one promotion factor covers: gcd(mma_bn,
+    128) (``FOLD_TILE_ROWS``); a tile starts at a multiple of ``mma_bn``, so no group straddles a fold tile's edge.
+    The whole 128-row tile; 64 of the 192-row tile (3 groups: it starts at row 0 or 64 of a fold tile)."""
+    return math.gcd(mma_bn, FOLD_TILE_ROWS)
+
+
+def column_group_scale_row(r0, g, group_columns):
+    """Row, in the stage's weight scale bands (from the band of the tile's first row ``r0``), of the scale byte column
+    group ``g`` (``group_columns`` wide, ``fold_column_group``) is promoted with: its first row's, ``r0 + group_columns
+    g``, whose fold tile holds the whole group (folded weights carry a tile's scale on every row). Host and device."""
+    return r0 % SF_ATOM_ROWS + group_columns * g
+
+
+def column_group_fold_tile(r0: int, g: int, mma_bn: int) -> int:
+    """The fold tile (128-row weight tile of ``gbs.fp8_route.fold_weights``, from the expert's row 0) whose scale the
+    consumer reads for column group ``g`` of the tile starting at weight row ``r0`` (``column_group_scale_row``)."""
+    band_start = r0 - r0 % SF_ATOM_ROWS
+    return (band_start + column_group_scale_row(r0, g, fold_column_group(mma_bn))) // FOLD_TILE_ROWS
 
 
 def _make_split_epilogue(num_acc: int):

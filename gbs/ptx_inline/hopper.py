@@ -297,23 +297,42 @@ def accumulators_to_array(typingctx, acc, arr):
 def promote_accumulator_rows(typingctx, total, chunk, factor_lo, factor_hi):
     """``total[i] + chunk[i] * factor`` (one FFMA per accumulator) with ``factor_lo`` for the accumulators of a
     thread's row g (``(i >> 1) & 1 == 0``: ``wgmma_accumulator_position``) and ``factor_hi`` for row g + 8: the FP8
-    route's promotion of a chunk's E4M3 partial sums into the fp32 total (one power of two per token row)."""
+    route's promotion of a chunk's E4M3 partial sums into the fp32 total (one power of two per token row). Each factor
+    is a float32, or a ``UniTuple(float32, G)`` of one per column group: the tile's N columns in G equal groups, so
+    accumulator i takes field ``i // (count // G)`` (its column ``8 (i >> 2) + ...`` lies in group ``column // (N /
+    G)``)."""
     for name, arg in (("total", total), ("chunk", chunk)):
         if not (isinstance(arg, types.UniTuple) and arg.dtype == types.float32):
             raise TypeError(f"promote_accumulator_rows: {name} must be a UniTuple of float32, got {arg}")
     if total.count != chunk.count:
         raise TypeError(f"promote_accumulator_rows: total has {total.count} accumulators, chunk {chunk.count}")
+    if factor_lo != factor_hi:
+        raise TypeError(f"promote_accumulator_rows: the factors differ in type, {factor_lo} and {factor_hi}")
+    if isinstance(factor_lo, types.UniTuple) and factor_lo.dtype == types.float32:
+        groups = factor_lo.count
+    elif factor_lo == types.float32:
+        groups = 1
+    else:
+        raise TypeError(f"promote_accumulator_rows: the factors must be float32 or a UniTuple of them, got {factor_lo}")
+    if total.count % (4 * groups):
+        raise TypeError(f"promote_accumulator_rows: {total.count} accumulators do not split into {groups} column "
+                        f"groups of whole 8-column blocks")
+    per_group = total.count // groups
 
     def codegen(context, builder, sig, args):
         t, c, f_lo, f_hi = args
+        if groups > 1:
+            f_lo, f_hi = tuple_fields(builder, f_lo, groups), tuple_fields(builder, f_hi, groups)
         out = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
         for i in range(sig.return_type.count):
             factor = f_hi if (i >> 1) & 1 else f_lo
+            if groups > 1:
+                factor = factor[i // per_group]
             out = builder.insert_value(out, builder.fma(builder.extract_value(c, i), factor,
                                                         builder.extract_value(t, i)), i)
         return out
 
-    return total(total, chunk, types.float32, types.float32), codegen
+    return total(total, chunk, factor_lo, factor_hi), codegen
 
 
 def _wgmma_intrinsic(name, text, count, operand_kinds, doc):
