@@ -254,25 +254,40 @@ def min_tokens_per_expert(problem) -> int:
     return SWAPPED_MIN_TOKENS_PER_EXPERT if _both_fp4(problem) else WGMMA_MIN_TOKENS_PER_EXPERT
 
 
-def fp8_route_knobs(problem, mma_bn: int = FP8_MMA_BN) -> tuple[dict | None, list[Rule]]:
+def fp8_route_knobs(problem, mma_bn: int | None = None) -> tuple[dict | None, list[Rule]]:
     """The wgmma kernel's FP8 route (``fp8=True``: asked for, never chosen by ``"auto"``, which it does not beat:
     evidence fp8-route-gpu) for ``problem``: its knobs and rules, or None and the rule that falls back to the bf16
     route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
     operands exactly). Device problems are not checked on the host: such blocks give NaN outputs. ``mma_bn``: the
-    tile width (``FOLDED_WIDE_MMA_BN`` on operands folded ahead, as asked; ``WgmmaSpec`` refuses it elsewhere)."""
-    knobs = dict(mma_bn=mma_bn, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True)
+    tile width as asked, or None: ``FOLDED_WIDE_MMA_BN`` on operands folded ahead, else ``FP8_MMA_BN``
+    (``WgmmaSpec`` refuses the wide tile elsewhere)."""
+    wide = folded_operands(problem)
+    width = mma_bn if mma_bn is not None else FOLDED_WIDE_MMA_BN if wide else FP8_MMA_BN
+    knobs = dict(mma_bn=width, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True)
+    if mma_bn is not None:
+        why = " (DeepGEMM's sm90 FP8 tile; a factor per 64-column group: it spans two 128-row fold tiles)" \
+            if width == FOLDED_WIDE_MMA_BN else ""
+        width_rules = [Rule("tile width", f"bn{width} as asked{why}")]
+    elif wide:
+        width_rules = [Rule("tile width", f"bn{width}: DeepGEMM's sm90 FP8 tile, fewer L2 -> SM bytes and instructions "
+                                        f"per FLOP than bn{FP8_MMA_BN} (one chunk set, promoted after each slice's "
+                                        f"MMAs while the other warpgroup's run; a factor per 64-column group, as the "
+                                        f"tile spans two 128-row fold tiles): 0.87x / 0.90x bn{FP8_MMA_BN}'s time on "
+                                        f"large prefill up / down", "fold-n192-ab")]
+    else:
+        width_rules = []
     if layout_of(problem, "b") == LAYOUT_E4M3_FOLDED:   # folded ahead (WgmmaSpec refuses a pair it cannot run)
-        if folded_operands(problem):
-            sets = "one chunk set, promoted after each slice's MMAs," if mma_bn == FOLDED_WIDE_MMA_BN else \
+        if wide:
+            sets = "one chunk set, promoted after each slice's MMAs," if width == FOLDED_WIDE_MMA_BN else \
                 "two chunk sets"
             return knobs, [Rule("route", f"FP8 on operands folded ahead ({LAYOUT_E4M3_FOLDED}, "
                                          f"gbs.fp8_route.fold_problem): E4M3 wgmma on both operands straight from the "
                                          f"ring, fp32 promotion per 128 K with one factor per token row; 128 x "
-                                         f"{mma_bn} tiles ({sets} and the total)", "fp8-fold-gpu")]
+                                         f"{width} tiles ({sets} and the total)", "fp8-fold-gpu")] + width_rules
         return knobs, [Rule("route", f"FP8 on weights folded ahead ({LAYOUT_E4M3_FOLDED}), MXFP8 tokens as quantized "
                                      f"(W4A8): E4M3 wgmma from the ring, fp32 promotion per k32 step with the token "
                                      f"block's scale; 128 x {FP8_MMA_BN} tiles (asked for: slower than the bf16 route on "
-                                     f"large prefill up, 1.4 % faster on down)", "w4a8-fold-bench")]
+                                     f"large prefill up, 1.4 % faster on down)", "w4a8-fold-bench")] + width_rules
     tokens_fp4 = problem.a_format.packed
     want = (LAYOUT_E2M1_E4M3 if tokens_fp4 else LAYOUT_PACKED, LAYOUT_E2M1_E4M3)
     if _formats(problem) not in FP8_ROUTE_FORMATS or (layout_of(problem, "a"), layout_of(problem, "b")) != want:
@@ -299,7 +314,7 @@ def fp8_route_knobs(problem, mma_bn: int = FP8_MMA_BN) -> tuple[dict | None, lis
             [Rule("route", f"FP8 (asked for): MXFP4 decoded to E4M3 with the block scales folded in, E4M3 wgmma, fp32 "
                            f"promotion per {interval}; 128 x "
                            f"{FP8_MMA_BN} tiles (chunk and total accumulators)",
-                  "fp8-route-gpu" if tokens_fp4 else "w4a8-fp8-route-gpu")] + window)
+                  "fp8-route-gpu" if tokens_fp4 else "w4a8-fp8-route-gpu")] + width_rules + window)
 
 
 def folded_operands(problem) -> bool:
@@ -516,18 +531,15 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         if backend == "h200_stream" or config is not None or tile:
             raise ValueError("fp8=True is the wgmma kernel's FP8 route with its own tile: backend 'auto' or "
                              "'h200_wgmma', no config, no knob constraints but cta_group and mma_bn")
-        route_knobs, fired = fp8_route_knobs(problem, FP8_MMA_BN if width is None else width)
+        if pair is not None and pair > 1 and width is None:
+            width = FP8_MMA_BN   # the pair is built on 128-row tiles
+        route_knobs, fired = fp8_route_knobs(problem, width)
         rules += fired
         if pair is not None and route_knobs is not None:
             route_knobs["cta_group"] = pair
             rules.append(Rule("pair", f"cta_group={pair} as asked (2: a CTA pair's token tiles share the weight tile "
                                       "by multicast; as fast as one CTA per tile on large prefill up, 10 % slower "
                                       "on down)", "fold-pair-pipelined"))
-        if width is not None and route_knobs is not None:
-            why = (" (on operands folded ahead: DeepGEMM's sm90 FP8 tile, fewer L2 -> SM bytes and instructions per "
-                   "FLOP than 128; a factor per 64-column group, as the tile spans two 128-row fold tiles; not "
-                   "measured yet)") if width == FOLDED_WIDE_MMA_BN else ""
-            rules.append(Rule("tile width", f"bn{width} as asked{why}"))
     kernel = "h200_wgmma" if route_knobs is not None else backend
     if not get_format(problem.a_format).scaled:
         rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "

@@ -10,10 +10,11 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 ``StreamSpec.small_n_warps``),
 ``wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
-tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2|:n192]`` for
+tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2|:n128|:n192]`` for
 what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans; ``:cg2``: ``fp8=True, cta_group=2``, the folded FP8 route on CTA
-pairs; ``:n192``: ``fp8=True, mma_bn=192``, its 128 x 192 tile). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
+pairs (on 128-row tiles); ``:n128`` / ``:n192``: ``fp8=True, mma_bn=128|192``, its 128 x 128 tile or its 128 x 192 tile
+(the plan's own on operands folded ahead)). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
@@ -86,7 +87,8 @@ def parse_wgmma_point(text: str):
 
 
 # a plan point's last field: the folded FP8 route with a knob of its own (plan_h200(fp8=True, ...))
-FP8_ROUTE_SUFFIXES = {"cg2": dict(cta_group=2), "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN)}
+FP8_ROUTE_SUFFIXES = {"cg2": dict(cta_group=2), "n128": dict(mma_bn=h200_wgmma.FP8_MMA_BN),
+                      "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN)}
 
 
 def parse_plan_point(text: str):

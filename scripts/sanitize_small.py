@@ -199,13 +199,13 @@ def run_cases(args: set, results: list) -> int:
                           lambda: wgmma(route, 128, tile_tokens=256)))
             folded = fold_problem(p)   # folded ahead: the chunk-scaled consumer, both operands from the ring
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED), folded,
-                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True), None)))
-            cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED, "tokens folded on the GPU"), folded,
+                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True, mma_bn=128), None)))
+            cases.append(("h200_wgmma", (192, 128, LAYOUT_E4M3_FOLDED, "tokens folded on the GPU"), folded,
                           lambda: folded_on_gpu(p, folded)))
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED, "cta pair sharing the weight tile"), folded,
                           lambda: h200_launch.run(folded, plan_h200(folded, fp8=True, cta_group=2), None)))
             cases.append(("h200_wgmma", (192, 128, LAYOUT_E4M3_FOLDED, "one chunk set"), folded,   # N = 192 + 8
-                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True, mma_bn=192), None)))
+                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True), None)))   # the plan's tile
         if fmt == "w4a8" and "h200_wgmma" in kernels:   # W4A8 on the FP8 route: tokens as the wgmma A operand
             w4a8_route = p.with_b_layout(LAYOUT_E2M1_E4M3)
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E2M1_E4M3, "fp8"), w4a8_route,

@@ -182,11 +182,16 @@ def test_plan_runs_folded_prefill_on_the_route_and_the_rest_as_mxfp8():
     assert plan_h200(decode, fp8=True).spec.chunk_scaled    # asked for
     with pytest.raises(ValueError, match="own tile"):
         plan_h200(folded, fp8=True, backend="h200_stream")
-    wide = plan_h200(folded, fp8=True, mma_bn=192)   # only when asked: not measured yet
+    wide = plan_h200(folded)   # the plan's tile on operands folded ahead: 128 x 192 (measured faster)
     assert wide.spec.chunk_scaled and (wide.spec.mma_bn, wide.spec.chunk_sets, wide.spec.stages) == (192, 1, 5)
-    assert {r.name: r.evidence for r in wide.rules}["tile width"] is None
+    assert {r.name: r.evidence for r in wide.rules}["tile width"] == "fold-n192-ab"
+    assert wide.spec == plan_h200(folded, fp8=True).spec == plan_h200(folded, fp8=True, mma_bn=192).spec
     assert wide.max_tiles == hl.max_tiles_bound(wide.ring, folded.total_tokens, folded.num_active_experts, 256)
-    assert plan_h200(folded).spec.mma_bn == plan_h200(folded, fp8=True).spec.mma_bn == 128
+    narrow = plan_h200(folded, fp8=True, mma_bn=128)   # asked for: two chunk sets
+    assert (narrow.spec.mma_bn, narrow.spec.chunk_sets) == (128, 2)
+    assert {r.name: r.evidence for r in narrow.rules}["tile width"] is None
+    assert plan_h200(folded, fp8=True, cta_group=2).spec.mma_bn == 128   # the pair is built on 128-row tiles
+    assert plan_h200(w4a8, fp8=True).spec.mma_bn == 128                   # W4A8 promotes per step: 128 rows
     with pytest.raises(ValueError, match="both folded ahead"):
         plan_h200(w4a8, fp8=True, mma_bn=192)
     with pytest.raises(ValueError, match="cta_group 1"):
@@ -288,7 +293,7 @@ def test_a_cta_pair_shares_the_weight_tile():
     """cta_group=2 (folded route only): a 256-token tile over two CTAs, each loading its own 128 token rows and half
     the weight rows multicast to both; the stage's boxes tile it and sum to the bytes its barrier expects."""
     folded = fr.fold_problem(gaussian_problem(320, 512, seed=1))
-    single, pair = plan_h200(folded, fp8=True), plan_h200(folded, fp8=True, cta_group=2)
+    single, pair = plan_h200(folded, fp8=True, mma_bn=128), plan_h200(folded, fp8=True, cta_group=2)
     assert (single.spec.cta_group, pair.spec.cta_group) == (1, 2) and pair.num_ctas % 2 == 0
     ring = pair.spec.ring
     assert (ring.tile_shape.tokens, ring.tile_shape.weight_rows) == (256, 128)

@@ -58,6 +58,8 @@ def test_sweep_parses_stream_and_plan_points(sweep):
                                                                                    cta_group=2)
     assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:n192").config == dict(backend="auto", fp8=True,
                                                                                     mma_bn=192)
+    assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:n128").config == dict(backend="auto", fp8=True,
+                                                                                    mma_bn=128)
 
 
 @pytest.mark.parametrize("point", ["wgmma:mxfp8:large_prefill_up:256:auto:e4m3", "wgmma:mxfp8:x:128:auto",

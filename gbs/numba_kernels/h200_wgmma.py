@@ -87,13 +87,12 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   problems from 33 tokens per expert. ``WgmmaSpec.cta_group`` = 2: a CTA pair (a cluster) takes a 256-token tile,
   128 token rows each, and shares its weight tile: each CTA loads half the weight rows and multicasts them to both
   (the ring's ``StreamSpec.shares_weights``), so a CTA reads 24 instead of 32 KB per 128-K chunk from L2; each
-  warpgroup releases a stage once in each CTA. 128 x 192 tiles (``FOLDED_WIDE_MMA_BN``, run only when asked: not
-  measured yet): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per slice, waited for and promoted before
+  warpgroup releases a stage once in each CTA (asked for only: no faster, evidence: fold-pair-pipelined). 128 x 192
+  tiles (``FOLDED_WIDE_MMA_BN``, the plan's on folded tokens and weights: 0.87x / 0.90x the 128-row tile's time on
+  large prefill up / down, evidence: fold-n192-ab): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per slice, waited for and promoted before
   the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a tile spans two 128-row fold tiles, so each
-  64-column group takes its own fold tile's factor (``column_group_scale_row``). Offline (ptxas 13.5): a consumer
-  thread runs 194 instructions per slice (96 FFMA) against the 128-row tile's 156 (64 FFMA), 1.01 instead of 1.22 per
-  weight row (steady path; the loop listings: 205 per slice, 471 per two 128-row slices with the tile's last
-  promotions); no local memory, 5 stages. W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  64-column group takes its own fold tile's factor (``column_group_scale_row``); fewer consumer instructions per
+  weight row than the 128-row tile, no local memory, 5 stages (evidence: fold-n192-sass). W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
   quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no faster
   than the bf16 route, evidence: w4a8-fold-bench).
 
@@ -218,7 +217,8 @@ FP8_MMA_BN = 128
 # tokens x 192 weight rows, DeepGEMM's sm90 FP8 tile; one chunk set of 96 accumulators and the total (two sets and the
 # total would need 288 registers per thread), each slice's set promoted once its MMAs are done while the other
 # warpgroup's run. Fewer L2 -> SM bytes and per-slice instructions per FLOP than 128 x 128, whose kernel still takes
-# 0.82x its time on large prefill up without any MMA (evidence: fold-floors).
+# 0.82x its time on large prefill up without any MMA (evidence: fold-floors); measured 0.87x / 0.90x its time on
+# large prefill up / down (evidence: fold-n192-ab).
 FOLDED_WIDE_MMA_BN = hr.WGMMA_ONLY_MMA_BN[0]
 # Weights folded ahead carry one scale per 128-row fold tile from the expert's row 0 (``gbs.fp8_route.fold_weights``);
 # a 192-row tile spans two, so its promotion takes a factor per column group (``fold_column_group``).
