@@ -107,7 +107,7 @@ def cmd_plan(args) -> int:
     from .plan import ProblemMeta, plan_h200
 
     meta = ProblemMeta.of(args.format, args.n, args.k, args.experts, args.tokens_per_expert, relaid=not args.packed,
-                          fp8_route=args.fp8)
+                          fp8_route=args.fp8 and not args.folded, folded=args.folded)
     tile = {name: getattr(args, name) for name in ("mma_bn", "stages") if getattr(args, name) is not None}
     if args.swapped is not None:
         tile["ab_swapped"] = args.swapped == "yes"
@@ -258,8 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mma-bn", type=int, help="constrain the MMA N tile")
     p.add_argument("--stages", type=int, help="constrain the ring depth (-1: the deepest that fits)")
     p.add_argument("--packed", action="store_true", help="operands as quantized, not re-laid for the H200")
-    p.add_argument("--fp8", action="store_true", help="the FP8 route (MXFP4 or W4A8, operands in its layout): "
-                                                     "asked for, never what auto picks")
+    p.add_argument("--fp8", action="store_true", help="the FP8 route asked for: MXFP4 or W4A8 operands in its "
+                                                     "in-kernel layout (never what auto picks), or with --folded "
+                                                     "on operands folded ahead (with --mma-bn 128 or 192)")
+    p.add_argument("--folded", action="store_true", help="MXFP4 or W4A8 folded ahead into E4M3 with one scale per "
+                                                        "128 K (gbs.fp8_route.fold_problem): the FP8 route's own "
+                                                        "operands, which auto runs on it from 33 tokens per expert")
     p.add_argument("--explain", action="store_true", help="each rule that fired and the evidence behind it")
     p.set_defaults(func=cmd_plan)
 

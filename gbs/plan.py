@@ -149,17 +149,26 @@ class ProblemMeta:
 
     @classmethod
     def of(cls, fmt: str, n: int, k: int, experts: int, tokens_per_expert: int, *, relaid: bool = True,
-           fp8_route: bool = False):
+           fp8_route: bool = False, folded: bool = False):
         """``experts`` groups of ``tokens_per_expert`` tokens in format ``fmt`` (``gbs.problem.PROBLEM_FORMATS``);
         ``relaid``: FP4 weights in ``h200_weight_layout``'s layout and FP4 tokens in the H200 word order;
         ``fp8_route``: MXFP4 operands in the FP8 route's layout instead (``LAYOUT_E2M1_E4M3``; plan with
-        ``fp8=True``)."""
+        ``fp8=True``); ``folded``: an MXFP4 or W4A8 problem as ``gbs.fp8_route.fold_problem`` leaves it (MXFP8
+        operands, the weights in ``LAYOUT_E4M3_FOLDED``, MXFP4 tokens too)."""
         from .problem import resolve_formats
 
         a_format, b_format = resolve_formats(fmt)
         total = experts * tokens_per_expert
         layouts = {}
-        if fp8_route:
+        if folded:
+            if fmt not in ("mxfp4", "w4a8") or fp8_route:
+                raise ValueError(f"folded: MXFP4 or W4A8 problems as fold_problem leaves them (not with fp8_route), "
+                                 f"got {fmt!r}, fp8_route={fp8_route}")
+            mxfp8 = get_format("mxfp8")
+            layouts = dict(b_layout=LAYOUT_E4M3_FOLDED,
+                           a_layout=LAYOUT_E4M3_FOLDED if a_format.packed else LAYOUT_PACKED)
+            a_format, b_format = mxfp8, mxfp8
+        elif fp8_route:
             layouts = dict(b_layout=LAYOUT_E2M1_E4M3, a_layout=LAYOUT_E2M1_E4M3 if a_format.packed else LAYOUT_PACKED)
         elif relaid:
             layouts = dict(b_layout=h200_weight_layout(b_format),

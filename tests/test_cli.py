@@ -79,3 +79,21 @@ def test_plan_fp8_prints_the_route_when_asked_and_refuses_nvfp4(capsys):
     res = run_cli("plan", "--format", "nvfp4", "--n", "4096", "--k", "7168", "--experts", "8",
                   "--tokens-per-expert", "1024", "--fp8")
     assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_plan_folded_prints_the_plans_route_and_tile_and_refuses_nvfp4(capsys):
+    """Operands folded ahead: auto takes the FP8 route from 33 tokens per expert, on its 128 x 192 tile (W4A8 on
+    folded weights: only when asked, on 128-row tiles); below, the streaming kernel."""
+    shape = ["--n", "4096", "--k", "7168", "--experts", "8"]
+    assert main(["plan", "--format", "mxfp4", *shape, "--tokens-per-expert", "1024", "--folded", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("h200_wgmma not swapped bn192") and "FP8 route" in out and "evidence fold-n192-ab" in out
+    assert main(["plan", "--format", "mxfp4", *shape, "--tokens-per-expert", "1024", "--folded", "--fp8", "--mma-bn",
+                 "128"]) == 0
+    assert capsys.readouterr().out.startswith("h200_wgmma not swapped bn128")
+    assert main(["plan", "--format", "mxfp4", *shape, "--tokens-per-expert", "32", "--folded"]) == 0
+    assert capsys.readouterr().out.startswith("h200_stream")
+    assert main(["plan", "--format", "w4a8", *shape, "--tokens-per-expert", "1024", "--folded", "--fp8"]) == 0
+    assert "bn128" in capsys.readouterr().out
+    res = run_cli("plan", "--format", "nvfp4", *shape, "--tokens-per-expert", "1024", "--folded")
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "folded" in res.stderr
