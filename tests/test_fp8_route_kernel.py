@@ -190,12 +190,7 @@ def test_route_build_issues_e4m3_wgmma_without_local_memory_in_the_k_loop():
     assert not any(ins.startswith("HGMMA") for ins in instructions)
 
 
-@pytest.mark.parametrize("tokens", [
-    pytest.param("mxfp4", marks=pytest.mark.xfail(strict=True, reason=(
-        "ptxas C7514: under the consumers' register budget (total, chunk set, two A-fragment sets, decode "
-        "temporaries) it reuses the A-fragment registers of issued MMAs for the promotion's results and waits for "
-        "those MMAs: 6 of 8 QGMMA serialized; the route's measured times ran so (evidence: fp8-route-serialized)"))),
-    "mxfp8"])
+@pytest.mark.parametrize("tokens", ["mxfp4", "mxfp8"])
 def test_route_build_pipelines_its_mmas(tokens):
     """No wait for 0 groups between MMAs that accumulate (``offline.serialized_wgmma``): MXFP4 tokens decoded into
     register A fragments; W4A8's MXFP8 tokens from the ring stage."""

@@ -1251,7 +1251,10 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
                     # 4. the previous chunk's MMAs (this warpgroup's) are done: promote it
                     hp.wgmma_wait_group_0()
                     chunk_acc = hp.wgmma_fence_accumulators(chunk_acc)
-                    total = promote(total, chunk_acc, factor_lo, factor_hi)
+                    # the promotion pinned here (a side-effecting asm on its results): else LLVM sinks its FFMAs
+                    # below this chunk's MMAs, reading copies of the old chunk that ptxas puts in the new MMAs'
+                    # accumulators (C7514: every accumulating MMA of the kernel serialized)
+                    total = hp.wgmma_fence_accumulators(promote(total, chunk_acc, factor_lo, factor_hi))
                     factor_lo, factor_hi = next_lo, next_hi
                     # 5. meet the other warpgroup (the buffer is complete), then issue this chunk's MMAs
                     cm.named_barrier_sync(CONSUMER_BARRIER, consumer_threads)
