@@ -264,12 +264,12 @@ def min_tokens_per_expert(problem) -> int:
 
 
 def fp8_route_knobs(problem, mma_bn: int | None = None) -> tuple[dict | None, list[Rule]]:
-    """The wgmma kernel's FP8 route (``fp8=True``: asked for, never chosen by ``"auto"``, which it does not beat:
-    evidence fp8-route-gpu) for ``problem``: its knobs and rules, or None and the rule that falls back to the bf16
-    route where a host problem has blocks the route's bases cannot represent (the bf16 consumer reads the same
-    operands exactly). Device problems are not checked on the host: such blocks give NaN outputs. ``mma_bn``: the
-    tile width as asked, or None: ``FOLDED_WIDE_MMA_BN`` on operands folded ahead, else ``FP8_MMA_BN``
-    (``WgmmaSpec`` refuses the wide tile elsewhere)."""
+    """The wgmma kernel's FP8 route (``fp8=True``; in-kernel, ``"auto"`` does not take it, evidence fp8-route-gpu; on
+    operands folded ahead it does where the route wins, ``prefers_fp8_route``) for ``problem``: its knobs and rules,
+    or None and the rule that falls back to the bf16 route where a host problem has blocks the route's bases cannot
+    represent (the bf16 consumer reads the same operands exactly). Device problems are not checked on the host: such
+    blocks give NaN outputs. ``mma_bn``: the tile width as asked, or None: ``FOLDED_WIDE_MMA_BN`` on operands folded
+    ahead, else ``FP8_MMA_BN`` (``WgmmaSpec`` refuses the wide tile elsewhere)."""
     wide = folded_operands(problem)
     width = mma_bn if mma_bn is not None else FOLDED_WIDE_MMA_BN if wide else FP8_MMA_BN
     knobs = dict(mma_bn=width, ab_swapped=False, tile_tokens=TILE_TOKENS[0], fp8=True)
@@ -501,9 +501,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     ``"h200_wgmma"``. Constraints on single knobs (``TILE_CONSTRAINTS``: ``ab_swapped``, ``mma_bn``, ``cta_group``,
     ``stages`` (``AUTO_STAGES``: deepest), ``small_n_warps``, ``tile_tokens``) replace the rules' tile; with them or a
     config, ``"auto"`` is the streaming kernel. ``fp8``: True runs the wgmma kernel's FP8 route on its own tile (the
-    only constraints it takes: ``cta_group`` 2, and ``mma_bn`` 192 on operands folded ahead), False never, unset where
-    it wins (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split and the grid. ``trace``: the streaming kernel's start-up trace build (a diagnostic). TypeError / ValueError saying what is
-    wrong."""
+    only constraints it takes: ``cta_group`` 2 and ``mma_bn``, 128 or, on operands folded ahead, 192: the plan's
+    there), False never, unset where it wins (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split
+    and the grid. ``trace``: the streaming kernel's start-up trace build (a diagnostic). TypeError / ValueError
+    saying what is wrong."""
     if backend not in ("auto",) + KERNELS:
         raise ValueError(f"not an H200 backend: {backend!r} (one of {('auto',) + KERNELS})")
     missing = [name for name in PROBLEM_METADATA if not hasattr(problem, name)]

@@ -89,10 +89,11 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   (the ring's ``StreamSpec.shares_weights``), so a CTA reads 24 instead of 32 KB per 128-K chunk from L2; each
   warpgroup releases a stage once in each CTA (asked for only: no faster, evidence: fold-pair-pipelined). 128 x 192
   tiles (``FOLDED_WIDE_MMA_BN``, the plan's on folded tokens and weights: 0.87x / 0.90x the 128-row tile's time on
-  large prefill up / down, evidence: fold-n192-ab): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per slice, waited for and promoted before
-  the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a tile spans two 128-row fold tiles, so each
-  64-column group takes its own fold tile's factor (``column_group_scale_row``); fewer consumer instructions per
-  weight row than the 128-row tile, no local memory, 5 stages (evidence: fold-n192-sass). W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
+  large prefill up / down, evidence: fold-n192-ab): one chunk set of 96 accumulators, 4 x ``wgmma m64n192k32`` per
+  slice, waited for and promoted before the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a
+  tile spans two 128-row fold tiles, so each 64-column group takes its own fold tile's factor
+  (``column_group_scale_row``); fewer consumer instructions per weight row than the 128-row tile, no local memory,
+  5 stages (evidence: fold-n192-sass). W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
   quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no faster
   than the bf16 route, evidence: w4a8-fold-bench).
 
