@@ -818,6 +818,20 @@ def test_work_records_round_trip_through_the_stage_words():
         assert got == want, stage
 
 
+@pytest.mark.parametrize("width", [np.uint32, np.int64])
+def test_next_stage_walks_the_ring_and_flips_the_phase_after_the_last_stage(width):
+    """``make_ring(spec).next_stage`` (run here as Python), as the producer and the consumers step the ring: stages
+    0, 1, 2, 0... with the phase flipped at each wrap, in the caller's integer width (the streaming consumer's
+    32-bit position, the others' 64-bit one)."""
+    next_stage = hr.make_ring(spec_of("nvfp4", CONFIGS["decode"], stages=3)).next_stage.py_func
+    stage, phase, walked = width(0), width(0), []
+    for _ in range(7):
+        stage, phase = next_stage(stage, phase)
+        assert type(stage) is width and type(phase) is width
+        walked.append((int(stage), int(phase)))
+    assert walked == [(1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 0), (1, 0)]
+
+
 def test_ring_m_rows_256_is_the_wgmma_rings_only():
     """``StreamSpec.m_rows`` = 256: 256 token rows in two scale bands, one token box of 256 rows (TMA's
     limit), 256-token tiles for the walk; refused where the tokens are not the M side or a pair shares

@@ -757,6 +757,7 @@ class RingDeviceFunctions:
     write_work_record: object  # (bars, stage, expert, tile, t0, t1, r0, r1, first slice, group start): producer
     unpack_work_record: object  # (4 record words) -> the item's fields
     read_work_record: object   # (bars, stage, lane) -> the item whose first K slice the stage holds
+    next_stage: object         # (stage, phase) -> the ring position after stage: producer and consumers
 
 
 def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
@@ -912,6 +913,15 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                                   np.uint64(cuda.shfl_sync(warp, w2, 0)), np.uint64(cuda.shfl_sync(warp, w3, 0)))
 
     @inline_device
+    def next_stage(stage, phase):
+        """Stage and phase after ``stage``: one definition, so the producer and every consumer walk the ring alike."""
+        stage = type(stage)(stage + 1)   # type(): the caller's width (numba widens 32-bit arithmetic to 64)
+        if stage == stages:
+            stage = type(stage)(0)
+            phase = type(phase)(phase ^ 1)
+        return stage, phase
+
+    @inline_device
     def multicast_scale_bands(dst, scale_map, sf_row, band, bands, rank, full):
         """A pair's scale bands of one operand into both CTAs' stage at ``dst``: with two bands or more each CTA
         loads band ``band + rank``, a single band CTA 0 loads, none nothing (``bands`` is a constant)."""
@@ -1023,10 +1033,7 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
                             cp.tma_load_3d(dst + tok_sf_off + b * sf_band_bytes, map_token_sf, 0, sf_row,
                                            token_band + b, full)
                     traced = trace_stamp(tensor_maps, TRACE_FIRST_TMA, traced)
-                    stage += 1
-                    if stage == stages:
-                        stage = 0
-                        phase ^= 1
+                    stage, phase = next_stage(stage, phase)
                 if dynamic_items:   # the ring ahead of the consumers hides the atomic's round trip
                     work = np.int64(cuda.atomic.add(split_counters, counter, np.uint32(1))) + num_pairs
                 else:
@@ -1050,4 +1057,4 @@ def make_ring(spec: StreamSpec) -> RingDeviceFunctions:
 
     return RingDeviceFunctions(copy_routing, cta_position, block_sync, next_work, produce,
                                walk.cta_output_rows, trace, write_work_record, unpack_work_record,
-                               read_work_record)
+                               read_work_record, next_stage)

@@ -156,6 +156,7 @@ def make_kernel_function(spec: StreamSpec):
     ring = make_ring(spec)   # numba reads device functions from plain names, not attributes
     copy_routing, cta_position, read_work_record = ring.copy_routing, ring.cta_position, ring.read_work_record
     block_sync, produce, cta_output_rows = ring.block_sync, ring.produce, ring.cta_output_rows
+    next_stage = ring.next_stage
     trace_begin, trace_stamp = ring.trace.begin, ring.trace.stamp   # the start-up trace's hooks (h200_trace)
     shape = spec.tile_shape
     tile_rows = shape.weight_rows
@@ -492,10 +493,7 @@ def make_kernel_function(spec: StreamSpec):
                             mb.mbarrier_arrive(empty)
                     traced = trace_stamp(tensor_maps, TRACE_FIRST_RELEASE, traced)
                     decoded_slot ^= np.uint32(1)
-                    stage = np.uint32(stage + np.uint32(1))
-                    if stage == np.uint32(stages):
-                        stage = np.uint32(0)
-                        phase = np.uint32(phase ^ np.uint32(1))
+                    stage, phase = next_stage(stage, phase)
                 # epilogue: C[token, row] = bf16(acc * 2**epilogue_log2 * expert_scales[e])
                 traced = trace_stamp(tensor_maps, TRACE_FIRST_EPILOGUE, traced)
                 out_scale = expert_scales[expert] * epilogue_scale

@@ -589,7 +589,8 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
     """The consumer (module docstring): both operands decoded, scaled, to bf16; a device function for
     ``_kernel_frame``."""
     ring_spec = spec.ring
-    read_work_record = ring.read_work_record   # numba reads device functions from plain names, not attributes
+    # numba reads device functions from plain names, not attributes
+    read_work_record, next_stage = ring.read_work_record, ring.next_stage
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -827,10 +828,7 @@ def _make_bf16_consumer(spec: WgmmaSpec, ring):
                 cuda.syncwarp()
                 if lane == 0:
                     mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
+                stage, phase = next_stage(stage, phase)
             hp.wgmma_wait_group_0()
             acc = hp.wgmma_fence_accumulators(acc)
             hp.accumulators_to_array(acc, acc_out)
@@ -896,7 +894,7 @@ def _make_bf16_tokens_consumer(spec: WgmmaSpec, ring):
     MMAs (two m64 tiles with 256-token tiles). The MMAs read the raw stage, so a warp releases it once its wait
     covers the slice's last MMAs: in the next slice's second sub-step, or at the tile's end."""
     ring_spec = spec.ring
-    read_work_record = ring.read_work_record
+    read_work_record, next_stage = ring.read_work_record, ring.next_stage
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -1040,10 +1038,7 @@ def _make_bf16_tokens_consumer(spec: WgmmaSpec, ring):
                     if buffer == np.uint32(BUFFERS):
                         buffer = np.uint32(0)
                 held = stage
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
+                stage, phase = next_stage(stage, phase)
             hp.wgmma_wait_group_0()
             cuda.syncwarp()
             if lane == 0 and held >= 0:
@@ -1113,7 +1108,7 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
     ``total += chunk * 2^(base_row + base_tile)``, once the next chunk is decoded. A device function for
     ``_kernel_frame``."""
     ring_spec = spec.ring
-    read_work_record = ring.read_work_record
+    read_work_record, next_stage = ring.read_work_record, ring.next_stage
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -1272,10 +1267,7 @@ def _make_fp8_consumer(spec: WgmmaSpec, ring):
                 cuda.syncwarp()
                 if lane == 0:
                     mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
+                stage, phase = next_stage(stage, phase)
             hp.wgmma_wait_group_0()
             chunk_acc = hp.wgmma_fence_accumulators(chunk_acc)
             total = promote(total, chunk_acc, factor_lo, factor_hi)
@@ -1306,7 +1298,7 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
     other warpgroup's MMAs run. The raw stage is read by the MMAs, so it is released after the slice's last wait. A
     device function for ``_kernel_frame``."""
     ring_spec = spec.ring
-    read_work_record = ring.read_work_record
+    read_work_record, next_stage = ring.read_work_record, ring.next_stage
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -1455,10 +1447,7 @@ def _make_fp8_tokens_consumer(spec: WgmmaSpec, ring):
                 if lane == 0:
                     mb.mbarrier_arrive(bar0 + MBARRIER_BYTES * (stages + stage))
                 buffer ^= np.uint32(1)
-                stage += 1
-                if stage == stages:
-                    stage = 0
-                    phase ^= 1
+                stage, phase = next_stage(stage, phase)
             hp.accumulators_to_array(total, acc_out)
             store_tile(acc_out, out, n, t0, t1, r0, r1, m_row, q, expert_scales[expert])
             total = zero_acc()
@@ -1480,7 +1469,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     folded weights): the tokens' scales change every k32 step, so the sets alternate per step and each step is promoted
     with its block's factor (``tile_steps``). A device function for ``_kernel_frame``."""
     ring_spec = spec.ring
-    read_work_record = ring.read_work_record
+    read_work_record, next_stage = ring.read_work_record, ring.next_stage
     stages, lay = ring_spec.stages, ring_spec.smem
     stage_bytes = lay.stage_bytes
     m_side, n_side = ring_spec.m_side, ring_spec.n_side
@@ -1570,10 +1559,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         on, and after a tile's last slice its set is promoted and its stage released. Returns the set, the total,
         the ring position, the stage now held and the slices done."""
         held = stage
-        stage += 1
-        if stage == stages:
-            stage = 0
-            phase ^= 1
+        stage, phase = next_stage(stage, phase)
         done += np.int32(1)
         if done == k_slices:
             hp.wgmma_wait_group_0()
@@ -1690,10 +1676,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
             chunk = hp.wgmma_fence_accumulators(chunk)
             release(bar0, stage, lane)
             total = promote(total, chunk, f_lo, f_hi)
-            stage += 1
-            if stage == stages:
-                stage = 0
-                phase ^= 1
+            stage, phase = next_stage(stage, phase)
             done += np.int32(1)
             if done == k_slices:
                 break
