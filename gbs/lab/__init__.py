@@ -11,7 +11,8 @@
   ``gbs.lab.sweep_report`` (modelled rows, calibration, dispatch tables, heatmaps);
 * ``gbs.lab.ablation_data``: the rows of ``data/ablations.csv`` and the dispatch tables derived from them;
 * ``gbs.lab.plotting``: the shared plot helpers of the notebooks and the sweep's figures;
-* ``gbs.lab.ncu``: Nsight Compute's per-instruction counts cut into regions and shares;
+* ``gbs.lab.ncu``: Nsight Compute exports: whole-kernel metrics of ours beside a peer's, and per-instruction
+  counts cut into regions and shares;
 * ``gbs.lab.report``: ``python -m gbs report``, the results tables of README.md and docs/results.md rendered
   from the bench CSVs of ``data/bench/``.
 

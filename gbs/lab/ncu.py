@@ -1,4 +1,7 @@
-"""Where a kernel's issued instructions go, from Nsight Compute's per-instruction counts.
+"""Where a kernel's time and issued instructions go, from Nsight Compute's exports.
+
+Two readers: ``read_raw_exports`` / ``compare_kernels`` put whole-kernel metrics of ours and a peer side by side
+(``scripts/ncu_compare.py`` profiles both and prints them); the rest reads per-instruction counts, below.
 
 Export one launch on the GPU machine (about half a minute per kernel; ``data/artifacts`` keeps the ones evidence rows cite)::
 
@@ -103,5 +106,112 @@ def instruction_shares(path) -> dict[str, float]:
     return shares
 
 
-__all__ = ["REGION_KINDS", "SassRegion", "instruction_shares", "read_source_counters", "region_kind",
-           "sass_regions"]
+# ----------------------------------------------------------------------------------------------
+# Whole-kernel metrics: ``ncu --set full --page raw --csv``, ours beside a peer's (scripts/ncu_compare.py)
+# ----------------------------------------------------------------------------------------------
+# (label, raw metric): the rows of ``compare_kernels``, what a tile or data-movement decision is read from. A metric
+# an export lacks (another ncu version, or not collected) shows as "-".
+RAW_METRICS = (
+    ("duration (us)", "gpu__time_duration.sum"),
+    ("SM clock (GHz)", "sm__cycles_elapsed.avg.per_second"),
+    ("tensor pipe busy (% active)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("tensor pipe busy (% elapsed)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"),
+    ("issue slots busy (% elapsed)", "sm__issue_active.avg.pct_of_peak_sustained_elapsed"),
+    ("warp instructions", "smsp__inst_executed.sum"),
+    ("L2 sectors", "lts__t_sectors.sum"),
+    ("L2 sectors (% of peak)", "lts__t_sectors.sum.pct_of_peak_sustained_elapsed"),
+    ("L2 busy (% elapsed)", "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM bytes read", "dram__bytes_read.sum"),
+    ("registers per thread", "launch__registers_per_thread"),
+    ("shared memory per block", "launch__shared_mem_per_block"),
+    ("grid x block", None),        # launch__grid_size x launch__block_size
+    ("cluster size", "launch__cluster_size"),
+)
+STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
+STALL_SAMPLES = "smsp__pcsamp_sample_count"
+EXPORT_MARK = "## "   # scripts/ncu_compare.py's line before each export it concatenates
+
+
+@dataclass(frozen=True)
+class RawKernel:
+    """One profiled launch of an ``ncu --page raw --csv`` export: the export's name, the kernel's, its metrics."""
+
+    export: str
+    kernel: str
+    metrics: dict      # raw metric -> (value text as ncu printed it, unit)
+
+    def number(self, metric: str) -> float | None:
+        """The metric as a number (ncu's thousands separators dropped), or None where absent or not numeric."""
+        value = self.metrics.get(metric, ("", ""))[0].replace(",", "")
+        try:
+            return float(value)
+        except ValueError:
+            return None
+
+    def stall_shares(self) -> dict[str, float]:
+        """Each stall reason's share of the warp-state samples (PC sampling), largest first."""
+        counts = {m[len(STALL_PREFIX):]: self.number(m) or 0.0 for m in self.metrics
+                  if m.startswith(STALL_PREFIX) and not m.endswith("_not_issued")}
+        total = sum(counts.values())
+        if not total:
+            return {}
+        return dict(sorted(((k, v / total) for k, v in counts.items() if v), key=lambda kv: -kv[1]))
+
+
+def read_raw_exports(path) -> list[RawKernel]:
+    """Every kernel row of one or more ``--page raw --csv`` exports in one file (plain or ``.gz``; several exports
+    each after an ``EXPORT_MARK`` line naming it). Lines that are not the CSV (ncu's notes, the program's output) are
+    skipped; the line after each header holds the units."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as f:
+        lines = f.read().splitlines()
+    kernels, export, i = [], path.name, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(EXPORT_MARK):
+            export = line[len(EXPORT_MARK):].strip()
+        elif line.startswith('"ID"'):
+            block = [line]
+            while i + 1 < len(lines) and lines[i + 1].startswith('"'):
+                i += 1
+                block.append(lines[i])
+            header, units, *rows = csv.reader(io.StringIO("\n".join(block)))
+            for row in rows:
+                metrics = {name: (value, unit) for name, unit, value in zip(header, units, row)}
+                kernels.append(RawKernel(export, metrics.get("Kernel Name", ("?", ""))[0], metrics))
+        i += 1
+    if not kernels:
+        raise ValueError(f"{path}: no ncu raw export (run ncu with --page raw --csv)")
+    return kernels
+
+
+def _metric_text(kernel: RawKernel, label: str, metric: str | None) -> str:
+    if label == "grid x block":
+        grid, block = kernel.number("launch__grid_size"), kernel.number("launch__block_size")
+        return "-" if grid is None or block is None else f"{grid:.0f} x {block:.0f}"
+    value = kernel.number(metric)
+    if value is None:
+        return "-"
+    if metric == "gpu__time_duration.sum":    # ns
+        return f"{value / 1e3:.1f}"
+    if metric == "sm__cycles_elapsed.avg.per_second":   # Hz
+        return f"{value / 1e9:.3f}"
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
+
+
+def compare_kernels(kernels: list[RawKernel], stalls: int = 5) -> list[list[str]]:
+    """Rows (label, one value per kernel) of ``RAW_METRICS``, then each kernel's ``stalls`` largest stall reasons
+    as shares of its samples."""
+    rows = [[label] + [_metric_text(k, label, metric) for k in kernels] for label, metric in RAW_METRICS]
+    for rank in range(stalls):
+        row = [f"stall #{rank + 1} (% of samples)"]
+        for k in kernels:
+            top = list(k.stall_shares().items())
+            row.append(f"{top[rank][0]} {100 * top[rank][1]:.1f}" if rank < len(top) else "-")
+        rows.append(row)
+    return rows
+
+
+__all__ = ["RAW_METRICS", "REGION_KINDS", "RawKernel", "SassRegion", "compare_kernels", "instruction_shares",
+           "read_raw_exports", "read_source_counters", "region_kind", "sass_regions"]
