@@ -83,3 +83,46 @@ def test_stage_instructions_add_the_run_loops_other_trips():
     assert eight_warps.prefetch_groups and script.stage_instructions(eight_warps, inner, [inner, outer]) == 9
     wide = hr.StreamSpec("nvfp4", "nvfp4", False, 128, 1, 2)
     assert not wide.prefetch_groups and script.stage_instructions(wide, inner, [inner, outer]) is None
+
+
+def test_every_build_of_the_catalogue_parses_to_its_own_spec():
+    """``ALL_SPECS`` names each variant once: every text parses (no compile here) and no two give the same spec."""
+    script = load_script("h200_sass_report")
+    specs = [script.parse_spec(text)[0] for text in script.ALL_SPECS]
+    assert len(set(map(repr, specs))) == len(specs) == len(set(script.ALL_SPECS))
+    by_text = dict(zip(script.ALL_SPECS, specs))
+    route = by_text["wgmma:mxfp4:128:e2m1_e4m3"]   # the in-kernel FP8 route: both operands in E2M1E4M3Order
+    assert route.fp8 and route.a_layout == route.b_layout == "e2m1_e4m3" and not route.chunk_scaled
+    w4a8 = by_text["wgmma:w4a8:128:e2m1_e4m3"]     # MXFP8 tokens as quantized
+    assert w4a8.fp8 and (w4a8.a_format, w4a8.a_layout) == ("mxfp8", "packed")
+    steps = by_text["wgmma:w4a8:128:e4m3_folded"]  # W4A8 on weights folded ahead: a promotion per k32 step
+    assert steps.chunk_scaled and steps.step_scaled and steps.a_layout == "packed"
+    pair = by_text["wgmma:mxfp8:128:cg2:e4m3_folded"]
+    assert pair.cta_group == 2 and pair.chunk_scaled
+    split = by_text["wgmma:nvfp4:32:swap:splitk"]
+    assert split.split_k and split.ab_swapped and split.mma_bn == 32
+
+
+FACTS = {"spec": "wgmma:x", "registers": 168, "local_bytes": 0, "instructions": 2480, "sass": "a" * 64,
+         "mma": "QGMMA", "serialized": 0, "loop": {"size": 205}}
+
+
+def test_compare_names_each_spec_whose_sass_differs(tmp_path, capsys):
+    script = load_script("h200_sass_report")
+    same = dict(FACTS, spec="wgmma:same")
+    grown = dict(FACTS, spec="wgmma:grown", sass="b" * 64, instructions=2490, serialized=2, loop={"size": 215})
+    before = {"wgmma:same": same, "wgmma:grown": FACTS | {"spec": "wgmma:grown"}, "wgmma:gone": same}
+    after = {"wgmma:same": same, "wgmma:grown": grown}
+    lines = script.compare(before, after)
+    assert lines[0] == f"wgmma:same: same SASS ({'a' * 12})"
+    assert lines[1] == (f"wgmma:grown: SASS differs ({'a' * 12} -> {'b' * 12}): instructions 2480 -> 2490, "
+                        f"serialized 0 -> 2, innermost loop 205 -> 215")
+    assert lines[2] == "wgmma:gone: only before"
+    # the command line: exit status 1 when anything differs, 0 when every spec is the same
+    import json
+    paths = [tmp_path / "before.jsonl", tmp_path / "after.jsonl"]
+    for path, found in zip(paths, (before, after)):
+        path.write_text("".join(json.dumps(f) + "\n" for f in found.values()))
+    assert script.main(["--compare", *map(str, paths)]) == 1
+    assert script.main(["--compare", str(paths[1]), str(paths[1])]) == 0
+    assert "same SASS" in capsys.readouterr().out
