@@ -37,8 +37,8 @@ from .formats import get_format
 from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
-from .numba_kernels.h200_wgmma import (FOLDED_WIDE_MMA_BN, FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS,
-                                       TWO_M_TILES_MMA_BN, WgmmaSpec)
+from .numba_kernels.h200_wgmma import (E4M3_ROW_BYTES, FOLDED_WIDE_MMA_BN, FP8_MMA_BN, FP8_ROUTE_FORMATS,
+                                       SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec)
 from .problem import GroupedProblem, layout_of, problem_format_name
 from .schedule import check_num_ctas
 
@@ -114,6 +114,7 @@ class H200Plan:
         else:
             knobs = f"bn{s.mma_bn}, {s.tile_tokens}-token tiles" if not s.ab_swapped else f"bn{s.mma_bn}"
             knobs += f", {s.stages} stages" + (", FP8 route" if s.fp8 else "")
+            knobs += ", CTA pairs" if s.cta_group > 1 else ""
         split = f"{self.k_splits} split-K runs of {self.slices_per_split} slices" if self.k_splits > 1 else "whole K"
         grid = f"{self.num_ctas} CTAs" + ("" if self.registers is not None else " (estimated: no sm_90 GPU to compile)")
         return f"{self.kernel} {orientation} {knobs}; {split}; {grid}"
@@ -326,6 +327,18 @@ def fp8_route_knobs(problem, mma_bn: int | None = None) -> tuple[dict | None, li
                   "fp8-route-gpu" if tokens_fp4 else "w4a8-fp8-route-gpu")] + width_rules + window)
 
 
+def pair_rule(pair: int, mma_bn: int) -> Rule:
+    """The rule of a CTA pair asked for (``cta_group=2``: its two 128-token tiles share the weight tile, each CTA
+    loading half of its rows multicast to both) on the route's tile width."""
+    shared = f"cta_group={pair} as asked: a CTA pair's token tiles share the {mma_bn}-row weight tile by multicast"
+    if mma_bn == FP8_MMA_BN:
+        return Rule("pair", f"{shared}; as fast as one CTA per tile on large prefill up, 10 % slower on down",
+                    "fold-pair-pipelined")
+    single_kb, pair_kb = ((TILE_M_ROWS + mma_bn // ctas) * E4M3_ROW_BYTES // 1024 for ctas in (1, pair))
+    return Rule("pair", f"{shared}, each CTA loading {mma_bn // pair} of its rows: {pair_kb} instead of {single_kb} KB "
+                        f"per CTA and 128-K slice from L2 (not measured yet)")
+
+
 def folded_operands(problem) -> bool:
     """Both operands in ``LAYOUT_E4M3_FOLDED`` (MXFP4 folded ahead into E4M3 with one scale per 128-K chunk)."""
     return (layout_of(problem, "a"), layout_of(problem, "b")) == (LAYOUT_E4M3_FOLDED, LAYOUT_E4M3_FOLDED)
@@ -501,10 +514,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     ``"h200_wgmma"``. Constraints on single knobs (``TILE_CONSTRAINTS``: ``ab_swapped``, ``mma_bn``, ``cta_group``,
     ``stages`` (``AUTO_STAGES``: deepest), ``small_n_warps``, ``tile_tokens``) replace the rules' tile; with them or a
     config, ``"auto"`` is the streaming kernel. ``fp8``: True runs the wgmma kernel's FP8 route on its own tile (the
-    only constraints it takes: ``cta_group`` 2 and ``mma_bn``, 128 or, on operands folded ahead, 192: the plan's
-    there), False never, unset where it wins (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split
-    and the grid. ``trace``: the streaming kernel's start-up trace build (a diagnostic). TypeError / ValueError
-    saying what is wrong."""
+    only constraints it takes: ``cta_group`` 2, never chosen unasked, and ``mma_bn``, 128 or, on operands folded
+    ahead, 192: the plan's there, for one CTA per tile or a pair), False never, unset where it wins
+    (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split and the grid. ``trace``: the streaming
+    kernel's start-up trace build (a diagnostic). TypeError / ValueError saying what is wrong."""
     if backend not in ("auto",) + KERNELS:
         raise ValueError(f"not an H200 backend: {backend!r} (one of {('auto',) + KERNELS})")
     missing = [name for name in PROBLEM_METADATA if not hasattr(problem, name)]
@@ -541,15 +554,12 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         if backend == "h200_stream" or config is not None or tile:
             raise ValueError("fp8=True is the wgmma kernel's FP8 route with its own tile: backend 'auto' or "
                              "'h200_wgmma', no config, no knob constraints but cta_group and mma_bn")
-        if pair is not None and pair > 1 and width is None:
-            width = FP8_MMA_BN   # the pair is built on 128-row tiles
         route_knobs, fired = fp8_route_knobs(problem, width)
         rules += fired
         if pair is not None and route_knobs is not None:
             route_knobs["cta_group"] = pair
-            rules.append(Rule("pair", f"cta_group={pair} as asked (2: a CTA pair's token tiles share the weight tile "
-                                      "by multicast; as fast as one CTA per tile on large prefill up, 10 % slower "
-                                      "on down)", "fold-pair-pipelined"))
+            if pair > 1:
+                rules.append(pair_rule(pair, route_knobs["mma_bn"]))
     kernel = "h200_wgmma" if route_knobs is not None else backend
     if not get_format(problem.a_format).scaled:
         rules.append(Rule("W4A16", "bf16 tokens: the SM100 tables have no bf16-token row (tcgen05 has no bf16 x FP4 "

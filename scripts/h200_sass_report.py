@@ -47,7 +47,8 @@ ALL_SPECS = DEFAULT_SPECS + (
     "wgmma:w4a16:128", "wgmma:w4a16_nvfp4:256", "wgmma:w4a16:128:t256",
     f"wgmma:mxfp4:128:{LAYOUT_E2M1_E4M3}", f"wgmma:w4a8:128:{LAYOUT_E2M1_E4M3}",
     f"wgmma:mxfp8:128:{LAYOUT_E4M3_FOLDED}", f"wgmma:mxfp8:128:cg2:{LAYOUT_E4M3_FOLDED}",
-    f"wgmma:w4a8:128:{LAYOUT_E4M3_FOLDED}", f"wgmma:mxfp8:192:{LAYOUT_E4M3_FOLDED}")
+    f"wgmma:w4a8:128:{LAYOUT_E4M3_FOLDED}", f"wgmma:mxfp8:192:{LAYOUT_E4M3_FOLDED}",
+    f"wgmma:mxfp8:192:cg2:{LAYOUT_E4M3_FOLDED}")
 MIX_OPCODES = 8   # most frequent opcodes shown per loop
 
 

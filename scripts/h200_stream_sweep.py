@@ -10,11 +10,13 @@ or ``auto``; a point may add ``:num_ctas``, and end in ``:w8`` for 8 small-N con
 ``StreamSpec.small_n_warps``),
 ``wgmma:format:case:mma_bn:stages[:num_ctas][:t256][:swap][:k<runs>|:kauto]`` for the wgmma kernel
 (``h200_wgmma``; stages an int or ``auto``; ``:swap`` = weights on wgmma M; ``:k4`` = 4 split-K runs per swapped
-tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2|:n128|:n192]`` for
-what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
+tile, ``:kauto`` = ``gbs.plan.swapped_k_splits``), or ``plan:backend:format:case[:cg2|:cg2n128|:n128|:n192]``
+for what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, ``h200_stream`` or
 ``h200_wgmma``: the kernels' measured plans; ``:cg2``: ``fp8=True, cta_group=2``, the folded FP8 route on CTA
-pairs (on 128-row tiles); ``:n128`` / ``:n192``: ``fp8=True, mma_bn=128|192``, its 128 x 128 tile or its 128 x 192 tile
-(the plan's own on operands folded ahead)). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
+pairs on the plan's tile width (2 x 128 tokens x 192 weight rows on operands folded ahead; before the pair took 192
+rows, ``:cg2`` ran 128); ``:cg2n128``: the pair on 128-row tiles (``mma_bn=128``); ``:n128`` / ``:n192``:
+``fp8=True, mma_bn=128|192``, one CTA per 128 x 128 tile or per 128 x 192 tile (the plan's own on operands folded
+ahead)). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
@@ -87,8 +89,8 @@ def parse_wgmma_point(text: str):
 
 
 # a plan point's last field: the folded FP8 route with a knob of its own (plan_h200(fp8=True, ...))
-FP8_ROUTE_SUFFIXES = {"cg2": dict(cta_group=2), "n128": dict(mma_bn=h200_wgmma.FP8_MMA_BN),
-                      "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN)}
+FP8_ROUTE_SUFFIXES = {"cg2": dict(cta_group=2), "cg2n128": dict(cta_group=2, mma_bn=h200_wgmma.FP8_MMA_BN),
+                      "n128": dict(mma_bn=h200_wgmma.FP8_MMA_BN), "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN)}
 
 
 def parse_plan_point(text: str):
@@ -102,6 +104,14 @@ def parse_plan_point(text: str):
     _, backend, fmt, case = parts
     config = backend if route is None else dict(backend=backend, fp8=True, **route)
     return SweepPoint(fmt, parse_case(case, text), config)
+
+
+def plan_of(problem, config, k_splits=None, num_ctas=None):
+    """The plan a point's ``config`` (a backend name, or constraints with the backend) runs ``problem`` with."""
+    if isinstance(config, str):
+        return plan_h200(problem, None, config)
+    constraints = dict(config)
+    return plan_h200(problem, backend=constraints.pop("backend"), num_ctas=num_ctas, k_splits=k_splits, **constraints)
 
 
 def parse_point(text: str):
@@ -210,12 +220,7 @@ def main(argv=None) -> int:
         problem = problems[key]
         copies = rotation_count(sum(problem.nbytes().values()), l2)
         try:
-            if isinstance(config, str):
-                plan = plan_h200(problem, None, config)
-            else:
-                constraints = dict(config)
-                plan = plan_h200(problem, backend=constraints.pop("backend"), num_ctas=num_ctas, k_splits=k_splits,
-                                 **constraints)
+            plan = plan_of(problem, config, k_splits, num_ctas)
             launches = [h200_launch.prepare(to_device(problem), plan) for _ in range(copies)]
             timing = time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on

@@ -203,7 +203,13 @@ def run_cases(args: set, results: list) -> int:
             cases.append(("h200_wgmma", (192, 128, LAYOUT_E4M3_FOLDED, "tokens folded on the GPU"), folded,
                           lambda: folded_on_gpu(p, folded)))
             cases.append(("h200_wgmma", (128, 128, LAYOUT_E4M3_FOLDED, "cta pair sharing the weight tile"), folded,
-                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True, cta_group=2), None)))
+                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True, cta_group=2, mma_bn=128), None)))
+            cases.append(("h200_wgmma", (192, 128, LAYOUT_E4M3_FOLDED, "cta pair sharing the weight tile"), folded,
+                          lambda: h200_launch.run(folded, plan_h200(folded, fp8=True, cta_group=2, mma_bn=192), None)))
+            folded_wide = fold_problem(wide)   # groups past 128 tokens: the pair's second CTA with rows, or none
+            cases.append(("h200_wgmma", (192, 128, LAYOUT_E4M3_FOLDED, "cta pair", TWO_M_GROUP_SIZES), folded_wide,
+                          lambda: h200_launch.run(folded_wide, plan_h200(folded_wide, fp8=True, cta_group=2,
+                                                                         mma_bn=192), None)))
             cases.append(("h200_wgmma", (192, 128, LAYOUT_E4M3_FOLDED, "one chunk set"), folded,   # N = 192 + 8
                           lambda: h200_launch.run(folded, plan_h200(folded, fp8=True), None)))   # the plan's tile
         if fmt == "w4a8" and "h200_wgmma" in kernels:   # W4A8 on the FP8 route: tokens as the wgmma A operand

@@ -1,7 +1,8 @@
 """The FP8 route on operands folded ahead (issue 31 item 3): MXFP4 x MXFP4 re-encoded once as E4M3 with one UE8M0 scale
 per 128-K chunk (``gbs.fp8_route.fold_problem``, layout ``e4m3_folded``), multiplied by the wgmma kernel's
 chunk-scaled consumer (``h200_wgmma._make_chunk_scaled_consumer``: both operands straight from the ring, two chunk
-sets, one fp32 promotion per 128 K; on 128 x 192 tiles one set, a factor per 64-column group).
+sets, one fp32 promotion per 128 K; on 128 x 192 tiles one set, a factor per 64-column group; CTA pairs of 2 x 128
+tokens sharing a 128- or 192-row weight tile by multicast).
 
 CPU: the fold keeps the exact reference bit for bit (ragged groups, an empty group, a -1 slot, a 1-token group, N and
 K tails, blocks at both ends of the window, NaN blocks); it refuses what it cannot fold exactly; the layout tag
@@ -10,7 +11,7 @@ the builds' SASS.
 
 GPU (the H200): the route's contract against the exact reference (``test_fp8_route_kernel.check_route``:
 bit-identical where the tensor core sums every chunk exactly, within ``HOPPER_CHUNK_ERROR``'s bound elsewhere, skipped
-rows keep the poison, NaN where the reference has it), on 128 x 128 tiles, CTA pairs and 128 x 192 tiles.
+rows keep the poison, NaN where the reference has it), on 128 x 128 tiles, 128 x 192 tiles and CTA pairs of both.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from gbs.ptx_inline import offline
 from gbs.reference import reference_grouped_matmul
 from fp8_cases import fold_tiles_apart, gaussian_problem, w4a8_window_edges, window_edges, with_scales
 from test_fp8_route_kernel import check_route
+from test_h200_stream import _shapes_and_fake_addresses, tma_box_3d_any
 
 
 def same_bits(x, y) -> bool:
@@ -190,17 +192,36 @@ def test_plan_runs_folded_prefill_on_the_route_and_the_rest_as_mxfp8():
     narrow = plan_h200(folded, fp8=True, mma_bn=128)   # asked for: two chunk sets
     assert (narrow.spec.mma_bn, narrow.spec.chunk_sets) == (128, 2)
     assert {r.name: r.evidence for r in narrow.rules}["tile width"] is None
-    assert plan_h200(folded, fp8=True, cta_group=2).spec.mma_bn == 128   # the pair is built on 128-row tiles
     assert plan_h200(w4a8, fp8=True).spec.mma_bn == 128                   # W4A8 promotes per step: 128 rows
     with pytest.raises(ValueError, match="both folded ahead"):
         plan_h200(w4a8, fp8=True, mma_bn=192)
-    with pytest.raises(ValueError, match="cta_group 1"):
-        plan_h200(folded, fp8=True, mma_bn=192, cta_group=2)
+
+
+def test_plan_takes_a_pair_only_when_asked_on_its_own_tile_width():
+    """``cta_group=2`` asked for: the pair on the plan's width (192 rows on operands folded ahead, its rule saying it is
+    not measured yet; 128 as asked, with its measurement; W4A8's 128); ``"auto"`` never takes a pair."""
+    folded = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(64, 40), expert_ids=(0, 1), experts=2))
+    assert plan_h200(folded).spec.cta_group == 1 and plan_h200(folded, fp8=True).spec.cta_group == 1
+    pair = plan_h200(folded, fp8=True, cta_group=2)
+    assert (pair.spec.mma_bn, pair.spec.cta_group, pair.spec.chunk_sets, pair.spec.stages) == (192, 2, 1, 5)
+    assert pair.spec == plan_h200(folded, fp8=True, cta_group=2, mma_bn=192).spec
+    rules = {r.name: r for r in pair.rules}
+    assert rules["pair"].evidence is None and "not measured" in rules["pair"].decided
+    assert "96 of its rows: 28 instead of 40 KB" in rules["pair"].decided and "CTA pairs" in pair.describe()
+    assert pair.num_ctas % 2 == 0
+    assert pair.max_tiles == hl.max_tiles_bound(pair.ring, folded.total_tokens, folded.num_active_experts, 256)
+    narrow = plan_h200(folded, fp8=True, cta_group=2, mma_bn=128)
+    assert (narrow.spec.mma_bn, narrow.spec.cta_group, narrow.spec.chunk_sets) == (128, 2, 2)
+    assert {r.name: r.evidence for r in narrow.rules}["pair"] == "fold-pair-pipelined"
+    w4a8 = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(64, 40), expert_ids=(0, 1), experts=2,
+                                            fmt="w4a8"))
+    w4a8_pair = plan_h200(w4a8, fp8=True, cta_group=2).spec
+    assert (w4a8_pair.mma_bn, w4a8_pair.cta_group, w4a8_pair.step_scaled) == (128, 2, True)
 
 
 def test_spec_takes_folded_operands_only_on_its_128_x_128_and_128_x_192_tiles():
-    """128 x 128 (two chunk sets), and 128 x 192 (one set) with the tokens folded too: W4A8, the other routes, a CTA
-    pair and the SM100 tile rules keep refusing 192 rows."""
+    """128 x 128 (two chunk sets), and 128 x 192 (one set) with the tokens folded too, on one CTA or a pair: W4A8, the
+    other routes and the SM100 tile rules keep refusing 192 rows."""
     folded = dict(a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
     spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, fp8=True, **folded)
     assert spec.chunk_scaled and spec.buffers == 0 and spec.chunk_sets == 2
@@ -219,8 +240,8 @@ def test_spec_takes_folded_operands_only_on_its_128_x_128_and_128_x_192_tiles():
         hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, **folded)
     with pytest.raises(ValueError, match="both folded ahead"):
         hw.WgmmaSpec("mxfp4", "mxfp4", 192, 4)
-    with pytest.raises(ValueError, match="cta_group 1"):
-        hw.WgmmaSpec("mxfp8", "mxfp8", 192, 4, fp8=True, cta_group=2, **folded)
+    pair = hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, fp8=True, cta_group=2, **folded)
+    assert pair.chunk_sets == 1 and hl.max_pipeline_stages(pair) == 5 and pair.smem == wide.smem
     with pytest.raises(ValueError, match="mma_bn=192 is illegal"):   # the SM100 rules (and the streaming kernel's)
         hr.StreamSpec("mxfp8", "mxfp8", False, 192, 1, 2)
 
@@ -293,7 +314,7 @@ def test_a_cta_pair_shares_the_weight_tile():
     """cta_group=2 (folded route only): a 256-token tile over two CTAs, each loading its own 128 token rows and half
     the weight rows multicast to both; the stage's boxes tile it and sum to the bytes its barrier expects."""
     folded = fr.fold_problem(gaussian_problem(320, 512, seed=1))
-    single, pair = plan_h200(folded, fp8=True, mma_bn=128), plan_h200(folded, fp8=True, cta_group=2)
+    single, pair = plan_h200(folded, fp8=True, mma_bn=128), plan_h200(folded, fp8=True, cta_group=2, mma_bn=128)
     assert (single.spec.cta_group, pair.spec.cta_group) == (1, 2) and pair.num_ctas % 2 == 0
     ring = pair.spec.ring
     assert (ring.tile_shape.tokens, ring.tile_shape.weight_rows) == (256, 128)
@@ -311,19 +332,103 @@ def test_a_cta_pair_shares_the_weight_tile():
                      b_layout=LAYOUT_E4M3_FOLDED)
 
 
-def test_the_pair_build_multicasts_weights_and_releases_both_ctas():
-    spec = hw.WgmmaSpec("mxfp8", "mxfp8", 128, 6, fp8=True, a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED,
+def test_a_192_row_pair_shares_the_weight_tile_in_halves_of_96_rows():
+    """The pair on 192-row tiles: a 256 x 192 tile, each CTA loading its own 128 token rows and 96 weight rows (whole
+    1024-byte swizzle atoms, so the peer's half lands at row 96 of the stage's wgmma operand) multicast to both, and
+    one of the tile's two weight scale bands each, multicast. The stage is the one-CTA 192 tile's. The bands are the
+    tile's, not a half's: a half straddling a fold tile's edge (rows 96..191 of the tile at 0, 192..287 of the one at
+    192) finds every row's fold tile in them, as do the column groups the consumer promotes."""
+    folded = fr.fold_problem(gaussian_problem(704, 512, seed=3))
+    single, pair = plan_h200(folded, fp8=True, mma_bn=192), plan_h200(folded, fp8=True, cta_group=2)
+    ring, one = pair.spec.ring, single.spec.ring
+    assert (ring.tile_shape.tokens, ring.tile_shape.weight_rows, ring.tile_shape.cta_group) == (256, 192, 2)
+    assert ring.shares_weights and not ring.shares_tokens and ring.empty_arrivals_per_cta == 2
+    assert ring.weight_box == (128, 96, 1) and ring.token_box == (128, 128) and ring.m_rows == 128
+    assert (ring.smem, ring.tx_bytes, ring.weight_side.scale_bands) == (one.smem, one.tx_bytes, 2)
+    loads = hr.stage_loads(ring)
+    assert sum(size for _, _, size, _ in loads) == ring.tx_bytes
+    halves = [(offset, size) for what, offset, size, multicast in loads if what == "weights" and multicast]
+    assert halves == [(ring.smem.n_data + rank * 96 * 128, 96 * 128) for rank in range(2)]
+    assert all(offset % hr.DATA_ALIGN == 0 for offset, _ in halves)
+    bands = [offset for what, offset, _, multicast in loads if what == "weight scales" and multicast]
+    assert bands == [ring.smem.n_scales + b * ring.scale_band_bytes for b in range(2)]
+    assert [multicast for what, *_, multicast in loads if what.startswith("token")] == [False, False]
+    spans = sorted((offset, offset + size) for _, offset, size, _ in loads)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), spans
+    assert max(hi for _, hi in spans) <= ring.smem.stage_bytes
+    straddling = set()
+    for r0 in range(0, folded.n, 192):
+        band_start = r0 - r0 % hr.SF_ATOM_ROWS
+        staged = range(band_start // hw.FOLD_TILE_ROWS, band_start // hw.FOLD_TILE_ROWS + 2)   # the stage's bands
+        for rank in range(2):
+            tiles = {row // hw.FOLD_TILE_ROWS for row in range(r0 + 96 * rank, r0 + 96 * (rank + 1))}
+            assert tiles <= set(staged)
+            straddling |= {(r0, rank)} if len(tiles) > 1 else set()
+        assert {hw.column_group_fold_tile(r0, g, 192) for g in range(3)} <= set(staged)
+    assert {(0, 1), (192, 0)} <= straddling
+    with pytest.raises(ValueError, match="ab_swapped False"):
+        hr.StreamSpec("mxfp8", "mxfp8", True, 192, 2, 2, warpgroup_consumers=True)
+    with pytest.raises(ValueError, match="whole 1024-byte swizzle atoms"):   # 4-row halves: the second misaligned
+        hr.StreamSpec("mxfp8", "mxfp8", False, 8, 2, 2, warpgroup_consumers=True)
+
+
+def test_the_192_row_pairs_halves_load_the_one_cta_tiles_bytes():
+    """Through the tensor maps the launch encodes: CTA ``rank`` of a 192-row pair loads weight rows ``r0 + 96 rank``
+    (a 96-row box) into the stage at ``96 rank`` rows, and the two halves hold the one-CTA tile's 192-row box byte for
+    byte, for every expert, tile (N = 320: the last tile's second half 32 rows below N, then zeros) and K slice; the
+    scale map is the one-CTA tile's, CTA ``rank`` loading its band ``rank``; each CTA's own 128 token rows are the
+    one-CTA tiles' boxes. Both maps swizzle alike (same box width, destinations 1024-byte aligned)."""
+    folded = fr.fold_problem(gaussian_problem(320, 384, seed=12, group_sizes=(300, 9), expert_ids=(1, 0), experts=2))
+    layouts = dict(a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
+    single, pair = (hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, fp8=True, cta_group=cg, **layouts).ring for cg in (1, 2))
+    shapes, addresses = _shapes_and_fake_addresses(folded)
+    one_maps, pair_maps = (hl.tensor_map_args(ring, shapes, addresses) for ring in (single, pair))
+    for args in pair_maps:
+        args.check()
+    assert pair_maps[1].box == (128, 96, 1) and one_maps[1].box == (128, 192, 1)
+    assert pair_maps[1].swizzle == one_maps[1].swizzle == "128B"
+    assert (pair_maps[0], pair_maps[2], pair_maps[3]) == (one_maps[0], one_maps[2], one_maps[3])
+    b = folded.b.view(np.uint8)
+    for expert in range(folded.num_experts):
+        for r0 in range(0, folded.n, 192):
+            for s in range(hl.k_slices_of(folded.k, single.k_slice)):
+                want = tma_box_3d_any(b, one_maps[1], (128 * s, r0, expert))
+                got = np.concatenate([tma_box_3d_any(b, pair_maps[1], (128 * s, r0 + 96 * rank, expert))
+                                      for rank in range(2)])
+                assert np.array_equal(got, want), (expert, r0, s)
+                assert not got[(folded.n - r0) * 128:].any()   # rows past N: zeros, never the next expert's
+    bands = [offset for what, offset, *_ in hr.stage_loads(pair) if what == "weight scales"]
+    assert bands == [offset for what, offset, *_ in hr.stage_loads(single) if what == "weight scales"]
+    assert [what for what, *_ in hr.stage_loads(pair)].count("tokens") == 1 and pair.token_box == single.token_box
+
+
+def _pair_build(mma_bn):
+    spec = hw.WgmmaSpec("mxfp8", "mxfp8", mma_bn, 1, fp8=True, a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED,
                         cta_group=2)
-    assert hl.max_pipeline_stages(spec) == 6
+    spec = dataclasses.replace(spec, stages=hl.max_pipeline_stages(spec))
     cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
                                   launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+    return spec, cubin
+
+
+@pytest.mark.parametrize("mma_bn, stages, mmas", [(128, 6, 8), (192, 5, 4)])
+def test_the_pair_build_multicasts_weights_and_releases_both_ctas(mma_bn, stages, mmas):
+    """Both pair builds: the deepest ring (the one-CTA tile's), pipelined MMAs (no wait for 0 groups between MMAs that
+    accumulate, nor right after one), no local memory, the weight halves multicast, remote arrivals on the peer's
+    ``empty`` barriers, and the cluster barrier after init and before exit in each role's branch."""
+    spec, cubin = _pair_build(mma_bn)
+    assert spec.stages == stages
     assert offline.resource_usage(cubin).local_bytes == 0
-    instructions = offline.sass_instructions(offline.disassemble(cubin))
+    sass = offline.disassemble(cubin)
+    instructions = offline.sass_instructions(sass)
     assert not offline.serialized_wgmma(instructions)   # the 57ebc6f pair build had every MMA waited for (C7512)
     ops = collections.Counter(ins.split()[0] for ins in instructions)
-    assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == 8
+    assert ops[f"QGMMA.64x{mma_bn}x32.F32.E4M3.E4M3"] == mmas
     assert ops["UTMALDG.3D.MULTICAST"] >= 2 and ops["UTMALDG.2D"] >= 1   # weight halves (and scales); own tokens
     assert ops["UCGABAR_ARV"] >= 2 and ops["UCGABAR_WAIT"] >= 2          # the pair meets after init, before exit
+    mma_loop = next(loop for loop in offline.sass_loops(sass) if loop.count("QGMMA"))
+    assert mma_loop.count("QGMMA") == mmas and mma_loop.count("LDL") + mma_loop.count("STL") == 0
+    assert mma_loop.count("SYNCS.ARRIVE.TRANS64.RED") >= 1   # the release reaches the peer CTA's barrier
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,8 +445,9 @@ def _run_folded(problem, cta_group=None, mma_bn=None):
     return hl.run(folded, plan, None)
 
 
-# (cta_group, mma_bn): one CTA per tile, a CTA pair sharing the weight tile, the 128 x 192 tile
-FOLDED_TILES = [(1, 128), (2, 128), (1, 192)]
+# (cta_group, mma_bn): one CTA per tile, a CTA pair sharing the weight tile, the 128 x 192 tile and its pair
+FOLDED_TILES = [(1, 128), (2, 128), (1, 192), (2, 192)]
+WIDE_TILES = [(1, 192), (2, 192)]
 
 
 @pytest.mark.gpu
@@ -350,9 +456,9 @@ FOLDED_TILES = [(1, 128), (2, 128), (1, 192)]
 def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k, cta_group, mma_bn):
     """Ragged groups: an empty group, a -1 slot (its rows keep the poison), a 1-token group, groups past 256 tokens
     and not multiples of 128 (a pair's second CTA has part of a tile, or none); N and K tails (gpt-oss K = 2880: a
-    partial last chunk); one CTA per tile, a CTA pair sharing the weight tile, and 192-row tiles (N not a multiple of
-    192: a last tile of 128 or 64 rows starting mid fold tile (320, 256), at a fold tile's start (448), or the only
-    one (128))."""
+    partial last chunk); one CTA per tile, a CTA pair sharing the weight tile, and 192-row tiles on one CTA or a pair
+    (N not a multiple of 192: a last tile of 128 or 64 rows starting mid fold tile (320, 256), at a fold tile's start
+    (448), or the only one (128); a pair's second 96-row half partly past N (320, 128) or wholly (256, 448))."""
     problem = gaussian_problem(n, k, seed=zlib.crc32(f"folded/{n}/{k}".encode()))
     counts = check_route(problem, _run_folded(problem, cta_group, mma_bn))
     assert counts["asserted"] > 0.5 * counts["elements"], counts   # Gaussian data: mostly exact chunk sums
@@ -360,22 +466,22 @@ def test_gpu_folded_route_matches_the_reference_on_ragged_groups_and_tails(n, k,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mma_bn", [128, 192])
-def test_gpu_folded_route_takes_each_fold_tiles_own_factor(mma_bn):
+@pytest.mark.parametrize("cta_group, mma_bn", [(1, 128)] + WIDE_TILES)
+def test_gpu_folded_route_takes_each_fold_tiles_own_factor(cta_group, mma_bn):
     """Weight rows of 128-row fold tile t scaled by 2^(3 t): every fold tile has its own base, so a column promoted
-    with a neighbouring tile's factor is off by a power of 8 (the 192-row tiles span two fold tiles; ragged groups,
-    N = 704 not a multiple of 192)."""
+    with a neighbouring tile's factor is off by a power of 8 (the 192-row tiles span two fold tiles, and a pair's
+    96-row halves straddle their edges; ragged groups, N = 704 not a multiple of 192)."""
     problem = fold_tiles_apart(704, 1024, seed=23)
-    counts = check_route(problem, _run_folded(problem, mma_bn=mma_bn))
+    counts = check_route(problem, _run_folded(problem, cta_group, mma_bn))
     assert counts["asserted"] > 0.5 * counts["elements"], counts
     print(counts)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mma_bn", [128, 192])
-def test_gpu_folded_route_window_edges_and_nan_blocks(mma_bn):
+@pytest.mark.parametrize("cta_group, mma_bn", [(1, 128)] + WIDE_TILES)
+def test_gpu_folded_route_window_edges_and_nan_blocks(cta_group, mma_bn):
     edge = window_edges(seed=7)
-    counts = check_route(edge, _run_folded(edge, mma_bn=mma_bn))
+    counts = check_route(edge, _run_folded(edge, cta_group, mma_bn))
     print(counts)
 
 

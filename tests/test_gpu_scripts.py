@@ -56,16 +56,36 @@ def test_sweep_parses_stream_and_plan_points(sweep):
     assert sweep.parse_point("plan:auto:w4a8:kimi_decode").config == "auto"
     assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:cg2").config == dict(backend="auto", fp8=True,
                                                                                    cta_group=2)
+    assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:cg2n128").config == dict(backend="auto", fp8=True,
+                                                                                       cta_group=2, mma_bn=128)
     assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:n192").config == dict(backend="auto", fp8=True,
                                                                                     mma_bn=192)
     assert sweep.parse_point("plan:auto:mxfp4:large_prefill_up:n128").config == dict(backend="auto", fp8=True,
                                                                                     mma_bn=128)
 
 
+def test_sweep_fp8_route_suffixes_plan_their_tiles(sweep):
+    """Plan points on operands folded ahead (``--b-layout e4m3_folded``): the plan's 128 x 192 tile on one CTA per
+    tile, ``:cg2`` its pair (2 x 128 tokens sharing 192 weight rows), ``:cg2n128`` the pair on 128 rows, ``:n128`` /
+    ``:n192`` one CTA per 128- or 192-row tile."""
+    from gbs.fp8_route import fold_problem
+
+    point = sweep.parse_point("plan:auto:mxfp4:512,512,4,160")
+    problem = fold_problem(point.case.problem(point.fmt))
+    tiles = {suffix: sweep.plan_of(problem, sweep.parse_point(f"plan:auto:mxfp4:512,512,4,160{suffix}").config).spec
+             for suffix in ("", ":cg2", ":cg2n128", ":n128", ":n192")}
+    assert {suffix: (spec.mma_bn, spec.cta_group, spec.ring.tile_shape.tokens) for suffix, spec in tiles.items()} == {
+        "": (192, 1, 128), ":cg2": (192, 2, 256), ":cg2n128": (128, 2, 256), ":n128": (128, 1, 128),
+        ":n192": (192, 1, 128)}
+    assert all(spec.chunk_scaled for spec in tiles.values())
+
+
 @pytest.mark.parametrize("point", ["wgmma:mxfp8:large_prefill_up:256:auto:e4m3", "wgmma:mxfp8:x:128:auto",
                                    "wgmma:nvfp4:small_prefill_up:128:auto:swap",
                                    "nvfp4:decode_up:Y:8:1:2:1", "plan:simt:nvfp4:decode_up",
-                                   "plan:auto:mxfp4:large_prefill_up:cg4", "plan:auto:mxfp4:large_prefill_up:n256"])
+                                   "plan:auto:mxfp4:large_prefill_up:cg4", "plan:auto:mxfp4:large_prefill_up:n256",
+                                   "plan:auto:mxfp4:large_prefill_up:cg2n256",
+                                   "plan:auto:mxfp4:large_prefill_up:cg2:n128"])
 def test_sweep_refuses_bad_points(sweep, point):
     with pytest.raises(ValueError):
         sweep.parse_point(point)
@@ -308,3 +328,21 @@ def test_fold_tokens_time_counts_the_bytes_the_fold_moves_and_refuses_unknown_ca
     assert timer.moved_bytes(p) == p.total_tokens * p.k // 2 + p.total_tokens * p.k + 2 * p.a_scales.nbytes
     with pytest.raises(SystemExit):
         timer.main(["--cases", "no_such_case"])
+
+
+def test_sanitize_small_runs_the_folded_route_on_both_pairs(monkeypatch, capsys):
+    """MXFP4's folded-route cases: one CTA per 128- and 192-row tile, and CTA pairs on both widths, the 192-row pair
+    also on groups past 128 tokens (a pair's second CTA with rows, part of a tile or none)."""
+    sanitize = load_script("sanitize_small")
+    from gbs.reference import reference_grouped_matmul
+
+    calls = []
+    monkeypatch.setattr(sanitize.h200_launch, "run",
+                        lambda p, plan, out=None: calls.append((p.total_tokens, plan.spec.mma_bn, plan.spec.cta_group,
+                                                                p.b_layout)) or reference_grouped_matmul(p))
+    monkeypatch.setattr(sanitize, "folded_on_gpu", lambda problem, folded: reference_grouped_matmul(folded))
+    assert sanitize.main(["h200_wgmma", "mxfp4"]) == 0
+    small, wide = sum(sanitize.GROUP_SIZES), sum(sanitize.TWO_M_GROUP_SIZES)
+    folded = sorted((tokens, bn, cg) for tokens, bn, cg, layout in calls if layout == "e4m3_folded")
+    assert folded == sorted([(small, 128, 1), (small, 128, 2), (small, 192, 2), (wide, 192, 2), (small, 192, 1)])
+    assert capsys.readouterr().out.strip().endswith("0 failed")

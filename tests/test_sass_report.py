@@ -99,6 +99,8 @@ def test_every_build_of_the_catalogue_parses_to_its_own_spec():
     assert steps.chunk_scaled and steps.step_scaled and steps.a_layout == "packed"
     pair = by_text["wgmma:mxfp8:128:cg2:e4m3_folded"]
     assert pair.cta_group == 2 and pair.chunk_scaled
+    wide_pair = by_text["wgmma:mxfp8:192:cg2:e4m3_folded"]   # the 192-row tile's pair: 96 weight rows per CTA
+    assert (wide_pair.mma_bn, wide_pair.cta_group, wide_pair.stages, wide_pair.ring.weight_box[1]) == (192, 2, 5, 96)
     split = by_text["wgmma:nvfp4:32:swap:splitk"]
     assert split.split_k and split.ab_swapped and split.mma_bn == 32
 

@@ -36,13 +36,14 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
 * ``cta_group = 2``: a cluster of two CTAs covers ``2 x 128`` weight rows that share one token tile (swapped). Each
   CTA loads half of the token rows and multicasts them (``.multicast::cluster``) to both; the token scale atoms
   are multicast too. Not swapped (the wgmma kernel's pair, ``StreamSpec.shares_weights``), the pair covers ``2 x
-  128`` token rows that share one weight tile: each CTA loads its own 128 token rows, and half of the weight rows
-  (and one of the weight scale bands) multicast to both. Every consumer warp releases a stage on the ``empty``
-  barriers of both CTAs (a multicast writes into the peer); the producers wait with cluster-scope acquire (the
-  weight-sharing pair: CTA scope on both sides, as CUTLASS's multicast pipelines, since only TMA and wgmma touch its
-  stages; cluster scope cost GPU-scope fences and L1 invalidations in the loop: evidence fold-pair-ab). Both
-  CTAs of a pair take the same (static) items, so they run the same number of stages; a cluster barrier follows
-  the mbarrier init and precedes exit.
+  128`` token rows that share one weight tile (128 or 192 rows): each CTA loads its own 128 token rows, and half of
+  the weight rows (64 or 96) multicast to both, and the weight scale bands likewise (``multicast_scale_bands``: the
+  128-row tile's one band from CTA 0, the 192-row tile's two from one CTA each). Every consumer warp releases a
+  stage on the ``empty`` barriers of both CTAs (a multicast writes into the peer); the producers wait with
+  cluster-scope acquire (the weight-sharing pair: CTA scope on both sides, as CUTLASS's multicast pipelines, since
+  only TMA and wgmma touch its stages; cluster scope cost GPU-scope fences and L1 invalidations in the loop:
+  evidence fold-pair-ab). Both CTAs of a pair take the same (static) items, so they run the same number of stages;
+  a cluster barrier follows the mbarrier init and precedes exit.
 * Token rows wider than 128 bytes per K slice (bf16 tokens, W4A16: 256 bytes per 128 K; FP8 and bf16 tokens in the
   streaming kernel's 256-K slices: 256 or 512 bytes) arrive as 128-byte TMA boxes (the 128B swizzle's widest)
   stored one after the other (``StreamSpec.token_region_bytes`` apart), each a wgmma K-major operand of 64 bf16 K
@@ -98,9 +99,10 @@ if (TILED_BOX_ROWS, TILED_BOX_BYTES) != (TILE_M_ROWS, K_SLICE_BYTES):
 # kernel (``h200_wgmma.WgmmaSpec.tile_tokens``), which decodes each weight tile once for twice the
 # tokens; the streaming kernel's own consumers (mma.sync, 128-row warp grid) take 128.
 RING_M_ROWS = (TILE_M_ROWS, 2 * TILE_M_ROWS)
-# Weight-row widths of a tile only the wgmma kernel's ring takes (``warpgroup_consumers``, not swapped, one CTA, weights
-# in rows): the SM100 family's widths are powers of two (``dispatch.check_mma_tile``), wgmma's N any multiple of 8 up
-# to 256, and a TMA box up to 256 rows. 192: the folded FP8 route's 128 x 192 tile (``h200_wgmma.WgmmaSpec``).
+# Weight-row widths of a tile only the wgmma kernel's ring takes (``warpgroup_consumers``, not swapped, one CTA or the
+# weight-sharing pair, weights in rows): the SM100 family's widths are powers of two (``dispatch.check_mma_tile``),
+# wgmma's N any multiple of 8 up to 256, and a TMA box up to 256 rows. 192: the folded FP8 route's 128 x 192 tile
+# (``h200_wgmma.WgmmaSpec``), and its pair's 256 x 192.
 WGMMA_ONLY_MMA_BN = (192,)
 WARP_SIZE = 32
 SMALL_N_MAX_MMA_BN = 32        # the small-N consumer grid: one column of warps, each on all of N
@@ -371,15 +373,18 @@ class StreamSpec:
         # SM100 family does not have
         wgmma_pair = self.shares_weights and self.warpgroup_consumers
         if self.wgmma_only_width:
-            if self.ab_swapped or self.cta_group != 1 or self.tiled_weights:
-                raise ValueError(f"mma_bn={self.mma_bn} (a wgmma-only tile width) takes ab_swapped False, cta_group 1 "
-                                 f"and the weights in rows; got ab_swapped={self.ab_swapped}, cta_group={self.cta_group},"
-                                 f" b_layout={self.b_layout!r}")
+            if self.ab_swapped or self.tiled_weights:
+                raise ValueError(f"mma_bn={self.mma_bn} (a wgmma-only tile width) takes ab_swapped False and the "
+                                 f"weights in rows; got ab_swapped={self.ab_swapped}, b_layout={self.b_layout!r}")
         else:
             schedule.TileConfig(self.ab_swapped, self.mma_bn, 1 if wgmma_pair else self.cta_group)
         if wgmma_pair and self.tiled_weights:
             raise ValueError(f"cta_group={self.cta_group} not swapped (the wgmma kernel's pair of token tiles sharing "
                              f"the weight tile) takes the weights in rows, not tiled; got b_layout={self.b_layout!r}")
+        if wgmma_pair and math.prod(self.weight_box) % DATA_ALIGN:
+            raise ValueError(f"mma_bn={self.mma_bn} over a pair: each CTA's half of the weight rows "
+                             f"({math.prod(self.weight_box)} B) must be whole {DATA_ALIGN}-byte swizzle atoms, so that "
+                             f"the second half's TMA destination is aligned as the swizzle needs (DATA_ALIGN)")
         check_layout(self.b_layout, get_format(self.b_format), "b")
         check_layout(self.a_layout, get_format(self.a_format), "a")
         if isinstance(self.stages, (bool, np.bool_)) or not isinstance(self.stages, (int, np.integer)) \

@@ -93,9 +93,11 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   slice, waited for and promoted before the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a
   tile spans two 128-row fold tiles, so each 64-column group takes its own fold tile's factor
   (``column_group_scale_row``); fewer consumer instructions per weight row than the 128-row tile, no local memory,
-  5 stages (evidence: fold-n192-sass). W4A8 on folded weights (``WgmmaSpec.step_scaled``): the MXFP8 tokens as
-  quantized, each k32 step promoted with its token block's scale while the next runs (run only when asked: no faster
-  than the bf16 route, evidence: w4a8-fold-bench).
+  5 stages (evidence: fold-n192-sass). Its pair (``cta_group`` 2 on 192 rows, asked for only, not measured yet):
+  2 x 128 tokens share the 192-row tile, each CTA loading 96 of its rows and one of its two scale bands multicast, so
+  a CTA reads 28 instead of 40 KB per 128-K slice from L2; the same stage, 5 stages. W4A8 on folded weights
+  (``WgmmaSpec.step_scaled``): the MXFP8 tokens as quantized, each k32 step promoted with its token block's scale
+  while the next runs (run only when asked: no faster than the bf16 route, evidence: w4a8-fold-bench).
 
 * W4A16 (``WgmmaSpec.bf16_tokens``: bf16 tokens, not swapped, ``_make_bf16_tokens_consumer``): the stage's two
   128-byte token boxes per slice are wgmma's A operand in shared memory as TMA wrote them, and the weights are decoded
@@ -123,8 +125,8 @@ MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and prom
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
 Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128
-or 256 (192: the folded FP8 route with folded tokens, one CTA), or with ``ab_swapped`` 32 or 64 (128-row tiles);
-rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
+or 256 (192: the folded FP8 route with folded tokens, one CTA or a pair), or with ``ab_swapped`` 32 or 64 (128-row
+tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
 (paired bf16 stores); the ring plus the bf16 buffers within the H200's 227 KiB per block.
 """
 from __future__ import annotations
