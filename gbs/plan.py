@@ -24,6 +24,9 @@ The rules (design: ``docs/design/h200_port.md``):
 * wgmma kernel (``wgmma_knobs``): the measured tile width per format pair, 256-token tiles where their cheaper rows
   outweigh the padding, swapped tiles where cheaper (FP4 x FP4) or where FP8 tokens' swapped tiles split; few
   swapped tiles in split-K runs (``swapped_k_splits``).
+* Launch (``pdl``): a programmatic dependent launch only where the caller asks (unmeasured so far): the kernel may
+  then start while the kernel before it in the stream runs, and waits for it before its first global access
+  (``h200_ring``'s docstring).
 """
 from __future__ import annotations
 
@@ -97,6 +100,7 @@ class H200Plan:
     registers: int | None              # per thread of the build; None: not compiled (no sm_90 GPU here)
     sm_count: int                      # SMs the grid was sized for
     rules: tuple[Rule, ...]
+    pdl: bool = False                  # programmatic dependent launch (launch.PreparedLaunch)
 
     @property
     def ring(self) -> StreamSpec:
@@ -117,7 +121,8 @@ class H200Plan:
             knobs += ", CTA pairs" if s.cta_group > 1 else ""
         split = f"{self.k_splits} split-K runs of {self.slices_per_split} slices" if self.k_splits > 1 else "whole K"
         grid = f"{self.num_ctas} CTAs" + ("" if self.registers is not None else " (estimated: no sm_90 GPU to compile)")
-        return f"{self.kernel} {orientation} {knobs}; {split}; {grid}"
+        return f"{self.kernel} {orientation} {knobs}; {split}; {grid}" + ("; programmatic dependent launch" if self.pdl
+                                                                         else "")
 
     def explain(self) -> str:
         """The rules that fired, in order, each with its evidence (id, claim and numbers from the evidence table)."""
@@ -500,12 +505,15 @@ def _sm_count() -> int:
     return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+PDL_RULE = Rule("launch", "programmatic dependent launch, as asked: each launch may start while the kernel before "
+                          "it in the stream runs (its CTAs land on SMs that kernel leaves) and waits for that kernel "
+                          "to complete before its first global access; not planned unasked (unmeasured)")
 PROBLEM_METADATA = ("a_format", "b_format", "n", "k", "num_active_experts", "estimated_total_m", "total_tokens")
 TILE_CONSTRAINTS = ("ab_swapped", "mma_bn", "cta_group", "stages", "small_n_warps", "tile_tokens", "fp8")
 
 
 def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto", *, k_splits: int | None = None,
-              num_ctas: int | None = None, trace: bool = False, **tile) -> H200Plan:
+              num_ctas: int | None = None, trace: bool = False, pdl: bool = False, **tile) -> H200Plan:
     """The plan an H200 runs ``problem`` with (a ``GroupedProblem``, a device problem, or any object with the
     problem's host metadata).
 
@@ -517,7 +525,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     only constraints it takes: ``cta_group`` 2, never chosen unasked, and ``mma_bn``, 128 or, on operands folded
     ahead, 192: the plan's there, for one CTA per tile or a pair), False never, unset where it wins
     (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split and the grid. ``trace``: the streaming
-    kernel's start-up trace build (a diagnostic). TypeError / ValueError saying what is wrong."""
+    kernel's start-up trace build (a diagnostic). ``pdl``: every launch of the plan a programmatic dependent launch
+    (``PDL_RULE``). TypeError / ValueError saying what is wrong."""
+    if not isinstance(pdl, (bool, np.bool_)):
+        raise TypeError(f"pdl must be a bool, got {pdl!r}")
     if backend not in ("auto",) + KERNELS:
         raise ValueError(f"not an H200 backend: {backend!r} (one of {('auto',) + KERNELS})")
     missing = [name for name in PROBLEM_METADATA if not hasattr(problem, name)]
@@ -607,7 +618,10 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
         rules.append(stage_rule)
     spec = _build_spec(kernel, problem, dict(knobs, stages=stages), trace)
     hl.check_can_implement(problem, spec)
-    return _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas)
+    plan = _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas)
+    if not pdl:
+        return plan
+    return dataclasses.replace(plan, pdl=True, rules=plan.rules + (PDL_RULE,))
 
 
 def _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas) -> H200Plan:

@@ -21,7 +21,12 @@ ahead)). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
 start-up trace build (``h200_trace.TRACE_EVENTS``: where a launch's fixed time goes); ``--series CSV`` writes
-every timed launch (input set, us) in issue order. Needs an sm_90 GPU.
+every timed launch (input set, us) in issue order. ``--pdl 1`` plans every point with ``pdl=True``: each timed
+launch is a programmatic dependent launch (``gbs.plan.H200Plan.pdl``); ``--back-to-back N`` times N launches per
+pair of CUDA events (``time_launches(back_to_back=N)``): an event recorded between two launches may keep a PDL
+launch from overlapping the one before, so compare PDL with and without it at the same N (through
+``scripts/compare_variants.py``: ``pdl=DIR:--pdl=1,--back-to-back=10`` beside ``base=DIR:--back-to-back=10``).
+Needs an sm_90 GPU.
 """
 from __future__ import annotations
 
@@ -106,12 +111,14 @@ def parse_plan_point(text: str):
     return SweepPoint(fmt, parse_case(case, text), config)
 
 
-def plan_of(problem, config, k_splits=None, num_ctas=None):
-    """The plan a point's ``config`` (a backend name, or constraints with the backend) runs ``problem`` with."""
+def plan_of(problem, config, k_splits=None, num_ctas=None, pdl=False):
+    """The plan a point's ``config`` (a backend name, or constraints with the backend) runs ``problem`` with;
+    ``pdl``: its launches programmatic dependent launches."""
     if isinstance(config, str):
-        return plan_h200(problem, None, config)
+        return plan_h200(problem, None, config, pdl=pdl)
     constraints = dict(config)
-    return plan_h200(problem, backend=constraints.pop("backend"), num_ctas=num_ctas, k_splits=k_splits, **constraints)
+    return plan_h200(problem, backend=constraints.pop("backend"), num_ctas=num_ctas, k_splits=k_splits, pdl=pdl,
+                     **constraints)
 
 
 def parse_point(text: str):
@@ -135,7 +142,7 @@ def parse_point(text: str):
     return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas)
 
 
-def trace_point(directory: str, text: str, problem, first, copies: int, budget_s: float) -> None:
+def trace_point(directory: str, text: str, problem, first, copies: int, budget_s: float, back_to_back: int) -> None:
     """Run the trace build of ``first``'s launch (same spec, grid and split-K runs) as the bench times it,
     then print the per-CTA phases of the last launch of every input copy and save the stamps."""
     import pathlib
@@ -146,9 +153,9 @@ def trace_point(directory: str, text: str, problem, first, copies: int, budget_s
     spec, plan = first.plan.spec, first.plan
     traced_plan = plan_h200(problem, backend="h200_stream", ab_swapped=spec.ab_swapped, mma_bn=spec.mma_bn,
                             cta_group=spec.cta_group, stages=spec.stages, small_n_warps=spec.small_n_warps,
-                            num_ctas=plan.num_ctas, k_splits=plan.k_splits, trace=True)
+                            num_ctas=plan.num_ctas, k_splits=plan.k_splits, trace=True, pdl=plan.pdl)
     traced = [h200_launch.prepare(to_device(problem), traced_plan) for _ in range(copies)]
-    timing = time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s)
+    timing = time_launches(lambda i: traced[i](), num_inputs=copies, budget_s=budget_s, back_to_back=back_to_back)
     cuda.synchronize()
     records = np.stack([launch.trace_buffer.copy_to_host() for launch in traced])   # (copies, ctas, events, 2)
     path = pathlib.Path(directory)
@@ -200,7 +207,16 @@ def main(argv=None) -> int:
     parser.add_argument("--series", default=None, metavar="CSV",
                         help="also write every timed launch's time, in issue order (does one point run in modes "
                              "or streaks?)")
+    parser.add_argument("--pdl", type=int, choices=(0, 1), default=0,
+                        help="1: every point planned with pdl=True, each timed launch a programmatic dependent launch "
+                             "(a value, not a flag, so that compare_variants' --pdl=1 items reach it)")
+    parser.add_argument("--back-to-back", type=int, default=1, metavar="N",
+                        help="launches between one pair of CUDA events, each timed as the pair's time / N (default 1: "
+                             "events around every launch)")
     args = parser.parse_args(argv)
+    if args.back_to_back < 1:
+        parser.error("--back-to-back must be >= 1")
+    pdl = bool(args.pdl)
     points = [parse_point(p) for p in args.points]
     read_tbps, _ = measure_read_bandwidth()
     l2 = device_l2_bytes()
@@ -220,9 +236,10 @@ def main(argv=None) -> int:
         problem = problems[key]
         copies = rotation_count(sum(problem.nbytes().values()), l2)
         try:
-            plan = plan_of(problem, config, k_splits, num_ctas)
+            plan = plan_of(problem, config, k_splits, num_ctas, pdl=pdl)
             launches = [h200_launch.prepare(to_device(problem), plan) for _ in range(copies)]
-            timing = time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s)
+            timing = time_launches(lambda i: launches[i](), num_inputs=copies, budget_s=args.budget_s,
+                                   back_to_back=args.back_to_back)
         except Exception as err:   # a point that does not build or run: recorded, the sweep goes on
             print(f"{text:44} {type(err).__name__}: {err}", flush=True)
             rows.append(dict(point=text, status="fail", note=f"{type(err).__name__}: {err}"))
@@ -233,7 +250,7 @@ def main(argv=None) -> int:
         spec = first.ring
         row = dict(point=text, status="ok", format=fmt, case=case.name, b_layout=problem.b_layout, a_layout=problem.a_layout, ab_swapped=spec.ab_swapped,
                    mma_bn=spec.mma_bn, cta_group=spec.cta_group, stages=spec.stages,
-                   k_splits=first.k_splits, num_ctas=first.num_ctas,
+                   k_splits=first.k_splits, num_ctas=first.num_ctas, pdl=first.pdl, back_to_back=args.back_to_back,
                    consumer_warps=spec.consumer_warps if first.kernel == "h200_stream" else None,
                    median_us=timing.median_us,
                    p10_us=timing.p10_us, p90_us=timing.p90_us, gbps=gbps, tflops=tflops,
@@ -245,7 +262,7 @@ def main(argv=None) -> int:
         if args.csv:   # after every point: a call cut at its time limit keeps what it measured
             write_csv(args.csv, [r for r in rows if r["status"] == "ok"])
         if args.trace and first.kernel == "h200_stream" and first.max_tiles:
-            trace_point(args.trace, text, problem, launches[0], copies, args.budget_s)
+            trace_point(args.trace, text, problem, launches[0], copies, args.budget_s, args.back_to_back)
     if args.series:
         write_csv(args.series, series)
     return 1 if any(r["status"] != "ok" for r in rows) else 0

@@ -802,6 +802,9 @@ def fake_events(monkeypatch):
         def synchronize(self):
             pass
 
+        def query(self):   # the spacer still runs: not host-bound
+            return False
+
     monkeypatch.setattr(cuda, "event", Event)
     monkeypatch.setattr(cuda, "synchronize", lambda: None)
     monkeypatch.setattr(cuda, "event_elapsed_time", lambda a, b: 0.01)
@@ -811,7 +814,7 @@ def scripted_batches(monkeypatch, verdicts):
     """_timed_launches' stand-in: host-bound or not per batch, from ``verdicts``; records (reps, spacer_s)."""
     batches = []
 
-    def timed(launch, reps, first_input, num_inputs, spacer_s):
+    def timed(launch, reps, first_input, num_inputs, spacer_s, back_to_back=1):
         batches.append((reps, spacer_s))
         for i in range(reps):
             launch((first_input + i) % num_inputs)
@@ -845,6 +848,24 @@ def test_a_retry_at_the_spacer_cap_queues_only_what_the_spacer_covers(monkeypatc
     measured = timing.time_launches(lambda i: None, reps=50)
     assert [reps for reps, _ in batches] == [50, timing.MIN_TIMED_LAUNCHES]
     assert measured.launches == timing.MIN_TIMED_LAUNCHES and not measured.host_bound
+
+
+def test_back_to_back_launches_share_a_pair_of_events(monkeypatch, fake_events):
+    """``back_to_back=3``: 7 timed launches become 3 groups of 3 (9 launches) behind one event pair each, every
+    group's time split over its launches; the series names each group's first input set."""
+    pairs = []
+    monkeypatch.setattr(timing, "hold_stream", lambda seconds: None)
+    from numba import cuda
+
+    monkeypatch.setattr(cuda, "event_elapsed_time", lambda a, b: pairs.append((a, b)) or 0.03)
+    issued = []
+    measured = timing.time_launches(issued.append, num_inputs=4, warmup=2, reps=7, back_to_back=3)
+    timed = issued[2 + 2:]
+    assert len(timed) == 9 and len(pairs) == 3   # one event pair per group
+    assert measured.launches == 9 and measured.median_us == pytest.approx(10.0)
+    assert [s for s, _ in measured.series] == [timed[0], timed[3], timed[6]]
+    with pytest.raises(ValueError, match="back_to_back >= 1"):
+        timing.time_launches(lambda i: None, back_to_back=0)
 
 
 def test_host_bound_rows_are_marked_in_the_csv_and_the_table():

@@ -20,6 +20,7 @@ SASS seen with ptxas / nvJitLink 13.5 (asserted below):
   fence.proxy.tensormap acquire UTMACCTL.IV; ldmatrix LDSM.16.M88.4 / LDSM.16.MT88.4;
   mma.sync bf16 HMMA.16816.F32.BF16; mma.sync e4m3 m16n8k32: NO fp8 MMA on sm_90a -- ptxas
   converts the operands (F2FP.F16.E4M3.UNPACK_B) and issues two fp16 HMMA.16816.F32;
+  griddepcontrol.wait ACQBULK, griddepcontrol.launch_dependents PREEXIT;
   wgmma bf16 HGMMA.64xNx16.F32.BF16, e4m3 QGMMA.64xNx32.F32.E4M3.E4M3, fence WARPGROUP.ARRIVE,
   wait WARPGROUP.DEPBAR.LE; setmaxnreg USETMAXREG.TRY_ALLOC/DEALLOC.CTAPOOL, but ONLY when the
   kernel has launch bounds or a register limit (otherwise ptxas drops it silently); it
@@ -132,6 +133,13 @@ def k_sync_family(out, parity, tx_bytes):
 
 
 SIG_SYNC = (_u64_1d, types.uint32, types.uint32)
+
+
+# ---- grid dependency control (programmatic dependent launch) -----------------------------------
+def k_grid_dependency(out):
+    cm.griddepcontrol_wait()
+    cm.griddepcontrol_launch_dependents()
+    out[cuda.threadIdx.x] = cm.laneid()
 
 
 # ---- cp.async and the streaming load ---------------------------------------------------------
@@ -428,6 +436,7 @@ def k_setmaxnreg(out):
 # =============================================================================================
 KERNELS = {
     "sync": (k_sync_family, SIG_SYNC),
+    "grid_dependency": (k_grid_dependency, (_u32_1d,)),
     "cp_async": (k_cp_async, (_u32_1d, _u32_1d)),
     "nc_copy": (k_nc_copy, (_u32_1d, _u32_1d)),
     "tma_2d": (k_tma_2d, SIG_TMA_2D),
@@ -492,6 +501,15 @@ def test_common_and_cluster_sass(cc):
     assert any(ins.startswith("BAR.SYNC") and " 0x2, 0x80" in ins for ins in offline.sass_instructions(text))
     sregs = " ".join(instructions_starting(text, "S2R") + instructions_starting(text, "S2UR"))
     assert "SR_LANEID" in sregs and "SR_CgaCtaId" in sregs
+
+
+@BOTH_TARGETS
+def test_grid_dependency_control_sass(cc):
+    """griddepcontrol.wait is ACQBULK, launch_dependents PREEXIT, once each and in that order, before the store."""
+    ins = offline.sass_instructions(sass("grid_dependency", cc))
+    ops = [i.split()[0] for i in ins]
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+    assert ops.index("ACQBULK") < ops.index("PREEXIT") < next(i for i, op in enumerate(ops) if op.startswith("STG"))
 
 
 def test_mapa_reaches_the_ptx():

@@ -1,6 +1,7 @@
 """CUDA-event timing by the benchmark's rules, and the streaming-read ceiling.
 
-Rules (DEVELOPERS.md, METHOD.md): every timing is CUDA events around one launch, after warm-up,
+Rules (DEVELOPERS.md, METHOD.md): every timing is CUDA events around one launch (or, for launches that
+may overlap, around a few launches back to back: ``time_launches(back_to_back=...)``), after warm-up,
 repeated, reported as median / p10 / p90 (``Timing``, ``time_launches``); the timed launches queue
 behind a sleeping kernel (``hold_stream``), so the GPU runs them back to back and the events time the
 GPU's work, not Python's launch overhead; a batch during which the GPU still ran out of queued launches
@@ -63,12 +64,15 @@ class Timing:
 
 
 def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
-                  reps: int = TIMED_LAUNCHES, budget_s: float | None = None) -> Timing:
+                  reps: int = TIMED_LAUNCHES, budget_s: float | None = None, back_to_back: int = 1) -> Timing:
     """Time ``launch(i)`` (i = input set, rotating over ``num_inputs``) with CUDA events, one pair
     of events per launch, after one untimed first call (compilation, module load) and ``warmup``
     untimed launches. With ``budget_s``, warm-up and timed launches are cut to about
     ``WARMUP_BUDGET_S`` and ``budget_s`` of the slower of host and GPU (at least 1 and
     ``MIN_TIMED_LAUNCHES``). Events go on the legacy default stream, which torch and Triton use too.
+    ``back_to_back``: launches between one pair of events, each timed as the pair's time over their count (the
+    timed launches rounded up to whole pairs): for launches that may overlap the one before them
+    (programmatic dependent launch), which an event recorded between two launches may keep apart.
 
     A batch during which the GPU ran out of queued launches (host-bound: its times include the host's
     launch gaps) is timed again, up to ``HOST_BOUND_RETRIES`` times, each after ``RETRY_WARMUP_FACTOR``
@@ -79,8 +83,9 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
     RuntimeWarning), ``Timing.attempts`` how many batches ran."""
     from numba import cuda
 
-    if num_inputs < 1 or reps < 1 or warmup < 0:
-        raise ValueError(f"need num_inputs >= 1, reps >= 1, warmup >= 0; got {num_inputs}, {reps}, {warmup}")
+    if num_inputs < 1 or reps < 1 or warmup < 0 or back_to_back < 1:
+        raise ValueError(f"need num_inputs >= 1, reps >= 1, warmup >= 0, back_to_back >= 1; got {num_inputs}, {reps}, "
+                         f"{warmup}, {back_to_back}")
     launch(0)
     cuda.synchronize()
     start, end = cuda.event(), cuda.event()
@@ -102,7 +107,7 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
     cuda.synchronize()
     spacer_s = min(SPACER_MAX_S, SPACER_MARGIN * reps * host_s)
     first_input = 2 + warmup
-    times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
+    times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s, back_to_back)
     attempts = 1
     retry_warmup = max(1, warmup)
     while host_bound and attempts <= HOST_BOUND_RETRIES:
@@ -114,34 +119,38 @@ def time_launches(launch, *, num_inputs: int = 1, warmup: int = WARMUP_LAUNCHES,
         cuda.synchronize()
         spacer_s = min(SPACER_MAX_S, max(SPACER_RETRY_FACTOR * spacer_s, SPACER_MARGIN * reps * host_s))
         reps = max(MIN_TIMED_LAUNCHES, min(reps, int(spacer_s / (SPACER_MARGIN * max(host_s, 1e-9)))))
-        times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s)
+        times_us, host_bound = _timed_launches(launch, reps, first_input, num_inputs, spacer_s, back_to_back)
         attempts += 1
     if host_bound:
         warnings.warn(f"time_launches: the GPU drained the queue before the host issued the last of {reps} "
                       f"launches in {attempts} batches, the last behind a {spacer_s * 1e3:.1f} ms spacer: the times "
                       f"include host gaps (marked host_bound)", RuntimeWarning, stacklevel=2)
-    series = tuple(((first_input + i) % num_inputs, float(t)) for i, t in enumerate(times_us))
+    series = tuple(((first_input + i * back_to_back) % num_inputs, float(t)) for i, t in enumerate(times_us))
     return Timing(float(np.median(times_us)), float(np.percentile(times_us, 10)),
-                  float(np.percentile(times_us, 90)), reps, bool(host_bound), series, attempts)
+                  float(np.percentile(times_us, 90)), len(times_us) * back_to_back, bool(host_bound), series, attempts)
 
 
-def _timed_launches(launch, reps: int, first_input: int, num_inputs: int, spacer_s: float):
-    """Times (us) of ``reps`` launches queued behind a ``spacer_s`` spacer, and whether the spacer had
-    already ended when the host finished queuing them (then the GPU may have waited for the host)."""
+def _timed_launches(launch, reps: int, first_input: int, num_inputs: int, spacer_s: float, back_to_back: int):
+    """Times (us per launch) of ``reps`` launches (rounded up to whole groups of ``back_to_back``, one pair of
+    events around each group) queued behind a ``spacer_s`` spacer, and whether the spacer had already ended when
+    the host finished queuing them (then the GPU may have waited for the host)."""
     from numba import cuda
 
     hold_stream(spacer_s)
     spacer_done = cuda.event()
     spacer_done.record()
-    starts = [cuda.event() for _ in range(reps)]
-    ends = [cuda.event() for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        launch((first_input + i) % num_inputs)
-        ends[i].record()
+    groups = -(-reps // back_to_back)
+    starts = [cuda.event() for _ in range(groups)]
+    ends = [cuda.event() for _ in range(groups)]
+    for g in range(groups):
+        starts[g].record()
+        for i in range(g * back_to_back, (g + 1) * back_to_back):
+            launch((first_input + i) % num_inputs)
+        ends[g].record()
     host_bound = spacer_done.query()
     ends[-1].synchronize()
-    return np.array([cuda.event_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends)]), host_bound
+    return (np.array([cuda.event_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends)]) / back_to_back,
+            host_bound)
 
 
 @functools.lru_cache(maxsize=None)

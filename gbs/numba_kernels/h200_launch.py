@@ -258,7 +258,8 @@ def compiled_kernel(spec) -> launch.CompiledKernel:
 class H200Launch:
     """A prepared launch of a plan: calling it enqueues the kernel, no host copies or syncs. ``out`` is the device
     output (uint16 bf16 bits, (total_tokens, N)). It owns the counters and the split-K workspace, which every
-    launch leaves zeroed: a prepared launch must not run concurrently with itself."""
+    launch leaves zeroed: a prepared launch must not run concurrently with itself (programmatic dependent launches
+    of it back to back may overlap: each waits for the one before it ahead of its first global access)."""
 
     plan: object                    # the gbs.plan.H200Plan it runs
     out: object
@@ -275,7 +276,8 @@ class H200Launch:
 def prepare(problem_device: launch.DeviceProblem, plan, out=None, *, stream=0) -> H200Launch:
     """Compile the plan's build (cached), build the tensor maps and the workspace, marshal the arguments; returns
     an ``H200Launch``. ``out``: a device array of bf16 bits, (total_tokens, N) (default: a new uninitialised one;
-    rows of skipped slots are never written)."""
+    rows of skipped slots are never written). Every call of it is a programmatic dependent launch where the plan
+    says so (``plan.pdl``)."""
     if not isinstance(problem_device, launch.DeviceProblem):
         raise TypeError("prepare takes a launch.DeviceProblem (see launch.to_device)")
     spec = plan.spec
@@ -308,7 +310,7 @@ def prepare(problem_device: launch.DeviceProblem, plan, out=None, *, stream=0) -
             problem_device.expert_ids, problem_device.expert_scales, out_array, np.int64(problem_device.n),
             np.int64(k_slices), np.int64(plan.max_tiles), split_sums, split_counters, np.int64(plan.k_splits),
             np.int64(plan.slices_per_split))
-    prepared = launch.prepare_launch(kernel, plan.num_ctas, args, stream=stream,
+    prepared = launch.prepare_launch(kernel, plan.num_ctas, args, stream=stream, pdl=plan.pdl,
                                      keepalive=(maps, problem_device, split_sums, split_counters, trace_buffer))
     return H200Launch(plan, out_array, prepared, split_sums, split_counters, trace_buffer)
 

@@ -50,6 +50,20 @@ layouts, orientation, tile, stages, consumer warps); ``make_ring`` returns its d
   elements where the wgmma kernel reads them; bf16 tokens have no scale atoms (``a_scales`` holds none).
 * The start-up trace (``StreamSpec.trace``, ``h200_trace``) stamps the producer's events here, one hook call
   per event, which compile to nothing in untraced builds.
+* Programmatic dependent launch (``gbs.plan.H200Plan.pdl``: the launch may start while the kernel before it in
+  the stream runs). Both kernels' frames open with ``griddepcontrol.wait`` in every thread, then
+  ``griddepcontrol.launch_dependents``. The wait comes before the first global access: the routing copy
+  (``copy_routing``) is the frames' first statement, the trace's entry stamp the stream kernel's, and all that
+  follows reads or writes what another kernel may write (routing, tokens and scales through TMA, the output,
+  the split-K workspace and counters, the item counter, the trace buffer). The set-up that reads none of it
+  (mbarrier init, tensor-map prefetch, ``setmaxnreg``) follows the routing copy, so it waits too: running it
+  ahead of the wait would reorder every build's prologue, for a gain no measurement has bounded yet. The trigger
+  right after the wait is safe: a dependent grid is scheduled only once every CTA of this grid has triggered or
+  exited, so all of ours are resident by then, its CTAs take only SM room ours leave, and they wait for this
+  grid's completion in their own ``griddepcontrol.wait``; nothing of ours waits on them. Always in the code, no
+  build knob: without the launch attribute both do nothing, and in every build's SASS they add two instructions
+  at the entry (ACQBULK, PREEXIT) and only reorder the parameter moves around them: registers, local memory and
+  the MMA loops are unchanged (``scripts/h200_sass_report.py --all``, ``--compare``).
 
 Constraints: rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8); K need not be a multiple of
 the K slice (``k_slice_elements``: 256 elements with FP4 weights and FP4 or slot-copied tokens, else 128): the last slice reads TMA's

@@ -5,7 +5,9 @@ A traced launch writes, per CTA and event (``TRACE_EVENTS``), one record of (``%
 cycles): the producer's first thread stamps the producer's chain (``TRACE_PRODUCER_CHAIN``: from the CTA's
 entry through the mbarrier init, the tensor-map prefetch, the first work item, the first free slot and the
 first TMA issue to its exit), lane 0 of consumer warp 0 the consumers' (``TRACE_CONSUMER_CHAIN``: ready, the
-first full stage, the first release, the first epilogue, exit). Events a CTA never reaches stay 0.
+first full stage, the first release, the first epilogue, exit). Events a CTA never reaches stay 0. The entry is
+stamped after the kernel's ``griddepcontrol.wait`` (``h200_ring``): under a programmatic dependent launch it marks
+the end of the kernel before, not the CTA's start.
 ``trace_phases`` turns one launch's buffer into per-CTA phase durations; ``scripts/h200_stream_sweep.py
 --trace`` runs it beside a timed point. The buffer's address travels in one more 128-byte slot after the
 tensor maps (``TRACE_ADDRESS_OFFSET``), so the kernel signature stays the same for every build.

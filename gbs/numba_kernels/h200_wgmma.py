@@ -569,6 +569,8 @@ def _kernel_frame(spec: WgmmaSpec, ring, consume):
         bars = cuda.shared.array(barrier_words, dtype=np.uint64)
         shared_offsets = cuda.shared.array(routing_offset_words, dtype=np.uint32)
         shared_expert_ids = cuda.shared.array(ROUTING_SMEM_SLOTS, dtype=np.int32)
+        cm.griddepcontrol_wait()   # programmatic dependent launch: before the first global access (h200_ring)
+        cm.griddepcontrol_launch_dependents()
         copy_routing(a_offsets, expert_ids, shared_offsets, shared_expert_ids)
         warp = cm.warp_index()
         if warp < producer_warps:

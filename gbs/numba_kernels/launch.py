@@ -10,7 +10,10 @@ The recipes are the ones verified on the H200 (``../shared/spec/kernels.md``, "T
   dispatcher would be another kernel, still capped at 48 KiB).
 * ``prepare_launch``: arguments are marshalled once by the overload's own ``_prepare_args`` (device
   arrays only: nothing is copied or written back), then every call is one ``cuda.core.launch`` with a
-  ``LaunchConfig`` (with a cluster, cuda.core counts the grid in clusters): no host copies, no syncs.
+  ``LaunchConfig`` (with a cluster, cuda.core counts the grid in clusters): no host copies, no syncs. With
+  ``pdl`` every call is a programmatic dependent launch (``LaunchConfig(programmatic_stream_serialization=True)``,
+  cuda.core 1.2.0 or later): it may start while the kernel before it in the stream runs, so the kernel must
+  execute ``griddepcontrol.wait`` before it touches memory that kernel may write (the H200 kernels do).
   ``check_launch`` is the ``can_implement``-style gate every prepared launch passes first (nothing it
   checks changes between calls of the same prepared launch): a grid that is not a whole number of
   clusters, an unsupported cluster size or more shared memory than a block may use is a
@@ -43,6 +46,9 @@ from gbs.layouts import LAYOUT_PACKED, stored_shape
 MAX_THREADS_PER_BLOCK = 1024
 MAX_PORTABLE_CLUSTER_SIZE = 8
 TMA_ADDRESS_ALIGN = 16                     # TMA global addresses and row strides: 16-byte multiples
+# The LaunchConfig keyword of a programmatic dependent launch, and the cuda.core release that added it
+PDL_LAUNCH_OPTION = "programmatic_stream_serialization"
+PDL_MIN_CUDA_CORE = "1.2.0"
 
 # Field names of a grouped problem and the dtypes kernels read them as (FP8, packed FP4 and bf16 tokens travel as
 # raw bytes; the output is the bf16 bits as uint16).
@@ -339,25 +345,49 @@ def check_launch(kernel: CompiledKernel, grid: int, *, smem_limit: int | None = 
                              f"{smem_limit} B a block may use here")
 
 
-def launch_config_fields(kernel: CompiledKernel, grid: int) -> dict:
+def launch_config_fields(kernel: CompiledKernel, grid: int, *, pdl: bool = False) -> dict:
     """``cuda.core.LaunchConfig`` keywords for ``grid`` CTAs of ``kernel``. With a cluster, cuda.core
-    counts the grid in CLUSTERS (its documented convention; verified on the H200, kernels.md)."""
+    counts the grid in CLUSTERS (its documented convention; verified on the H200, kernels.md). ``pdl``: a
+    programmatic dependent launch (``PDL_LAUNCH_OPTION``)."""
     fields = {"block": (kernel.threads, 1, 1), "shmem_size": kernel.dynamic_smem_bytes}
+    if pdl:
+        fields[PDL_LAUNCH_OPTION] = True
     if kernel.cluster_size == 1:
         return dict(fields, grid=(grid, 1, 1))
     return dict(fields, grid=(grid // kernel.cluster_size, 1, 1), cluster=(kernel.cluster_size, 1, 1))
 
 
+def make_launch_config(fields: dict):
+    """``cuda.core.LaunchConfig(**fields)``; a RuntimeError naming the installed cuda.core where it lacks the
+    programmatic-dependent-launch keyword ``fields`` asks for."""
+    import cuda.core
+    from cuda.core import LaunchConfig
+
+    try:
+        return LaunchConfig(**fields)
+    except TypeError as err:
+        if PDL_LAUNCH_OPTION not in fields or PDL_LAUNCH_OPTION not in str(err):
+            raise
+        version = getattr(cuda.core, "__version__", "of unknown version")
+        raise RuntimeError(f"a programmatic dependent launch (pdl=True) needs cuda.core's LaunchConfig("
+                           f"{PDL_LAUNCH_OPTION}=True), which cuda.core {PDL_MIN_CUDA_CORE} added; the installed "
+                           f"cuda.core {version} lacks it ({err}): install cuda-core>={PDL_MIN_CUDA_CORE}, or plan "
+                           "with pdl=False") from None
+
+
 class PreparedLaunch:
     """A launch with its arguments marshalled once: calling it enqueues the kernel on ``stream`` (the
-    one given at preparation unless overridden) and returns at once; no host copies, no syncs.
+    one given at preparation unless overridden) and returns at once; no host copies, no syncs. With
+    ``pdl`` every call is a programmatic dependent launch (module docstring).
 
     ``keepalive`` holds device buffers the arguments point into (tensor maps, problem arrays)."""
 
-    def __init__(self, kernel: CompiledKernel, grid: int, args: Sequence, *, stream=0, keepalive=()):
-        from cuda.core import LaunchConfig
+    def __init__(self, kernel: CompiledKernel, grid: int, args: Sequence, *, stream=0, keepalive=(),
+                 pdl: bool = False):
         from numba.cuda.cudadrv import driver as nbdrv
 
+        if not isinstance(pdl, (bool, np.bool_)):
+            raise TypeError(f"pdl must be a bool, got {pdl!r}")
         check_launch(kernel, grid)
         overload = kernel.overload
         if len(args) != len(overload.argument_types):
@@ -373,7 +403,8 @@ class PreparedLaunch:
         if writeback:
             raise ValueError(f"{kernel.name}: every array argument must already be on the device "
                              "(a host array would be copied on each launch)")
-        self._config = LaunchConfig(**launch_config_fields(kernel, self.grid))
+        self.pdl = bool(pdl)
+        self._config = make_launch_config(launch_config_fields(kernel, self.grid, pdl=self.pdl))
         self._keepalive = (tuple(args), tuple(keepalive))
 
     def __call__(self, stream=None) -> None:
@@ -384,6 +415,7 @@ class PreparedLaunch:
         launch(target, self._config, self._function, *self._args)
 
 
-def prepare_launch(kernel: CompiledKernel, grid: int, args: Sequence, *, stream=0, keepalive=()) -> PreparedLaunch:
+def prepare_launch(kernel: CompiledKernel, grid: int, args: Sequence, *, stream=0, keepalive=(),
+                   pdl: bool = False) -> PreparedLaunch:
     """``PreparedLaunch(kernel, grid, args, ...)``: checked once here, then launched by calling it."""
-    return PreparedLaunch(kernel, grid, args, stream=stream, keepalive=keepalive)
+    return PreparedLaunch(kernel, grid, args, stream=stream, keepalive=keepalive, pdl=pdl)

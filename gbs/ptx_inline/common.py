@@ -1,6 +1,6 @@
-"""Thread identity, shared-memory addresses, proxy fences, named barriers, predicated global
-stores and the run-time check ``trap_if_nonzero`` (sm_90a and sm_100a); plus ``ptx_intrinsic``,
-the builder of fixed-operand intrinsics that the instruction-family modules use.
+"""Thread identity, shared-memory addresses, proxy fences, named barriers, grid dependency control
+(programmatic dependent launch), predicated global stores and the run-time check ``trap_if_nonzero`` (sm_90a and
+sm_100a); plus ``ptx_intrinsic``, the builder of fixed-operand intrinsics that the instruction-family modules use.
 
 Every intrinsic here wraps one PTX instruction (or, for addresses and ``warp_index``, a few LLVM
 instructions with no PTX of their own; for the predicated forms, a ``setp`` and the guarded
@@ -245,6 +245,23 @@ named_barrier_arrive = ptx_intrinsic(
 Same operand rules as ``named_barrier_sync``; arriving and waiting warps must use the same
 ``nthreads``.""")
 
+
+# ---------------------------------------------------------------------------------------------
+# Grid dependency control (programmatic dependent launch, PTX ISA 7.8, sm_90+). A launch with the
+# programmatic-stream-serialization attribute may start while the kernel before it in the stream still
+# runs; both instructions do nothing in a launch without that dependency.
+# ---------------------------------------------------------------------------------------------
+griddepcontrol_wait = void_intrinsic(
+    "griddepcontrol.wait;",
+    "Wait until every prerequisite grid (the kernel before a programmatic dependent launch) has completed and "
+    "its memory operations are visible to this grid. Every thread that touches global memory another kernel "
+    "may write must execute it before that access (SASS: ACQBULK).")
+
+griddepcontrol_launch_dependents = void_intrinsic(
+    "griddepcontrol.launch_dependents;",
+    "Let the grid launched after this one with a programmatic dependency be scheduled once every CTA of this "
+    "grid has executed this or exited; it says nothing about this grid's memory (the dependent's "
+    "``griddepcontrol_wait`` does). One thread per CTA is enough: more have no further effect (SASS: PREEXIT).")
 
 # ---------------------------------------------------------------------------------------------
 # Predicated global stores and reductions: branch-free epilogue bodies (NVVM unrolls them fully,
