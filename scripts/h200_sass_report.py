@@ -137,7 +137,8 @@ def facts(text: str) -> dict:
     instructions = offline.sass_instructions(sass)
     found = dict(spec=text, registers=resources.registers, local_bytes=resources.local_bytes,
                  instructions=len(instructions), sass=hashlib.sha256("\n".join(instructions).encode()).hexdigest(),
-                 mma=mma_prefix, serialized=len(offline.serialized_wgmma(instructions)), loop=None)
+                 mma=mma_prefix, serialized=len(offline.serialized_wgmma(instructions)), loop=None,
+                 opcodes=dict(collections.Counter(ins.split()[0] for ins in instructions if ins.split()[0] != "NOP")))
     if mma_loops:
         hot = mma_loops[0]
         found["loop"] = dict(
@@ -175,7 +176,7 @@ def read_facts(path) -> dict[str, dict]:
 
 def compare(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
     """One line per spec of either file: same SASS, or what changed (instructions, innermost loop, registers,
-    local bytes, serialized MMAs), or missing on one side."""
+    local bytes, serialized MMAs, and the count of each opcode but NOP, the padding), or missing on one side."""
     lines = []
     for spec in dict.fromkeys(list(before) + list(after)):
         a, b = before.get(spec), after.get(spec)
@@ -189,6 +190,11 @@ def compare(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
             loop_a, loop_b = (a["loop"] or {}).get("size"), (b["loop"] or {}).get("size")
             if loop_a != loop_b:
                 changes.append(f"innermost loop {loop_a} -> {loop_b}")
+            if "opcodes" in a and "opcodes" in b:   # files written before the opcode counts have none
+                delta = collections.Counter(b["opcodes"])
+                delta.subtract(a["opcodes"])
+                moved = ", ".join(f"{op} {n:+d}" for op, n in sorted(delta.items()) if n)
+                changes.append(f"opcodes {moved}" if moved else "the same opcodes, reordered")
             lines.append(f"{spec}: SASS differs ({a['sass'][:12]} -> {b['sass'][:12]}): "
                          f"{', '.join(changes) or 'same counts, other instructions'}")
     return lines

@@ -120,6 +120,15 @@ def test_compare_names_each_spec_whose_sass_differs(tmp_path, capsys):
     assert lines[1] == (f"wgmma:grown: SASS differs ({'a' * 12} -> {'b' * 12}): instructions 2480 -> 2490, "
                         f"serialized 0 -> 2, innermost loop 205 -> 215")
     assert lines[2] == "wgmma:gone: only before"
+    # with opcode counts on both sides (every file written since they were added), what came and went; the NOP
+    # padding is not counted, so an added instruction shows where the listing's length does not
+    counted = dict(FACTS, opcodes={"QGMMA": 4, "FFMA": 96})
+    entry = dict(counted, sass="c" * 64, opcodes={"QGMMA": 4, "FFMA": 96, "ACQBULK": 1, "PREEXIT": 1})
+    reordered = dict(counted, sass="d" * 64)
+    assert script.compare({"w": counted}, {"w": entry}) == [
+        f"w: SASS differs ({'a' * 12} -> {'c' * 12}): opcodes ACQBULK +1, PREEXIT +1"]
+    assert script.compare({"w": counted}, {"w": reordered}) == [
+        f"w: SASS differs ({'a' * 12} -> {'d' * 12}): the same opcodes, reordered"]
     # the command line: exit status 1 when anything differs, 0 when every spec is the same
     import json
     paths = [tmp_path / "before.jsonl", tmp_path / "after.jsonl"]
