@@ -604,11 +604,14 @@ class DeviceLaunch:
         return dict(addresses, out=launch.device_address(self.kernel_out))
 
 
-def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None, backend: str = "auto") -> DeviceLaunch:
+def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None, backend: str = "auto",
+            pdl: bool = False) -> DeviceLaunch:
     """Everything ``grouped_matmul`` does for a device problem except the launch: the config (the
     dispatch's from host metadata unless given), the backend, the checks, the output, the stream,
     the tensor maps, the compile. Call the result to enqueue the kernel; call it again to rerun on
-    the same arrays (their current contents)."""
+    the same arrays (their current contents). ``pdl``: every call a programmatic dependent launch
+    (``gbs.plan.plan_h200``'s knob): it may start while the kernel before it in the stream (the one
+    that writes the tokens, say) still runs, and waits for it before reading anything."""
     from .backends import check_device_backend
     from .plan import plan_h200
 
@@ -616,7 +619,7 @@ def prepare(problem: DeviceGroupedProblem, config=None, out=None, *, stream=None
         raise TypeError(f"problem must be a DeviceGroupedProblem (gbs.interop.device_problem), "
                         f"got {type(problem).__name__}")
     check_device_backend(backend)
-    plan = plan_h200(problem, config, backend)   # before any device work: "auto" lets the plan pick the kernel
+    plan = plan_h200(problem, config, backend, pdl=pdl)   # before any device work: "auto" lets the plan pick the kernel
     from .numba_kernels import h200_launch, launch
 
     handle = problem.stream_for(stream)

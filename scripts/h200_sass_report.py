@@ -6,7 +6,8 @@ instruction counts quoted in the kernels' docstrings are read, and how a refacto
 code unchanged (the same hash before and after). ~8 s per spec.
 
 Usage: .venv/bin/python scripts/h200_sass_report.py [--all] [--json FILE]
-       [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8][:splitk][:trace] | wgmma:FMT:MMA_BN[:t256][:swap][:splitk][:cg2] ...]
+       [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8][:splitk][:trace]
+        | wgmma:FMT:MMA_BN[:t256][:swap][:splitk][:cg2] ...]
        .venv/bin/python scripts/h200_sass_report.py --compare BEFORE.jsonl AFTER.jsonl
 (``:w8``: 8 consumer warps on a small-N tile, ``h200_ring.StreamSpec.small_n_warps``; ``:t256``: 256-token
 tiles, ``h200_wgmma.WgmmaSpec.tile_tokens``; ``:swap``: weights on wgmma's M side; ``:splitk``: the split-K build
@@ -41,7 +42,8 @@ DEFAULT_SPECS = ("stream:nvfp4:T:8:1:2", "stream:mxfp4:T:8:1:2", "stream:mxfp8:T
 # Every build variant of the two kernels' device code: consumers (bf16, W4A16, FP8 in-kernel, folded: two sets, one
 # set, per-step), producer paths (packed, re-laid, tiled, fused, multicast pairs), split-K and trace builds.
 ALL_SPECS = DEFAULT_SPECS + (
-    "stream:nvfp4:T:16:1:2:w8", "stream:nvfp4:T:128:2:4", "stream:nvfp4:T:8:1:2:splitk", "stream:nvfp4:T:8:1:2:trace", "stream:nvfp4:F:128:1:4",
+    "stream:nvfp4:T:16:1:2:w8", "stream:nvfp4:T:128:2:4", "stream:nvfp4:T:8:1:2:splitk", "stream:nvfp4:T:8:1:2:trace",
+    "stream:nvfp4:F:128:1:4",
     "stream:nvfp4:T:128:1:4:e2m1_h200_tiled", "stream:nvfp4:T:128:1:4:e2m1_h200_fused", "stream:w4a16:T:8:1:2",
     "wgmma:nvfp4:128:t256", "wgmma:nvfp4:64:swap", "wgmma:nvfp4:32:swap:splitk",
     "wgmma:w4a16:128", "wgmma:w4a16_nvfp4:256", "wgmma:w4a16:128:t256",

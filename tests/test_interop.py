@@ -688,3 +688,22 @@ def test_validated_routing_sets_the_split_of_few_swapped_tiles():
         host = lib.to_bf16(out)
         assert check_acceptance(p, host).passed, f"validate={validate}"
         assert np.all(is_poison(host[~p.written_rows()]))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_prepare_plans_a_programmatic_dependent_launch_only_when_asked(pdl, routing_copies, monkeypatch):
+    """``interop.prepare(..., pdl=True)``: the serving path's prepared launch, chained after the kernel that writes
+    the tokens, asks the plan for a programmatic dependent launch (the plan carries it to the launch:
+    tests/test_pdl.py); planned before any device work, so here the GPU check stops it after the plan."""
+    import gbs.plan
+
+    planned = []
+    real_plan = gbs.plan.plan_h200
+    monkeypatch.setattr(gbs.plan, "plan_h200", lambda *a, **kw: planned.append(real_plan(*a, **kw)) or planned[-1])
+    dp = interop.device_problem(**fake_arrays(ragged("nvfp4")), fmt="nvfp4")
+    with pytest.raises(launch.NoSuitableGPUError):
+        interop.prepare(dp, backend="h200_wgmma", pdl=pdl)
+    assert [plan.pdl for plan in planned] == [pdl]
+    assert planned[0].describe().endswith("; programmatic dependent launch") == pdl
+    with pytest.raises(TypeError, match="pdl must be a bool"):
+        interop.prepare(dp, backend="h200_wgmma", pdl="yes")
