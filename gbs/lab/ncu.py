@@ -128,7 +128,6 @@ RAW_METRICS = (
     ("cluster size", "launch__cluster_size"),
 )
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
-STALL_SAMPLES = "smsp__pcsamp_sample_count"
 EXPORT_MARK = "## "   # scripts/ncu_compare.py's line before each export it concatenates
 
 
