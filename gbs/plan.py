@@ -24,9 +24,9 @@ The rules (design: ``docs/design/h200_port.md``):
 * wgmma kernel (``wgmma_knobs``): the measured tile width per format pair, 256-token tiles where their cheaper rows
   outweigh the padding, swapped tiles where cheaper (FP4 x FP4) or where FP8 tokens' swapped tiles split; few
   swapped tiles in split-K runs (``swapped_k_splits``).
-* Launch (``pdl``): a programmatic dependent launch only where the caller asks (unmeasured so far): the kernel may
-  then start while the kernel before it in the stream runs, and waits for it before its first global access
-  (``h200_ring``'s docstring).
+* Launch (``pdl``): a programmatic dependent launch only where the caller asks (measured no faster: evidence
+  pdl-ab): the kernel may then start while the kernel before it in the stream runs, and waits for it before its
+  first global access (``h200_ring``'s docstring).
 """
 from __future__ import annotations
 
@@ -341,7 +341,8 @@ def pair_rule(pair: int, mma_bn: int) -> Rule:
                     "fold-pair-pipelined")
     single_kb, pair_kb = ((TILE_M_ROWS + mma_bn // ctas) * E4M3_ROW_BYTES // 1024 for ctas in (1, pair))
     return Rule("pair", f"{shared}, each CTA loading {mma_bn // pair} of its rows: {pair_kb} instead of {single_kb} KB "
-                        f"per CTA and 128-K slice from L2 (not measured yet)")
+                        f"per CTA and 128-K slice from L2; against one CTA per tile 2-4 % faster on both up shapes, 2 % "
+                        f"slower on both down shapes, 11 % slower on ragged groups", "fold-pair-n192-ab")
 
 
 def folded_operands(problem) -> bool:
@@ -507,7 +508,8 @@ def _sm_count() -> int:
 
 PDL_RULE = Rule("launch", "programmatic dependent launch, as asked: each launch may start while the kernel before "
                           "it in the stream runs (its CTAs land on SMs that kernel leaves) and waits for that kernel "
-                          "to complete before its first global access; not planned unasked (unmeasured)")
+                          "to complete before its first global access; not planned unasked: back to back it took "
+                          "under 1 % off decode and 13 % longer on Kimi decode", "pdl-ab")
 PROBLEM_METADATA = ("a_format", "b_format", "n", "k", "num_active_experts", "estimated_total_m", "total_tokens")
 TILE_CONSTRAINTS = ("ab_swapped", "mma_bn", "cta_group", "stages", "small_n_warps", "tile_tokens", "fp8")
 

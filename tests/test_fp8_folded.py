@@ -198,15 +198,15 @@ def test_plan_runs_folded_prefill_on_the_route_and_the_rest_as_mxfp8():
 
 
 def test_plan_takes_a_pair_only_when_asked_on_its_own_tile_width():
-    """``cta_group=2`` asked for: the pair on the plan's width (192 rows on operands folded ahead, its rule saying it is
-    not measured yet; 128 as asked, with its measurement; W4A8's 128); ``"auto"`` never takes a pair."""
+    """``cta_group=2`` asked for: the pair on the plan's width (192 rows on operands folded ahead, 128 as asked, each
+    rule citing its measurement; W4A8's 128); ``"auto"`` never takes a pair."""
     folded = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(64, 40), expert_ids=(0, 1), experts=2))
     assert plan_h200(folded).spec.cta_group == 1 and plan_h200(folded, fp8=True).spec.cta_group == 1
     pair = plan_h200(folded, fp8=True, cta_group=2)
     assert (pair.spec.mma_bn, pair.spec.cta_group, pair.spec.chunk_sets, pair.spec.stages) == (192, 2, 1, 5)
     assert pair.spec == plan_h200(folded, fp8=True, cta_group=2, mma_bn=192).spec
     rules = {r.name: r for r in pair.rules}
-    assert rules["pair"].evidence is None and "not measured" in rules["pair"].decided
+    assert rules["pair"].evidence == "fold-pair-n192-ab" and "11 % slower on ragged" in rules["pair"].decided
     assert "96 of its rows: 28 instead of 40 KB" in rules["pair"].decided and "CTA pairs" in pair.describe()
     assert pair.num_ctas % 2 == 0
     assert pair.max_tiles == hl.max_tiles_bound(pair.ring, folded.total_tokens, folded.num_active_experts, 256)

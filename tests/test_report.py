@@ -239,6 +239,19 @@ def test_headline_adds_a_newer_run_of_other_cases_without_hiding_the_full_run(tm
     assert headline.index("`decode_up` |") < headline.index("`gptoss_decode_up` |")   # the older run's first
 
 
+def test_headline_keeps_the_benchmarks_case_order_when_a_newer_run_replaces_a_case(tmp_path):
+    """A newer CSV of the large prefill cases replaces those rows of the full run; the table keeps BENCH_CASES'
+    order (decode, then prefill), not the order of the files that gave the rows."""
+    full = [_row(m, k, t, case=c) for c in ("decode_up", "large_prefill_up", "large_prefill_ragged")
+            for m, k, t in (("gbs_auto", "ours", 150.0), ("torch_bf16", "peer", 600.0))]
+    newer = [_row(m, k, t, case="large_prefill_up", date="2026-12-02")
+             for m, k, t in (("gbs_auto", "ours", 120.0), ("torch_bf16", "peer", 600.0))]
+    headline = report.render_headline(_bench_files(tmp_path, {"full.csv": full, "newer.csv": newer}))
+    assert "120.0: 5.00x" in headline
+    rows = [headline.index(f"`{c}` |") for c in ("decode_up", "large_prefill_up", "large_prefill_ragged")]
+    assert rows == sorted(rows)
+
+
 def test_headline_gives_a_route_its_own_column_beside_its_format(tmp_path):
     """``HEADLINE_ROUTES``: the folded FP8 route's rows form a column of their own, with the format's peers; the
     format's own column keeps its "auto" row, and a run without the route's method adds no column."""

@@ -24,6 +24,7 @@ import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from .cases import BENCH_CASES
 
 BENCH_DIR = "data/bench"
 README = "README.md"
@@ -333,11 +334,14 @@ def render_headline(files: list[BenchFile]) -> str:
         raise ValueError("no bench CSV holds a gbs row")
     per_case = {fmt: {case: case_rows(headline_rows(f, fmt), case) for case, f in by_case.items()}
                 for fmt, by_case in sources.items()}
-    # the cases in the order of the runs that cover the most of them (the full runs), then the others'
+    # the benchmark's cases in its own order (BENCH_CASES), then any other in the order of the runs that cover the
+    # most cases (the full runs) first
     widest_first = sorted({f.path: f for by_case in sources.values() for f in by_case.values()}.values(),
                           key=lambda f: (-len({r["case"] for r in f.rows}), f.date, f.path))
     case_order = list(dict.fromkeys(c for f in widest_first for fmt, by_case in sources.items()
                                     for c in cases(headline_rows(f, fmt)) if by_case.get(c) is f))
+    known = list(BENCH_CASES)
+    case_order.sort(key=lambda c: known.index(c) if c in known else len(known))
     with_humming = any(peer_row(rs, HUMMING_PEER) for by_case in per_case.values() for rs in by_case.values())
     header = ["case", "N x K", "experts x tokens", "torch bf16 (us)", "torch FP8 (us)"] + \
         (["humming (us)"] if with_humming else []) + [FORMAT_NAMES.get(fmt, fmt) for fmt in sources]

@@ -93,9 +93,10 @@ rate on prefill. Hopper has no FP4 MMA and no block-scale hardware, so here the 
   slice, waited for and promoted before the next slice while the other warpgroup's MMAs run (DeepGEMM's order); a
   tile spans two 128-row fold tiles, so each 64-column group takes its own fold tile's factor
   (``column_group_scale_row``); fewer consumer instructions per weight row than the 128-row tile, no local memory,
-  5 stages (evidence: fold-n192-sass). Its pair (``cta_group`` 2 on 192 rows, asked for only, not measured yet):
-  2 x 128 tokens share the 192-row tile, each CTA loading 96 of its rows and one of its two scale bands multicast, so
-  a CTA reads 28 instead of 40 KB per 128-K slice from L2; the same stage, 5 stages. W4A8 on folded weights
+  5 stages (evidence: fold-n192-sass). Its pair (``cta_group`` 2 on 192 rows, asked for only: within 2 % of one CTA,
+  11 % slower on ragged groups; evidence: fold-pair-n192-ab): 2 x 128 tokens share the 192-row tile, each CTA
+  loading 96 of its rows and one of its two scale bands multicast, so a CTA reads 28 instead of 40 KB per 128-K
+  slice from L2; the same stage, 5 stages. W4A8 on folded weights
   (``WgmmaSpec.step_scaled``): the MXFP8 tokens as quantized, each k32 step promoted with its token block's scale
   while the next runs (run only when asked: no faster than the bf16 route, evidence: w4a8-fold-bench).
 
