@@ -40,8 +40,9 @@ from .formats import get_format
 from .layouts import LAYOUT_E2M1_E4M3, LAYOUT_E2M1_H200, LAYOUT_E2M1_H200_FUSED, LAYOUT_E4M3_FOLDED, LAYOUT_PACKED
 from .numba_kernels import h200_launch as hl
 from .numba_kernels.h200_ring import CONSUMER_WARPS_SMALL_N, TILE_M_ROWS, StreamSpec, k_slice_elements
-from .numba_kernels.h200_wgmma import (E4M3_ROW_BYTES, FOLDED_WIDE_MMA_BN, FP8_MMA_BN, FP8_ROUTE_FORMATS,
-                                       SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN, WgmmaSpec)
+from .numba_kernels.h200_wgmma import (DIAGNOSTIC_NO_MMA, DIAGNOSTIC_NO_PROMOTION, E4M3_ROW_BYTES, FOLDED_WIDE_MMA_BN,
+                                       FP8_MMA_BN, FP8_ROUTE_FORMATS, SWAPPED_MMA_BN, TILE_TOKENS, TWO_M_TILES_MMA_BN,
+                                       WgmmaSpec)
 from .problem import GroupedProblem, layout_of, problem_format_name
 from .schedule import check_num_ctas
 
@@ -460,18 +461,20 @@ def h200_weight_layout(weight_format) -> str:
 # ----------------------------------------------------------------------------------------------
 # The plan
 # ----------------------------------------------------------------------------------------------
-def _build_spec(kernel: str, problem, knobs: dict, trace: bool):
+def _build_spec(kernel: str, problem, knobs: dict, trace: bool, diagnostic: str | None = None):
     """The build of ``kernel`` for ``problem`` with ``knobs`` (stages resolved by the caller)."""
     a, b = _formats(problem)
     layouts = dict(a_layout=layout_of(problem, "a"), b_layout=layout_of(problem, "b"))
     if kernel == "h200_stream":
+        if diagnostic is not None:
+            raise ValueError(f"diagnostic={diagnostic!r} is a build of the wgmma kernel's folded FP8 route")
         return StreamSpec(a, b, knobs["ab_swapped"], knobs["mma_bn"], knobs.get("cta_group", 1), knobs["stages"],
                           small_n_warps=knobs.get("small_n_warps", CONSUMER_WARPS_SMALL_N), trace=trace, **layouts)
     if trace:
         raise ValueError("trace=True is the streaming kernel's diagnostic build")
     return WgmmaSpec(a, b, knobs["mma_bn"], knobs["stages"], tile_tokens=knobs.get("tile_tokens", TILE_TOKENS[0]),
                      ab_swapped=knobs.get("ab_swapped", False), fp8=knobs.get("fp8", False),
-                     cta_group=knobs.get("cta_group", 1), **layouts)
+                     cta_group=knobs.get("cta_group", 1), diagnostic=diagnostic, **layouts)
 
 
 def _resolve_stages(kernel: str, problem, knobs: dict, capped: bool) -> tuple[int, Rule | None]:
@@ -510,12 +513,21 @@ PDL_RULE = Rule("launch", "programmatic dependent launch, as asked: each launch 
                           "it in the stream runs (its CTAs land on SMs that kernel leaves) and waits for that kernel "
                           "to complete before its first global access; not planned unasked: back to back it took "
                           "under 1 % off decode and 13 % longer on Kimi decode", "pdl-ab")
+def diagnostic_rule(diagnostic: str) -> Rule:
+    """The rule of a diagnostic build asked for (``h200_wgmma.DIAGNOSTICS``): what it leaves out."""
+    left_out = {DIAGNOSTIC_NO_PROMOTION: "the per-slice fp32 promotion (the whole K on the E4M3 accumulator, one "
+                                         "promotion per tile)",
+                DIAGNOSTIC_NO_MMA: "the MMAs (empty wgmma groups)"}[diagnostic]
+    return Rule("diagnostic", f"{diagnostic} as asked: a timing-only build without {left_out}; its outputs are wrong")
+
+
 PROBLEM_METADATA = ("a_format", "b_format", "n", "k", "num_active_experts", "estimated_total_m", "total_tokens")
 TILE_CONSTRAINTS = ("ab_swapped", "mma_bn", "cta_group", "stages", "small_n_warps", "tile_tokens", "fp8")
 
 
 def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto", *, k_splits: int | None = None,
-              num_ctas: int | None = None, trace: bool = False, pdl: bool = False, **tile) -> H200Plan:
+              num_ctas: int | None = None, trace: bool = False, pdl: bool = False, diagnostic: str | None = None,
+              **tile) -> H200Plan:
     """The plan an H200 runs ``problem`` with (a ``GroupedProblem``, a device problem, or any object with the
     problem's host metadata).
 
@@ -527,8 +539,9 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     only constraints it takes: ``cta_group`` 2, never chosen unasked, and ``mma_bn``, 128 or, on operands folded
     ahead, 192: the plan's there, for one CTA per tile or a pair), False never, unset where it wins
     (``prefers_fp8_route``). ``k_splits`` / ``num_ctas`` replace the split and the grid. ``trace``: the streaming
-    kernel's start-up trace build (a diagnostic). ``pdl``: every launch of the plan a programmatic dependent launch
-    (``PDL_RULE``). TypeError / ValueError saying what is wrong."""
+    kernel's start-up trace build (a diagnostic). ``diagnostic``: one of ``h200_wgmma.DIAGNOSTICS`` on the folded
+    route's 128 x 192 tile, a timing-only build whose outputs are wrong (``diagnostic_rule``). ``pdl``: every launch of
+    the plan a programmatic dependent launch (``PDL_RULE``). TypeError / ValueError saying what is wrong."""
     if not isinstance(pdl, (bool, np.bool_)):
         raise TypeError(f"pdl must be a bool, got {pdl!r}")
     if backend not in ("auto",) + KERNELS:
@@ -618,7 +631,9 @@ def plan_h200(problem, config: KernelConfig | None = None, backend: str = "auto"
     stages, stage_rule = _resolve_stages(kernel, problem, knobs, capped=config is not None and kernel == "h200_stream")
     if stage_rule is not None:
         rules.append(stage_rule)
-    spec = _build_spec(kernel, problem, dict(knobs, stages=stages), trace)
+    spec = _build_spec(kernel, problem, dict(knobs, stages=stages), trace, diagnostic)
+    if diagnostic is not None:
+        rules.append(diagnostic_rule(diagnostic))
     hl.check_can_implement(problem, spec)
     plan = _launch_geometry(problem, kernel, spec, rules, k_splits, num_ctas)
     if not pdl:

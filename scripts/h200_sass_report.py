@@ -7,11 +7,12 @@ code unchanged (the same hash before and after). ~8 s per spec.
 
 Usage: .venv/bin/python scripts/h200_sass_report.py [--all] [--json FILE]
        [stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8][:splitk][:trace]
-        | wgmma:FMT:MMA_BN[:t256][:swap][:splitk][:cg2] ...]
+        | wgmma:FMT:MMA_BN[:t256][:swap][:splitk][:cg2][:nopromo|:nomma] ...]
        .venv/bin/python scripts/h200_sass_report.py --compare BEFORE.jsonl AFTER.jsonl
 (``:w8``: 8 consumer warps on a small-N tile, ``h200_ring.StreamSpec.small_n_warps``; ``:t256``: 256-token
 tiles, ``h200_wgmma.WgmmaSpec.tile_tokens``; ``:swap``: weights on wgmma's M side; ``:splitk``: the split-K build
-(either kernel); ``:trace``: the streaming kernel's start-up trace build; ``:cg2``: the CTA pair; the wgmma specs
+(either kernel); ``:trace``: the streaming kernel's start-up trace build; ``:cg2``: the CTA pair; ``:nopromo`` /
+``:nomma``: the folded 192-row tile's diagnostic builds (``h200_wgmma.DIAGNOSTICS``); the wgmma specs
 take the deepest ring that fits.)
 A spec may end in a weight layout: ``:e2m1_h200``, ``:e2m1_h200_tiled`` or ``:e2m1_h200_fused`` (the weights re-laid
 for the H200); ``wgmma:mxfp4:128:e2m1_e4m3`` / ``wgmma:w4a8:128:e2m1_e4m3``: the in-kernel FP8 route (QGMMA loops);
@@ -50,7 +51,8 @@ ALL_SPECS = DEFAULT_SPECS + (
     f"wgmma:mxfp4:128:{LAYOUT_E2M1_E4M3}", f"wgmma:w4a8:128:{LAYOUT_E2M1_E4M3}",
     f"wgmma:mxfp8:128:{LAYOUT_E4M3_FOLDED}", f"wgmma:mxfp8:128:cg2:{LAYOUT_E4M3_FOLDED}",
     f"wgmma:w4a8:128:{LAYOUT_E4M3_FOLDED}", f"wgmma:mxfp8:192:{LAYOUT_E4M3_FOLDED}",
-    f"wgmma:mxfp8:192:cg2:{LAYOUT_E4M3_FOLDED}")
+    f"wgmma:mxfp8:192:cg2:{LAYOUT_E4M3_FOLDED}", f"wgmma:mxfp8:192:nopromo:{LAYOUT_E4M3_FOLDED}",
+    f"wgmma:mxfp8:192:nomma:{LAYOUT_E4M3_FOLDED}")
 MIX_OPCODES = 8   # most frequent opcodes shown per loop
 
 
@@ -81,6 +83,9 @@ def parse_spec(text: str):
     swapped = kind == "wgmma" and bool(knobs) and knobs[-1] == "swap"
     if swapped:
         knobs.pop()
+    diagnostic = h200_wgmma.DIAGNOSTIC_TAGS.get(knobs[-1]) if kind == "wgmma" and knobs else None
+    if diagnostic is not None:
+        knobs.pop()
     if kind == "wgmma" and knobs and knobs[-1] == "cg2":
         cta_group = 2
         knobs.pop()
@@ -102,11 +107,11 @@ def parse_spec(text: str):
         def wgmma_spec(stages):
             return h200_wgmma.WgmmaSpec(a_format, b_format, int(knobs[0]), stages, b_layout=b_layout,
                                         tile_tokens=tile_tokens, ab_swapped=swapped, fp8=fp8, a_layout=a_layout,
-                                        cta_group=cta_group, split_k=split_k)
+                                        cta_group=cta_group, split_k=split_k, diagnostic=diagnostic)
 
         return wgmma_spec(h200_launch.max_pipeline_stages(wgmma_spec(1))), h200_wgmma, "QGMMA" if fp8 else "HGMMA"
     raise ValueError(f"{text!r}: want stream:FMT:T|F:MMA_BN:CTA_GROUP:STAGES[:w8][:splitk][:trace] or "
-                     f"wgmma:FMT:MMA_BN[:t256][:cg2][:swap][:splitk] (either may end in a layout, e.g. "
+                     f"wgmma:FMT:MMA_BN[:t256][:cg2][:nopromo|:nomma][:swap][:splitk] (either may end in a layout, e.g. "
                      f":{LAYOUT_E2M1_H200}; :w8 = 8 small-N consumer warps, :t256 = 256-token tiles, :cg2 = the CTA "
                      f"pair, :swap = weights on wgmma M, :splitk = split-K runs)")
 

@@ -16,7 +16,8 @@ for what ``gbs.plan.plan_h200(problem, None, backend)`` runs (backend ``auto``, 
 pairs on the plan's tile width (2 x 128 tokens x 192 weight rows on operands folded ahead; before the pair took 192
 rows, ``:cg2`` ran 128); ``:cg2n128``: the pair on 128-row tiles (``mma_bn=128``); ``:n128`` / ``:n192``:
 ``fp8=True, mma_bn=128|192``, one CTA per 128 x 128 tile or per 128 x 192 tile (the plan's own on operands folded
-ahead)). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
+ahead); ``:nopromo`` / ``:nomma``: that 128 x 192 tile's timing-only builds without its per-slice promotion or without
+its MMAs, ``h200_wgmma.DIAGNOSTICS``: their outputs are wrong). A case is a name of ``gbs.lab.cases.BENCH_CASES`` or
 ``N,K,slots,tokens_per_expert`` (e.g. ``4096,7168,32,64``: where the kernel choice flips). Timing is the
 benchmark's (``gbs.lab.timing.time_launches``: CUDA events, warm-up, input sets rotated past L2, medians),
 and the streaming-read ceiling is measured in the same run. ``--trace DIR`` also runs each streaming point's
@@ -93,9 +94,11 @@ def parse_wgmma_point(text: str):
     return SweepPoint(fmt, parse_case(case, text), config, k_splits, num_ctas=num_ctas)
 
 
-# a plan point's last field: the folded FP8 route with a knob of its own (plan_h200(fp8=True, ...))
+# a plan point's last field: the folded FP8 route with a knob of its own (plan_h200(fp8=True, ...)), or one of its
+# 192-row tile's diagnostic builds (h200_wgmma.DIAGNOSTIC_TAGS)
 FP8_ROUTE_SUFFIXES = {"cg2": dict(cta_group=2), "cg2n128": dict(cta_group=2, mma_bn=h200_wgmma.FP8_MMA_BN),
-                      "n128": dict(mma_bn=h200_wgmma.FP8_MMA_BN), "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN)}
+                      "n128": dict(mma_bn=h200_wgmma.FP8_MMA_BN), "n192": dict(mma_bn=h200_wgmma.FOLDED_WIDE_MMA_BN),
+                      **{tag: dict(diagnostic=name) for tag, name in h200_wgmma.DIAGNOSTIC_TAGS.items()}}
 
 
 def parse_plan_point(text: str):

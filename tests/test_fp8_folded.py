@@ -296,6 +296,49 @@ def test_build_issues_pipelined_e4m3_wgmma_on_shared_operands_without_local_memo
     assert mma_loop.count("QGMMA") == mmas and mma_loop.count("LDL") + mma_loop.count("STL") == 0
 
 
+@pytest.mark.parametrize("diagnostic", hw.DIAGNOSTICS)
+def test_diagnostic_builds_leave_out_the_promotion_or_the_mmas(diagnostic):
+    """The 192-row tile's timing-only builds: ``no_promotion`` keeps the 4 pipelined MMAs per slice and no FFMA in
+    their loop (the plan's build has one per accumulator there), ``no_mma`` issues no MMA and keeps the promotion."""
+    def loops_and_ops(spec):
+        cubin = offline.compile_cubin(hw.make_kernel_function(spec), hr.kernel_signature(), offline.SM90A,
+                                      launch_bounds=(spec.threads, spec.min_ctas_per_sm))
+        sass = offline.disassemble(cubin)
+        return offline.sass_loops(sass), offline.sass_instructions(sass)
+
+    folded = dict(fp8=True, a_layout=LAYOUT_E4M3_FOLDED, b_layout=LAYOUT_E4M3_FOLDED)
+    plain = hw.WgmmaSpec("mxfp8", "mxfp8", 192, 5, **folded)
+    loops, instructions = loops_and_ops(dataclasses.replace(plain, diagnostic=diagnostic))
+    if diagnostic == hw.DIAGNOSTIC_NO_PROMOTION:
+        mma_loop = next(loop for loop in loops if loop.count("QGMMA"))
+        assert mma_loop.count("QGMMA") == 4 and mma_loop.count("FFMA") == 0
+        assert not offline.serialized_wgmma(instructions)
+        plain_loop = next(loop for loop in loops_and_ops(plain)[0] if loop.count("QGMMA"))
+        assert plain_loop.count("FFMA") == 192 // 2, "the plan's build promotes in the loop: one FFMA per accumulator"
+    else:
+        assert not any(ins.startswith("QGMMA") for ins in instructions)
+        assert max(loop.count("FFMA") for loop in loops) == 192 // 2
+
+
+def test_plan_builds_a_diagnostic_only_when_asked_on_the_192_row_tile():
+    """``diagnostic=`` replaces the build of the plan's folded 192-row tile (one CTA or a pair) and says so in a rule;
+    never unasked, and refused on any other tile, kernel or name."""
+    folded = fr.fold_problem(gaussian_problem(256, 512, seed=4, group_sizes=(64, 40), expert_ids=(0, 1), experts=2))
+    assert plan_h200(folded).spec.diagnostic is None and plan_h200(folded, fp8=True).spec.diagnostic is None
+    plan = plan_h200(folded, fp8=True, diagnostic=hw.DIAGNOSTIC_NO_PROMOTION)
+    assert plan.spec == dataclasses.replace(plan_h200(folded, fp8=True).spec, diagnostic=hw.DIAGNOSTIC_NO_PROMOTION)
+    assert {r.name: r.decided for r in plan.rules}["diagnostic"].endswith("its outputs are wrong")
+    pair = plan_h200(folded, fp8=True, cta_group=2, diagnostic=hw.DIAGNOSTIC_NO_MMA).spec
+    assert (pair.mma_bn, pair.cta_group, pair.diagnostic) == (192, 2, hw.DIAGNOSTIC_NO_MMA)
+    with pytest.raises(ValueError, match="diagnostic builds are"):
+        plan_h200(folded, fp8=True, mma_bn=128, diagnostic=hw.DIAGNOSTIC_NO_MMA)
+    with pytest.raises(ValueError, match="diagnostic builds are"):
+        plan_h200(folded, fp8=True, diagnostic="fast_accumulation")
+    decode = gaussian_problem(256, 512, seed=4, group_sizes=(4, 2), expert_ids=(0, 1), experts=2)
+    with pytest.raises(ValueError, match="wgmma kernel's folded FP8 route"):
+        plan_h200(decode, diagnostic=hw.DIAGNOSTIC_NO_MMA)
+
+
 def test_the_192_row_stage_holds_the_weight_tile_and_both_scale_bands():
     """The 128 x 192 ring: a 192-row weight box (rows past N read as zeros, the map's bounds per expert) and two weight
     scale bands from the band of the tile's first row, which cover rows 64..255 of a tile starting mid-band."""

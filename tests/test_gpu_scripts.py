@@ -67,16 +67,18 @@ def test_sweep_parses_stream_and_plan_points(sweep):
 def test_sweep_fp8_route_suffixes_plan_their_tiles(sweep):
     """Plan points on operands folded ahead (``--b-layout e4m3_folded``): the plan's 128 x 192 tile on one CTA per
     tile, ``:cg2`` its pair (2 x 128 tokens sharing 192 weight rows), ``:cg2n128`` the pair on 128 rows, ``:n128`` /
-    ``:n192`` one CTA per 128- or 192-row tile."""
+    ``:n192`` one CTA per 128- or 192-row tile; ``:nopromo`` / ``:nomma`` the 192-row tile's diagnostic builds."""
     from gbs.fp8_route import fold_problem
 
     point = sweep.parse_point("plan:auto:mxfp4:512,512,4,160")
     problem = fold_problem(point.case.problem(point.fmt))
     tiles = {suffix: sweep.plan_of(problem, sweep.parse_point(f"plan:auto:mxfp4:512,512,4,160{suffix}").config).spec
-             for suffix in ("", ":cg2", ":cg2n128", ":n128", ":n192")}
-    assert {suffix: (spec.mma_bn, spec.cta_group, spec.ring.tile_shape.tokens) for suffix, spec in tiles.items()} == {
-        "": (192, 1, 128), ":cg2": (192, 2, 256), ":cg2n128": (128, 2, 256), ":n128": (128, 1, 128),
-        ":n192": (192, 1, 128)}
+             for suffix in ("", ":cg2", ":cg2n128", ":n128", ":n192", ":nopromo", ":nomma")}
+    assert {suffix: (spec.mma_bn, spec.cta_group, spec.ring.tile_shape.tokens, spec.diagnostic)
+            for suffix, spec in tiles.items()} == {
+        "": (192, 1, 128, None), ":cg2": (192, 2, 256, None), ":cg2n128": (128, 2, 256, None),
+        ":n128": (128, 1, 128, None), ":n192": (192, 1, 128, None), ":nopromo": (192, 1, 128, "no_promotion"),
+        ":nomma": (192, 1, 128, "no_mma")}
     assert all(spec.chunk_scaled for spec in tiles.values())
 
 
@@ -85,7 +87,8 @@ def test_sweep_fp8_route_suffixes_plan_their_tiles(sweep):
                                    "nvfp4:decode_up:Y:8:1:2:1", "plan:simt:nvfp4:decode_up",
                                    "plan:auto:mxfp4:large_prefill_up:cg4", "plan:auto:mxfp4:large_prefill_up:n256",
                                    "plan:auto:mxfp4:large_prefill_up:cg2n256",
-                                   "plan:auto:mxfp4:large_prefill_up:cg2:n128"])
+                                   "plan:auto:mxfp4:large_prefill_up:cg2:n128",
+                                   "plan:auto:mxfp4:large_prefill_up:nopromo:cg2"])
 def test_sweep_refuses_bad_points(sweep, point):
     with pytest.raises(ValueError):
         sweep.parse_point(point)

@@ -125,6 +125,11 @@ a 128-register launch bound; evidence: decoder-warpgroup).
 MXFP8 takes the bf16 route too: feeding its E4M3 bytes to ``wgmma k32`` and promoting each 32-element
 block's partial product in fp32 was slower on the H200 (evidence: e4m3-route; ``docs/history.md``).
 
+Diagnostic builds (``WgmmaSpec.diagnostic``, the 128 x 192 folded tile only; never planned unasked, their outputs are
+wrong): ``"no_promotion"`` accumulates the whole K in the chunk set as torch's fast accumulation does and promotes once
+per tile, ``"no_mma"`` issues empty wgmma groups; timing them against the build beside them splits its time into the
+promotion, the MMAs and the rest (``plan_h200(..., diagnostic=...)``, sweep suffixes ``:nopromo`` / ``:nomma``).
+
 Constraints (``check_can_implement``, ``prepare``): ``cta_group`` 1 (2: the folded FP8 route only); ``mma_bn`` 128
 or 256 (192: the folded FP8 route with folded tokens, one CTA or a pair), or with ``ab_swapped`` 32 or 64 (128-row
 tiles); rows TMA can address (K a multiple of 32 with FP4 operands, 16 with FP8; a partial last K slice reads zeros past K, ``h200_launch.k_slices_of``); N and the token count below 2**31; 16-byte aligned inputs (TMA) and a 4-byte aligned output
@@ -224,6 +229,11 @@ FP8_MMA_BN = 128
 # 0.82x its time on large prefill up without any MMA (evidence: fold-floors); measured 0.87x / 0.90x its time on
 # large prefill up / down (evidence: fold-n192-ab).
 FOLDED_WIDE_MMA_BN = hr.WGMMA_ONLY_MMA_BN[0]
+# Timing-only builds of that tile (``WgmmaSpec.diagnostic``): its per-slice promotion, or its MMAs, left out
+DIAGNOSTIC_NO_PROMOTION = "no_promotion"
+DIAGNOSTIC_NO_MMA = "no_mma"
+DIAGNOSTICS = (DIAGNOSTIC_NO_PROMOTION, DIAGNOSTIC_NO_MMA)
+DIAGNOSTIC_TAGS = {"nopromo": DIAGNOSTIC_NO_PROMOTION, "nomma": DIAGNOSTIC_NO_MMA}   # the scripts' point / spec suffixes
 # Weights folded ahead carry one scale per 128-row fold tile from the expert's row 0 (``gbs.fp8_route.fold_weights``);
 # a 192-row tile spans two, so its promotion takes a factor per column group (``fold_column_group``).
 FOLD_TILE_ROWS = KERNEL_WEIGHT_BASE_ROWS
@@ -245,6 +255,7 @@ class WgmmaSpec:
     split_k: bool = False   # built for split-K runs (swapped tiles only: ``prepare(k_splits=...)``)
     fp8: bool = False       # the FP8 route's E4M3 consumer (``_make_fp8_consumer``), else the bf16 one
     cta_group: int = 1      # 2: a CTA pair's two token tiles share the weight tile (``chunk_scaled`` only)
+    diagnostic: str | None = None   # a timing-only build (``DIAGNOSTICS``; the folded 128 x 192 tile only)
 
     def __post_init__(self):
         bn = require_int("mma_bn", self.mma_bn, 1)
@@ -285,6 +296,11 @@ class WgmmaSpec:
         if self.bf16_tokens and (self.ab_swapped or self.fp8):
             raise ValueError(f"{self.a_format} tokens (W4A16) are wgmma's A operand straight from the ring stage: "
                              f"ab_swapped and fp8 must be False, got ab_swapped={self.ab_swapped}, fp8={self.fp8}")
+        if self.diagnostic is not None and (self.diagnostic not in DIAGNOSTICS or not self.chunk_scaled
+                                            or bn != FOLDED_WIDE_MMA_BN):
+            raise ValueError(f"diagnostic builds are {DIAGNOSTICS} of the folded FP8 route's {FOLDED_WIDE_MMA_BN}-row "
+                             f"tile; got diagnostic={self.diagnostic!r} with mma_bn={bn}, fp8={self.fp8}, "
+                             f"b_layout={self.b_layout!r}")
         if self.chunk_scaled:
             if (self.a_format, self.b_format) not in CHUNK_SCALED_FORMATS or \
                     self.a_layout not in (LAYOUT_E4M3_FOLDED, LAYOUT_PACKED):
@@ -1509,10 +1525,10 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
     if FP8_CHUNK // WGMMA_K_E4M3 != 4:
         raise AssertionError("the consumer writes out 4 k32 steps per slice")
 
-    def slice_mmas(acc, a_desc, b_desc):
-        """The slice's 4 k32 steps into a fresh chunk set, one wgmma group."""
+    def slice_mmas(acc, a_desc, b_desc, onto):
+        """The slice's 4 k32 steps into a fresh chunk set (``onto`` 1: onto the set as it is), one wgmma group."""
         hp.wgmma_fence()
-        acc = mma(acc, a_desc, b_desc, np.uint32(0))
+        acc = mma(acc, a_desc, b_desc, onto)
         acc = mma(acc, advance(a_desc, STEP_UNITS), advance(b_desc, STEP_UNITS), np.uint32(1))
         acc = mma(acc, advance(a_desc, 2 * STEP_UNITS), advance(b_desc, 2 * STEP_UNITS), np.uint32(1))
         acc = mma(acc, advance(a_desc, 3 * STEP_UNITS), advance(b_desc, 3 * STEP_UNITS), np.uint32(1))
@@ -1555,9 +1571,27 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         times the weight tile's, an exact fp32 product (``fp8_decode.ue8m0_f32_bits``)."""
         return f32_from_bits(scale_bits((token_word >> np.uint32(8 * s)) & np.uint32(0xFF))) * tile_factor
 
+    def empty_group(acc, a_desc, b_desc, onto):
+        """``slice_mmas`` without the MMAs (the ``"no_mma"`` diagnostic): an empty group keeps the waits."""
+        hp.wgmma_fence()
+        hp.wgmma_commit_group()
+        return acc
+
+    if spec.diagnostic == DIAGNOSTIC_NO_MMA:
+        slice_mmas = empty_group
     tile_scale = _device(tile_scale)
     slice_mmas, stage_scales, release = _device(slice_mmas), _device(stage_scales), _device(release)
     step_mma, step_factor = _device(step_mma), _device(step_factor)
+
+    def column_group_factors(st, m_sf_row, row_0, row_1, row_2):
+        """The 128 x 192 tile's promotion factors of the slice in stage ``st``: token rows m_row and m_row + 8 times
+        each 64-column group's fold tile (``column_group_scale_row``: rows ``row_0..2`` of the scale bands)."""
+        w_0, lo_word, hi_word = stage_scales(st, m_sf_row, row_0)
+        w_1, w_2 = tile_scale(st, row_1), tile_scale(st, row_2)
+        return ((step_factor(lo_word, 0, w_0), step_factor(lo_word, 0, w_1), step_factor(lo_word, 0, w_2)),
+                (step_factor(hi_word, 0, w_0), step_factor(hi_word, 0, w_1), step_factor(hi_word, 0, w_2)))
+
+    column_group_factors = _device(column_group_factors)
 
     def end_slice(last, total, f_lo, f_hi, bar0, lane, stage, phase, done, k_slices):
         """After a slice's MMAs are issued (the last into set ``last``, factors ``f_lo`` / ``f_hi``): the ring moves
@@ -1581,7 +1615,7 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         ``other_hi``) is promoted and its stage ``held`` released, and after a tile's last slice ``fresh`` too."""
         CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
         units = np.uint32(stage * STAGE_UNITS)
-        fresh = slice_mmas(fresh, advance(desc_a0, units), advance(desc_b0, units))
+        fresh = slice_mmas(fresh, advance(desc_a0, units), advance(desc_b0, units), np.uint32(0))
         # while they run, the factors of this slice's promotion; folded tokens: the chunk's 4 block scales are
         # equal, block 0's is the row's
         tile_factor, lo_word, hi_word = stage_scales(np.uint32(base + stage * stage_bytes), m_sf_row, n_sf_row)
@@ -1670,13 +1704,9 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
         while True:
             CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
             units = np.uint32(stage * STAGE_UNITS)
-            chunk = slice_mmas(chunk, advance(desc_a0, units), advance(desc_b0, units))
+            chunk = slice_mmas(chunk, advance(desc_a0, units), advance(desc_b0, units), np.uint32(0))
             # while they run, the factors; folded tokens: the chunk's 4 block scales are equal, block 0's is the row's
-            st = np.uint32(base + stage * stage_bytes)
-            w_0, lo_word, hi_word = stage_scales(st, m_sf_row, row_0)
-            w_1, w_2 = tile_scale(st, row_1), tile_scale(st, row_2)
-            f_lo = (step_factor(lo_word, 0, w_0), step_factor(lo_word, 0, w_1), step_factor(lo_word, 0, w_2))
-            f_hi = (step_factor(hi_word, 0, w_0), step_factor(hi_word, 0, w_1), step_factor(hi_word, 0, w_2))
+            f_lo, f_hi = column_group_factors(np.uint32(base + stage * stage_bytes), m_sf_row, row_0, row_1, row_2)
             hp.wgmma_wait_group_0()
             chunk = hp.wgmma_fence_accumulators(chunk)
             release(bar0, stage, lane)
@@ -1687,7 +1717,39 @@ def _make_chunk_scaled_consumer(spec: WgmmaSpec, ring):
                 break
         return total, chunk, stage, phase
 
-    run_tile = _device(tile_serial if one_set else tile_steps if spec.step_scaled else tile_chunks)
+    def tile_unpromoted(total, chunk, base, bar0, lane, stage, phase, k_slices, m_sf_row, r0, desc_a0, desc_b0):
+        """``tile_serial`` without its per-slice promotion (the ``"no_promotion"`` diagnostic): every slice onto the
+        chunk set, each stage released once the next slice's MMAs are issued, one promotion per tile with the last
+        slice's factors (wrong results; the factors are still read every slice)."""
+        row_0 = np.uint32(group_row(r0, 0, GROUP_COLUMNS))
+        row_1 = np.uint32(group_row(r0, 1, GROUP_COLUMNS))
+        row_2 = np.uint32(group_row(r0, 2, GROUP_COLUMNS))
+        done = np.int32(0)
+        held = stage
+        while True:
+            CONSUMER_WAIT(bar0 + MBARRIER_BYTES * stage, phase)
+            units = np.uint32(stage * STAGE_UNITS)
+            chunk = slice_mmas(chunk, advance(desc_a0, units), advance(desc_b0, units), np.uint32(done > 0))
+            f_lo, f_hi = column_group_factors(np.uint32(base + stage * stage_bytes), m_sf_row, row_0, row_1, row_2)
+            hp.wgmma_wait_group_1()
+            if done > 0:
+                release(bar0, held, lane)
+            held = stage
+            stage, phase = next_stage(stage, phase)
+            done += np.int32(1)
+            if done == k_slices:
+                break
+        hp.wgmma_wait_group_0()
+        chunk = hp.wgmma_fence_accumulators(chunk)
+        release(bar0, held, lane)
+        total = promote(total, chunk, f_lo, f_hi)
+        return total, chunk, stage, phase
+
+    if one_set:
+        run_tile = tile_unpromoted if spec.diagnostic == DIAGNOSTIC_NO_PROMOTION else tile_serial
+    else:
+        run_tile = tile_steps if spec.step_scaled else tile_chunks
+    run_tile = _device(run_tile)
 
     def consume(dyn, bars, cw, expert_scales, out, n, k_slices, max_tiles, split_sums, split_counters, k_splits,
                 slices_per_split):
