@@ -10,6 +10,8 @@ committed text equals what it renders from the committed CSVs.
   holds it. Peers in ``NOT_HEADLINE_PEERS`` never appear there.
 * ``render_results(files)``: ``docs/results.md`` whole: per CSV and format, gbs's rows, the peers' rows and,
   apart, the peers that are not headline peers; every case, median, p10-p90 spread and ratio.
+* ``docs/targets.md``: the issues' targets (``data/targets.csv``) judged on the headline's rows
+  (``gbs.lab.targets``).
 
 Rows flagged host-bound (column ``host_bound`` true: the timing included host gaps) or not verified
 (column ``verified`` false: the bench did not check that output) carry ``HOST_BOUND_MARK`` /
@@ -547,11 +549,17 @@ def replace_headline(readme: str, block: str) -> str:
 
 
 def rendered(root=".", files: list[BenchFile] | None = None) -> dict[str, str]:
-    """{relative path: the text it should hold}: README.md (its block replaced) and docs/results.md."""
+    """{relative path: the text it should hold}: README.md (its block replaced), docs/results.md and, where the
+    repository states targets (``gbs.lab.targets``), docs/targets.md."""
+    from .targets import TARGETS_CSV, TARGETS_DOC, read_targets, render_targets
+
     root = Path(root)
     files = load_bench_dir(root) if files is None else files
     readme = (root / README).read_text(encoding="utf-8")
-    return {README: replace_headline(readme, render_headline(files)), RESULTS: render_results(files)}
+    texts = {README: replace_headline(readme, render_headline(files)), RESULTS: render_results(files)}
+    if (root / TARGETS_CSV).exists():
+        texts[TARGETS_DOC] = render_targets(read_targets(root), files)
+    return texts
 
 
 def check(root=".", files: list[BenchFile] | None = None) -> list[str]:
@@ -589,7 +597,7 @@ def cmd_report(args) -> int:
         for rel in differ:
             print(f"{rel}: differs from what `{COMMAND}` renders from {BENCH_DIR}/ (run it)", file=sys.stderr)
         if not differ:
-            print(f"{README} (headline block) and {RESULTS} match {BENCH_DIR}/")
+            print(f"{', '.join(rendered(root))} match {BENCH_DIR}/ (the README: its headline block)")
         return 1 if differ else 0
     if args.write:
         changed = write(root)
@@ -598,18 +606,20 @@ def cmd_report(args) -> int:
     files = load_bench_dir(root)
     print(f"{HEADLINE_BEGIN}{render_headline(files)}{HEADLINE_END}\n")
     print(render_results(files), end="")
-    return 0
+    return 0   # docs/targets.md: --write or --check
 
 
 def add_report_parser(sub) -> None:
     """Register ``report`` on an ``argparse`` subparsers object (``python -m gbs report``)."""
-    r = sub.add_parser("report", help="render the results tables of README.md and docs/results.md from "
-                                      f"{BENCH_DIR}/*.csv",
+    r = sub.add_parser("report", help="render the results tables of README.md, docs/results.md and docs/targets.md "
+                                      f"from {BENCH_DIR}/*.csv",
                        description="Render the README's headline table and docs/results.md from the bench CSVs "
-                                   f"in {BENCH_DIR}/: print them (default), rewrite them (--write) or check the "
-                                   "committed text against them (--check: exit 1 naming each file that differs).")
+                                   f"in {BENCH_DIR}/ (and docs/targets.md: data/targets.csv judged on them): print the "
+                                   "first two (default), rewrite all (--write) or check the committed text against "
+                                   "them (--check: exit 1 naming each file that differs).")
     mode = r.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help=f"rewrite the block of {README} and {RESULTS}")
+    mode.add_argument("--write", action="store_true", help=f"rewrite the block of {README}, {RESULTS} and "
+                                                              "docs/targets.md")
     mode.add_argument("--check", action="store_true", help="exit 1 if a committed table differs")
     r.add_argument("--root", default=str(REPO_ROOT), help=f"repository root (default: {REPO_ROOT})")
     r.set_defaults(func=cmd_report)
