@@ -33,7 +33,7 @@ from gbs.numba_kernels import launch
 from gbs.plan import plan_h200
 from gbs.problem import random_problem
 from gbs.ptx_inline import offline
-from gbs.reference import reference_grouped_matmul
+from gbs.reference import is_poison, reference_grouped_matmul
 from fp8_cases import fold_tiles_apart, gaussian_problem, w4a8_window_edges, window_edges, with_scales
 from test_fp8_route_kernel import check_route
 from test_h200_stream import _shapes_and_fake_addresses, tma_box_3d_any
@@ -526,6 +526,26 @@ def test_gpu_folded_route_window_edges_and_nan_blocks(cta_group, mma_bn):
     edge = window_edges(seed=7)
     counts = check_route(edge, _run_folded(edge, cta_group, mma_bn))
     print(counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cta_group", [1, 2])
+@pytest.mark.parametrize("diagnostic", hw.DIAGNOSTICS)
+def test_gpu_diagnostic_builds_store_every_tile_they_time(diagnostic, cta_group):
+    """The timing-only builds do the route's whole memory work on ragged groups (an empty group, a -1 slot, a 1-token
+    group, an N tail): every written row is stored (``no_mma``: zeros, its chunk set never filled; ``no_promotion``:
+    finite values, not the reference's), the skipped rows keep the poison."""
+    if launch.gpu_compute_capability() != hr.SM90:
+        pytest.skip("needs an sm_90 GPU (H200); run through the device tool")
+    problem = gaussian_problem(320, 2880, seed=zlib.crc32(f"diagnostic/{diagnostic}".encode()))
+    folded = fr.fold_problem(problem)
+    out = hl.run(folded, plan_h200(folded, fp8=True, cta_group=cta_group, diagnostic=diagnostic), None)
+    written = problem.written_rows()
+    assert np.all(is_poison(out[~written])), "rows of skipped slots were written"
+    stored = out[written].astype(np.float32)
+    assert np.all(np.isfinite(stored)) and not np.any(is_poison(out[written]))
+    if diagnostic == hw.DIAGNOSTIC_NO_MMA:
+        assert np.all(stored == 0)
 
 
 @pytest.mark.gpu
