@@ -144,31 +144,31 @@ def marks(row: dict) -> str:
         (UNVERIFIED_MARK if _flag(row, "verified") is False else "")
 
 
-def _median(row):
+def median_of(row):
     return _float(row.get("median_us")) if row and row.get("status", STATUS_OK) == STATUS_OK else None
 
 
 def ratio(peer_row, ours_row):
     """Peer median / gbs median (> 1: gbs is faster), or None."""
-    p, o = _median(peer_row), _median(ours_row)
+    p, o = median_of(peer_row), median_of(ours_row)
     return p / o if p and o else None
 
 
 def pct_read_ceiling(row):
     """The row's own useful bytes per second as a percentage of the read ceiling measured with it."""
-    us, nbytes, tbps = _median(row), _float(row.get("useful_bytes")), _float(row.get("read_ceiling_tbps"))
+    us, nbytes, tbps = median_of(row), _float(row.get("useful_bytes")), _float(row.get("read_ceiling_tbps"))
     if us and nbytes and tbps:
         return 100 * nbytes / (us * 1e-6) / (tbps * 1e12)
     return _float(row.get("pct_read_ceiling"))
 
 
 def tflops(row):
-    us, flops = _median(row), _float(row.get("useful_flops"))
+    us, flops = median_of(row), _float(row.get("useful_flops"))
     return flops / (us * 1e-6) / 1e12 if us and flops else None
 
 
 def gbps(row):
-    us, nbytes = _median(row), _float(row.get("useful_bytes"))
+    us, nbytes = median_of(row), _float(row.get("useful_bytes"))
     return nbytes / (us * 1e-6) / 1e9 if us and nbytes else None
 
 
@@ -212,8 +212,8 @@ def peer_row(rows, method: str) -> dict | None:
 def fp8_peer_row(rows) -> dict | None:
     """The fastest timed ``torch_fp8*`` peer of one (format, case), else its first such row."""
     fp8 = [r for r in rows if r.get("kind") == KIND_PEER and r["method"].startswith(FP8_PEER_PREFIX)]
-    timed = [r for r in fp8 if _median(r)]
-    return min(timed, key=_median) if timed else (fp8 or [None])[0]
+    timed = [r for r in fp8 if median_of(r)]
+    return min(timed, key=median_of) if timed else (fp8 or [None])[0]
 
 
 def case_label(row: dict) -> tuple[str, str]:
@@ -228,7 +228,7 @@ def case_label(row: dict) -> tuple[str, str]:
 # ----------------------------------------------------------------------------------------------
 # Formatting
 # ----------------------------------------------------------------------------------------------
-def _num(value, digits: int = 1) -> str:
+def format_number(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -244,7 +244,7 @@ def _us(row) -> str:
     """The median in us with the row's marks, or its status and note."""
     if row is None:
         return "-"
-    us = _median(row)
+    us = median_of(row)
     if us is None:
         note = (row.get("note") or "").strip()
         return _cell(f"{row.get('status') or 'no time'}" + (f": {note}" if note else ""))
@@ -253,14 +253,14 @@ def _us(row) -> str:
 
 def _spread(row) -> str:
     lo, hi = _float(row.get("p10_us")), _float(row.get("p90_us"))
-    return "-" if lo is None or hi is None or _median(row) is None else f"{lo:.1f}-{hi:.1f}"
+    return "-" if lo is None or hi is None or median_of(row) is None else f"{lo:.1f}-{hi:.1f}"
 
 
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
@@ -320,11 +320,11 @@ def headline_sources(files: list[BenchFile]) -> dict[str, dict[str, BenchFile]]:
 
 def _peer_range(rows: list[dict | None]) -> str:
     """The peers' medians of one case over the formats' processes: one value, or min-max."""
-    timed = [r for r in rows if _median(r) is not None]
+    timed = [r for r in rows if median_of(r) is not None]
     if not timed:
         return "-"
-    lo, hi = min(timed, key=_median), max(timed, key=_median)
-    if f"{_median(lo):.1f}" == f"{_median(hi):.1f}":
+    lo, hi = min(timed, key=median_of), max(timed, key=median_of)
+    if f"{median_of(lo):.1f}" == f"{median_of(hi):.1f}":
         return _us(lo) + "".join(m for r in timed for m in marks(r) if m not in marks(lo))
     return f"{_us(lo)}-{_us(hi)}"
 
@@ -371,7 +371,7 @@ def render_headline(files: list[BenchFile]) -> str:
         shape, load = case_label(first)
         body.append([f"`{case}`", shape, load, _peer_range(bf16s), _peer_range(fp8s)]
                     + ([_peer_range(hums)] if with_humming else []) + cells)
-    lines = ["", *_table(header, body), ""]
+    lines = ["", *markdown_table(header, body), ""]
     lines.append("Each format's cell: gbs's median in us: its speed-up over torch bf16 / over torch FP8 (the "
                  "peer's median over gbs's, both timed in the same process), its share of the read ceiling "
                  "measured in that process (the bytes it must read per second). The torch columns give the "
@@ -492,10 +492,10 @@ def _format_tables(f: BenchFile, fmt: str) -> list[str]:
         for ours in (r for r in rs if r.get("kind") == KIND_OURS):
             shape, load = case_label(ours)
             body.append([f"`{case}`", shape, load, f"`{ours['method']}`", _us(ours), _spread(ours),
-                         _num(tflops(ours)), _num(gbps(ours), 0), _pct(pct_read_ceiling(ours))]
+                         format_number(tflops(ours)), format_number(gbps(ours), 0), _pct(pct_read_ceiling(ours))]
                         + [_x(ratio(peer_row(rs, p), ours)) for p in headline_peers]
                         + [f"`{ours['ran_knobs']}`" if ours.get("ran_knobs") else "-", _decision(ours)])
-    lines += _table(["case", "N x K", "experts x tokens", "method", "median (us)", "p10-p90 (us)", "TFLOP/s",
+    lines += markdown_table(["case", "N x K", "experts x tokens", "method", "median (us)", "p10-p90 (us)", "TFLOP/s",
                      "GB/s", "% read"] + [f"x {p}" for p in headline_peers] + ["ran", "SM100 decision"], body)
     lines += ["", f"### {name}: peers", ""]
     body = []
@@ -505,9 +505,9 @@ def _format_tables(f: BenchFile, fmt: str) -> list[str]:
                 continue
             shape, load = case_label(r)
             body.append([f"`{case}`", shape, load, f"`{r['method']}`", _computes_in(r), _us(r),
-                         _spread(r), _num(tflops(r)), _num(gbps(r), 0), _pct(pct_read_ceiling(r)),
+                         _spread(r), format_number(tflops(r)), format_number(gbps(r), 0), _pct(pct_read_ceiling(r)),
                          _other_settings(r), r.get("earlier_figure") or "-"])
-    lines += _table(["case", "N x K", "experts x tokens", "peer", "computes in", "median (us)", "p10-p90 (us)",
+    lines += markdown_table(["case", "N x K", "experts x tokens", "peer", "computes in", "median (us)", "p10-p90 (us)",
                      "TFLOP/s", "GB/s", "% read", "its other settings", "earlier figure"], body)
     for method in other_peers:
         lines += ["", f"### {name}: `{method}`, {NOT_HEADLINE_PEERS[method]}", ""]
@@ -519,8 +519,8 @@ def _format_tables(f: BenchFile, fmt: str) -> list[str]:
                 continue
             shape, load = case_label(r)
             body.append([f"`{case}`", shape, load, r.get("method_format") or "-", _us(r), _spread(r),
-                         _num(tflops(r)), _x(ratio(r, ours_row(rs)))])
-        lines += _table(["case", "N x K", "experts x tokens", "computes in", "median (us)", "p10-p90 (us)",
+                         format_number(tflops(r)), _x(ratio(r, ours_row(rs)))])
+        lines += markdown_table(["case", "N x K", "experts x tokens", "computes in", "median (us)", "p10-p90 (us)",
                          "TFLOP/s", "its median over gbs's"], body)
     return lines + [""]
 

@@ -71,7 +71,7 @@ def setting_median(row: dict | None, setting: str) -> float | None:
     if row is None:
         return None
     if (row.get("peer_setting") or "").startswith(setting):
-        return report._median(row)
+        return report.median_of(row)
     note = row.get("note") or ""
     others = note[note.index(report.OTHER_SETTINGS_PREFIX) + len(report.OTHER_SETTINGS_PREFIX):] \
         if report.OTHER_SETTINGS_PREFIX in note else ""
@@ -84,7 +84,7 @@ def setting_median(row: dict | None, setting: str) -> float | None:
 
 def peer_median(rows: list[dict], target: Target) -> float | None:
     row = report.fp8_peer_row(rows) if target.peer == FASTEST_TORCH_FP8 else report.peer_row(rows, target.peer)
-    return setting_median(row, target.peer_setting) if target.peer_setting else report._median(row)
+    return setting_median(row, target.peer_setting) if target.peer_setting else report.median_of(row)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def outcomes(targets: list[Target], files: list[report.BenchFile]) -> list[Outco
             for case in target.cases:
                 f = sources.get(column, {}).get(case)
                 rows = report.case_rows(report.headline_rows(f, column), case) if f else []
-                ours = report._median(report.ours_row(rows)) if rows else None
+                ours = report.median_of(report.ours_row(rows)) if rows else None
                 peer = peer_median(rows, target) if target.peer and rows else None
                 if target.measure == "speedup":
                     measured = peer / ours if peer and ours else None
@@ -163,9 +163,9 @@ def render_targets(targets: list[Target], files: list[report.BenchFile]) -> str:
         lines += [f"## `{target.id}` (issue {target.issue}): {target.goal}", "",
                   f"{met} of {len(rows)} met.", ""]
         peer = f"{target.peer} {target.peer_setting}".strip() if target.peer else ""
-        body = [[report.FORMAT_NAMES.get(o.column, o.column), f"`{o.case}`", report._num(o.ours_us),
-                 report._num(o.peer_us) if peer else "", _figure(o), _bound(target), o.status,
+        body = [[report.FORMAT_NAMES.get(o.column, o.column), f"`{o.case}`", report.format_number(o.ours_us),
+                 report.format_number(o.peer_us) if peer else "", _figure(o), _bound(target), o.status,
                  f"`{o.source}`" if o.source else "-"] for o in rows]
-        lines += report._table(["format", "case", "gbs (us)", f"peer (us): {peer}" if peer else "peer",
+        lines += report.markdown_table(["format", "case", "gbs (us)", f"peer (us): {peer}" if peer else "peer",
                                 "measured", "bound", "status", "bench CSV"], body) + [""]
     return "\n".join(lines).rstrip("\n") + "\n"
